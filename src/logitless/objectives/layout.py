@@ -1,0 +1,105 @@
+"""Token layout: the objectives work on a flat list of the tokens that count.
+
+Padded ``[B, T]`` inputs and packed ``[N]`` inputs with segment ids both become a flat,
+segment-sorted list of the ``n`` tokens whose mask is non-zero, with a segment index per
+token. Sequence-level quantities are segment sums (``index_add``), so padded and packed
+inputs give the same numbers, and masked-out tokens never reach the vocabulary pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLayout:
+    """Where the counted tokens sit in the caller's layout.
+
+    Attributes:
+        index: ``[n]`` positions of the counted tokens in the flattened caller tensor.
+        seg: ``[n]`` segment (sequence) index of each counted token, non-decreasing.
+        num_segments: ``S``, the number of sequences (empty ones included).
+        weight: ``[n]`` the mask value of each counted token (1 for a binary mask).
+        seg_len: ``[S]`` sum of mask values per segment (``Σ_t m``).
+        shape: the caller's per-token shape (``[B, T]`` or ``[N]``).
+        cuts: token positions in ``(0, n]`` where a segment ends (allowed chunk ends for
+            objectives that need whole sequences).
+    """
+
+    index: torch.Tensor
+    seg: torch.Tensor
+    num_segments: int
+    weight: torch.Tensor
+    seg_len: torch.Tensor
+    shape: torch.Size
+    cuts: list[int]
+
+    @property
+    def n(self) -> int:
+        return int(self.index.shape[0])
+
+    def gather(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token tensor in the caller's layout (``shape``) → ``[n]``."""
+        if x is None:
+            return None
+        if tuple(x.shape) != tuple(self.shape):
+            raise ValueError(f"expected a per-token tensor of shape {tuple(self.shape)}, got {tuple(x.shape)}")
+        return x.reshape(-1)[self.index]
+
+    def per_token(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A per-sequence ``[S]`` or per-token (caller shape) tensor → ``[n]`` per token."""
+        if x.dim() == 1 and x.shape[0] == self.num_segments and tuple(x.shape) != tuple(self.shape):
+            return x[self.seg]
+        if tuple(x.shape) == (self.num_segments, 1):
+            return x[:, 0][self.seg]
+        if tuple(x.shape) == tuple(self.shape):
+            return x.reshape(-1)[self.index]
+        if x.dim() == 1 and x.shape[0] == self.num_segments:
+            return x[self.seg]
+        raise ValueError(f"{name} must be [{self.num_segments}] (per sequence) or {list(self.shape)} "
+                         f"(per token), got {list(x.shape)}")
+
+    def scatter(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """``[n]`` → caller's layout, ``fill`` elsewhere."""
+        out = x.new_full((int(torch.Size(self.shape).numel()),), fill)
+        out[self.index] = x
+        return out.reshape(self.shape)
+
+    def seg_sum(self, x: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of per-token ``x`` over each segment → ``[S]``."""
+        seg = self.seg if seg is None else seg
+        return x.new_zeros(self.num_segments).index_add(0, seg, x)
+
+    @classmethod
+    def from_padded(cls, mask: torch.Tensor) -> TokenLayout:
+        """From a ``[B, T]`` mask (completion_mask, times tool_mask when present)."""
+        if mask.dim() != 2:
+            raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
+        b, t = mask.shape
+        flat = mask.reshape(-1)
+        index = (flat != 0).nonzero().squeeze(1)
+        seg = index // max(t, 1)
+        return cls._build(index, seg, b, flat, mask.shape)
+
+    @classmethod
+    def from_segments(cls, mask: torch.Tensor, segment_ids: torch.Tensor) -> TokenLayout:
+        """From packed ``[N]`` mask and ``[N]`` non-decreasing segment ids ``0..S-1``."""
+        if mask.dim() != 1 or segment_ids.shape != mask.shape:
+            raise ValueError(f"packed inputs need mask [N] and segment_ids [N], got {tuple(mask.shape)} "
+                             f"and {tuple(segment_ids.shape)}")
+        if segment_ids.numel() and bool((segment_ids[1:] < segment_ids[:-1]).any() or (segment_ids[0] < 0)):
+            raise ValueError("segment_ids must be non-negative and non-decreasing (packed sequences)")
+        num = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+        index = (mask != 0).nonzero().squeeze(1)
+        return cls._build(index, segment_ids.long()[index], num, mask, mask.shape)
+
+    @classmethod
+    def _build(cls, index, seg, num, flat_mask, shape) -> TokenLayout:
+        weight = flat_mask[index].to(torch.get_default_dtype() if not flat_mask.is_floating_point()
+                                     else flat_mask.dtype)
+        seg_len = weight.new_zeros(num).index_add(0, seg, weight)
+        ends = torch.nonzero(seg[1:] != seg[:-1]).squeeze(1) + 1 if seg.numel() > 1 else seg.new_zeros(0)
+        cuts = [*ends.tolist(), int(seg.numel())] if seg.numel() else []
+        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, cuts=cuts)

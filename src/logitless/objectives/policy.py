@@ -1,0 +1,274 @@
+"""``policy_loss``: the PPO/GRPO family straight from hidden states and the head weight."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from ..ops import Impl, LogitTransform, check_head_inputs, stat_dtype_for
+from .config import CLIPPED, PolicyConfig
+from .layout import TokenLayout
+from .policy_terms import PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
+from .run import Mode, resolve_mode, run_objective
+
+_LOG_1E8 = -18.420680743952367  # log(1e-8), TRL's VESPO floor
+
+
+def policy_loss(
+    hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
+    weight: torch.Tensor,  # [V, H]
+    completion_ids: torch.Tensor,  # [B, T] or [N]
+    completion_mask: torch.Tensor,  # [B, T] or [N]
+    advantages: torch.Tensor,  # [B] (per sequence) or [B, T]
+    old_logp: torch.Tensor | None = None,  # [B, T]
+    ref_logp: torch.Tensor | None = None,  # [B, T]
+    *,
+    config: PolicyConfig | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    bias: torch.Tensor | None = None,  # [V]
+    transform: LogitTransform | None = None,
+    tool_mask: torch.Tensor | None = None,  # [B, T]
+    sampling_logp: torch.Tensor | None = None,  # [B, T]
+    importance_sampling_ratio: torch.Tensor | None = None,  # [B, T] or [B, 1]
+    segment_ids: torch.Tensor | None = None,  # [N] for packed inputs
+    mode: Mode = "auto",
+    impl: Impl = "auto",
+    chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy-gradient loss (GRPO family) and TRL's metrics from one vocabulary pass.
+
+    Semantics are TRL 1.16 ``GRPOTrainer._compute_loss`` (``shared/spec/policy-objectives.md``):
+    ``r = logp - old_logp`` (``old_logp=None`` → ``logp.detach()``), the ratio at
+    ``config.importance_sampling_level``, the loss type's surrogate, masks and sampler
+    correction, ``+ beta · k3 KL`` (``exp(ref - logp) - (ref - logp) - 1``), the loss type's
+    normalizer, minus the entropy bonus. Log-probs and entropies are of the temperature-scaled
+    softmax (``transform``), in fp32 (fp64 for fp64 inputs), nats.
+
+    Args:
+        hidden: final hidden states that predict the completion tokens, ``[B, T, H]``
+            (padded) or ``[N, H]`` with ``segment_ids`` (packed).
+        weight: head weight ``[V, H]`` (same dtype/device as ``hidden``).
+        completion_ids: sampled tokens ``[B, T]`` / ``[N]``; only counted ones are read.
+        completion_mask: ``[B, T]`` / ``[N]``, 1 for counted tokens (multiplied by
+            ``tool_mask``); masked tokens never reach the vocabulary pass.
+        advantages: ``[B]`` (per sequence; ``[S]`` packed) or per token.
+        old_logp, ref_logp, sampling_logp: per-token log-probs of the old policy, the
+            reference (needed iff ``beta != 0``) and the sampler (off-policy mask).
+        config: :class:`PolicyConfig` (TRL names; default TRL's defaults, ``dapo``).
+        num_items_in_batch: TRL's token count of the whole generation batch (dapo, cispo,
+            vespo, reinforce); ``None`` → this call's counted tokens.
+        bias, transform: head bias ``[V]`` and :class:`LogitTransform` (temperature, scale, cap).
+        importance_sampling_ratio: sampler correction ``ρ`` (see
+            :func:`logitless.sampling_correction`), multiplied into the per-token loss.
+        segment_ids: packed layout: non-decreasing ``[N]`` sequence index per token.
+        mode: ``"fused"`` (gradient computed in the forward, 3 GEMMs of work), ``"recompute"``
+            (O(N) saved state, 4 GEMMs), ``"auto"`` (fused unless the objective needs all
+            entropies first: ``top_entropy_quantile < 1``).
+        impl: backend, ``"auto"``/``"torch"``/``"triton"``.
+        chunk_bytes: workspace budget of the vocabulary pass.
+
+    Returns:
+        ``(loss, metrics)``: scalar loss (differentiable w.r.t. ``hidden``, ``weight``,
+        ``bias``) and a dict of 0-dim tensors named as TRL logs them (``kl``, ``entropy``,
+        ``clip_ratio/low_mean`` … ``cispo_clip_ratio``, ``vespo/phi_seq_mean``), local to
+        this process.
+
+    Raises:
+        TypeError, ValueError: shapes, dtypes, devices, token ids out of range, NaN/inf in
+            inputs that reach the loss, an empty batch, missing ``ref_logp`` with ``beta``,
+            invalid option combinations.
+    """
+    cfg = PolicyConfig() if config is None else config
+    transform = LogitTransform() if transform is None else transform
+    tok, h_flat, t_flat = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp,
+                                   ref_logp, cfg, num_items_in_batch, tool_mask, sampling_logp,
+                                   importance_sampling_ratio, segment_ids)
+    run_mode = resolve_mode(mode, cfg.needs_global_entropy)
+
+    def set_entropy_mask(_logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        tok.entropy_mask = _entropy_mask(entropy, cfg.top_entropy_quantile)
+        if tok.bonus_weight is not None:
+            denom = (tok.m * tok.entropy_mask).sum().clamp(min=1.0)
+            tok.bonus_weight = tok.m / denom / _accum(cfg)
+
+    loss, _logp, _ent, collected = run_objective(
+        h_flat, weight, bias, t_flat, transform, partial(chunk_terms, cfg, tok), mode=run_mode,
+        cuts=tok.layout.cuts if cfg.needs_whole_sequences else None, want_entropy=True, impl=impl,
+        chunk_bytes=chunk_bytes, before_loss=set_entropy_mask if cfg.needs_global_entropy else None)
+    sums: dict[str, torch.Tensor] = {}
+    for part in collected:
+        for k, v in part.items():
+            sums[k] = sums[k] + v if k in sums else v
+    return loss, _finalize_metrics(cfg, tok, sums)
+
+
+def _accum(cfg: PolicyConfig) -> float:
+    return float(cfg.gradient_accumulation_steps) if cfg.training else 1.0
+
+
+def _entropy_mask(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL's ``get_high_entropy_mask`` on the counted tokens (threshold in fp32, as TRL)."""
+    if entropy.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    threshold = torch.quantile(entropy.float(), 1 - quantile)
+    return entropy >= threshold
+
+
+def _check_finite(name: str, x: torch.Tensor | None) -> None:
+    if x is not None and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or inf at counted tokens")
+
+
+def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp, ref_logp, cfg,
+             num_items_in_batch, tool_mask, sampling_logp, importance_sampling_ratio, segment_ids):
+    if not isinstance(hidden, torch.Tensor) or not isinstance(completion_mask, torch.Tensor):
+        raise TypeError("hidden and completion_mask must be torch.Tensors")
+    packed = segment_ids is not None
+    want = 2 if packed else 3
+    if hidden.dim() != want:
+        raise ValueError(f"hidden must be {'[N, H] with segment_ids' if packed else '[B, T, H]'}, got shape "
+                         f"{tuple(hidden.shape)}")
+    lead = hidden.shape[:-1]
+    for name, x in (("completion_ids", completion_ids), ("completion_mask", completion_mask),
+                    ("tool_mask", tool_mask), ("old_logp", old_logp), ("ref_logp", ref_logp),
+                    ("sampling_logp", sampling_logp), ("segment_ids", segment_ids)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != lead):
+            raise ValueError(f"{name} must have shape {tuple(lead)}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x is not None and x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+    if lead.numel() == 0:
+        raise ValueError(f"empty batch: hidden has shape {tuple(hidden.shape)}")
+    if cfg.beta != 0.0 and ref_logp is None:
+        raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's per-token log-probs)")
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if importance_sampling_ratio is not None and cfg.loss_type == "vespo" \
+            and importance_sampling_ratio.shape != lead:
+        raise ValueError("vespo needs a per-token importance_sampling_ratio (token_truncate / token_mask "
+                         "modes), as TRL requires")
+
+    mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+    if mask.dtype == torch.bool:
+        mask = mask.to(torch.int64)
+    lay = TokenLayout.from_segments(mask, segment_ids) if packed else TokenLayout.from_padded(mask)
+    sdt = stat_dtype_for(hidden.dtype)
+    lay.weight = lay.weight.to(sdt)
+    lay.seg_len = lay.seg_len.to(sdt)
+    h_flat = hidden.reshape(-1, hidden.shape[-1])[lay.index]
+    t_flat = lay.gather(completion_ids).long()
+    check_head_inputs(h_flat, weight, bias, t_flat, ignore_index=None)
+
+    def tok_tensor(x, name):
+        if x is None:
+            return None
+        out = lay.gather(x).to(sdt)
+        if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
+            _check_finite(name, out)
+        return out
+
+    per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
+    adv_tok = lay.per_token(advantages, "advantages").to(sdt)
+    _check_finite("advantages", adv_tok)
+    is_tok = log_is_seq = None
+    if importance_sampling_ratio is not None:
+        is_tok = lay.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
+        if bool((~torch.isfinite(is_tok) | (is_tok < 0)).any()):
+            raise ValueError("importance_sampling_ratio must be finite and >= 0 at counted tokens")
+        if cfg.loss_type == "vespo":
+            log_is_seq = lay.seg_sum(torch.log(is_tok).clamp(_LOG_1E8, 20.0))
+
+    m = lay.weight
+    n_seq = lay.num_segments
+    g = _accum(cfg)
+    lt = cfg.loss_type
+    if lt in ("grpo", "sapo"):
+        loss_weight = m / lay.seg_len.clamp(min=1.0)[lay.seg] / n_seq / g
+    elif lt in ("bnpo", "ppo"):
+        loss_weight = m / m.sum().clamp(min=1.0) / g
+    elif lt == "dr_grpo":
+        max_len = cfg.max_completion_length
+        if max_len is None:
+            if packed:
+                raise ValueError("dr_grpo on packed inputs needs config.max_completion_length")
+            max_len = lead[1]
+        loss_weight = m / (n_seq * max_len) / g
+    elif lt == "luspo":
+        loss_weight = m / n_seq / g
+    else:  # dapo, cispo, vespo, reinforce: TRL's num_items_in_batch normalizer
+        if num_items_in_batch is None:
+            denom = m.sum().clamp(min=1.0)
+        else:
+            n_items = torch.as_tensor(num_items_in_batch, dtype=sdt, device=m.device)
+            denom = n_items.clamp(min=1.0) / cfg.num_processes
+            if cfg.training:
+                spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+                denom = denom * cfg.gradient_accumulation_steps / spg
+        loss_weight = m / denom
+    bonus_weight = m / m.sum().clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
+
+    tok = PolicyTokens(layout=lay, m=m, advantages=adv_tok,
+                       adv_per_sequence=advantages.to(sdt) if per_seq else None,
+                       old_logp=tok_tensor(old_logp, "old_logp"), ref_logp=tok_tensor(ref_logp, "ref_logp"),
+                       sampling_logp=tok_tensor(sampling_logp, "sampling_logp"), is_ratio=is_tok,
+                       log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight)
+    return tok, h_flat, t_flat
+
+
+def _nanmin(x: torch.Tensor) -> torch.Tensor:
+    x = x[~torch.isnan(x)]
+    return x.min() if x.numel() else torch.tensor(float("nan"), dtype=x.dtype, device=x.device)
+
+
+def _nanmax(x: torch.Tensor) -> torch.Tensor:
+    x = x[~torch.isnan(x)]
+    return x.max() if x.numel() else torch.tensor(float("nan"), dtype=x.dtype, device=x.device)
+
+
+def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    lay = tok.layout
+    seg_len = lay.seg_len
+    zeros = seg_len.new_zeros(lay.num_segments)
+    sums = {k: sums.get(k, zeros) for k in ("kl", "entropy", "low", "high", "cispo", "phi", "log_ratio", "vespo_s")}
+    total = seg_len.sum().clamp(min=1.0)
+    n_seq = max(lay.num_segments, 1)
+    out: dict[str, torch.Tensor] = {}
+    if cfg.beta != 0.0:
+        out["kl"] = sums["kl"].sum() / total
+    out["entropy"] = sums["entropy"].sum() / total
+    lt = cfg.loss_type
+    if sequence_metrics(cfg, tok) and lt in (*CLIPPED, "cispo"):
+        c1 = torch.exp(sums["log_ratio"] / seg_len.clamp(min=1.0))
+        if cfg.delta is not None and lt in CLIPPED:
+            c1 = c1.clamp(max=cfg.delta)
+        adv = tok.adv_per_sequence
+        if lt == "cispo":
+            out["cispo_clip_ratio"] = ((c1 > cfg.eps_high) & (adv > 0)).to(c1.dtype).sum() / n_seq
+        else:
+            low = ((c1 < 1 - cfg.epsilon) & (adv < 0)).to(c1.dtype)
+            high = ((c1 > 1 + cfg.eps_high) & (adv > 0)).to(c1.dtype)
+            out["clip_ratio/low_mean"] = low.sum() / n_seq
+            out["clip_ratio/high_mean"] = high.sum() / n_seq
+            out["clip_ratio/region_mean"] = (low + high).sum() / n_seq
+            out["clip_ratio/low_min"] = _nanmin(low)
+            out["clip_ratio/high_max"] = _nanmax(high)
+    elif lt in CLIPPED:
+        low, high = sums["low"], sums["high"]
+        out["clip_ratio/low_mean"] = low.sum() / total
+        out["clip_ratio/high_mean"] = high.sum() / total
+        out["clip_ratio/region_mean"] = (low + high).sum() / total
+        # TRL's per-sequence mean divides by the raw length: NaN for an empty sequence, then skipped.
+        out["clip_ratio/low_min"] = _nanmin(low / seg_len)
+        out["clip_ratio/high_max"] = _nanmax(high / seg_len)
+    elif lt == "cispo":
+        out["cispo_clip_ratio"] = sums["cispo"].sum() / total
+    if lt == "vespo":
+        if tok.adv_per_sequence is not None:
+            s = sums["vespo_s"]
+            if tok.log_is_ratio_seq is not None:
+                s = s + tok.log_is_ratio_seq
+            out["vespo/phi_seq_mean"] = vespo_phi(cfg, s, tok.adv_per_sequence).sum() / n_seq
+        else:
+            out["vespo/phi_seq_mean"] = sums["phi"].sum() / total
+    return out

@@ -1,0 +1,47 @@
+"""The one place that decides which backend runs a vocabulary pass."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+Impl = Literal["auto", "torch", "triton"]
+
+
+def triton_available() -> bool:
+    """Whether Triton imports (it runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_impl(impl: Impl, device: torch.device) -> ModuleType:
+    """Backend module for ``impl`` on ``device``.
+
+    ``"auto"`` picks Triton on CUDA when it imports, the torch backend otherwise.
+
+    Raises:
+        ValueError: unknown ``impl``, or ``"triton"`` requested where it cannot run.
+    """
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" and triton_available() and _triton_backend_ready() else "torch"
+    if impl == "torch":
+        from . import torch_backend
+
+        return torch_backend
+    if not triton_available():
+        raise ValueError("impl='triton' requested but triton is not installed (pip install 'logitless[triton]')")
+    import os
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got device {device}")
+    from . import triton_backend
+
+    return triton_backend
+
+
+def _triton_backend_ready() -> bool:
+    return importlib.util.find_spec(f"{__package__}.triton_backend") is not None

@@ -1,0 +1,191 @@
+"""Portable backend of the vocabulary pass: chunked matmuls in PyTorch (CPU and any GPU).
+
+Two functions make the contract every backend implements, for one chunk of tokens:
+
+* :func:`chunk_forward` folds the chunk's logits, vocabulary block by block, into per-token
+  partial statistics (running max, sum of exponentials, sum of ``exp * z``, the target's
+  logit) with an online log-sum-exp, and can hand the logits back when they fit.
+* :func:`chunk_backward` turns per-token gradients of the statistics (``g_logp``,
+  ``g_lse``, ``g_entropy``) into ``d hidden`` and accumulates ``d weight`` / ``d bias``,
+  recomputing the logits unless they were kept.
+
+It is also the reference the Triton backend is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .plan import ChunkPlan
+from .transform import LogitTransform
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _mm_out_fp32_supported() -> bool:
+    try:
+        a = torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
+        torch.mm(a, a, out_dtype=torch.float32)
+        return True
+    except Exception:  # torch without out_dtype, or no CUDA
+        return False
+
+
+_MM_OUT_FP32: bool | None = None
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with the product returned in ``out_dtype`` (fp32/fp64), without rounding it to
+    a low-precision input dtype first when the device can avoid it."""
+    global _MM_OUT_FP32
+    if a.dtype == b.dtype == out_dtype:
+        return a @ b
+    if a.device.type == "cuda" and a.dtype in _LOW_PRECISION and out_dtype == torch.float32:
+        if _MM_OUT_FP32 is None:
+            _MM_OUT_FP32 = _mm_out_fp32_supported()
+        if _MM_OUT_FP32:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return (a @ b).to(out_dtype)
+    # CPU: low-precision matmuls are slow there and round the product; compute in out_dtype.
+    return a.to(out_dtype) @ b.to(out_dtype)
+
+
+def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 transform: LogitTransform, stat_dtype: torch.dtype) -> torch.Tensor:
+    """Logits ``z`` of ``hidden [n, H]`` against the vocabulary rows ``weight [v, H]``:
+    ``[n, v]`` in ``stat_dtype``."""
+    y = _matmul(hidden, weight.t(), stat_dtype)
+    if bias is not None:
+        y = y + bias.to(stat_dtype)
+    return transform.apply(y)
+
+
+@dataclass
+class Partials:
+    """Per-token partial statistics of a vocabulary range (all ``[n]``, statistics dtype).
+
+    ``m`` running max, ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) * z`` (``None`` when
+    entropy was not asked for), ``zy`` the target's logit where ``owned`` (the target lies in
+    this range), else 0.
+    """
+
+    m: torch.Tensor
+    se: torch.Tensor
+    sez: torch.Tensor | None
+    zy: torch.Tensor
+    owned: torch.Tensor
+
+    def finalize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(lse, logp, sum_pz)`` with ``sum_pz = Σ p z`` (``entropy = lse - sum_pz``)."""
+        lse = self.m + torch.log(self.se)
+        logp = self.zy - lse
+        sum_pz = None if self.sez is None else self.sez / self.se
+        return lse, logp, sum_pz
+
+
+def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
+                  stat_dtype: torch.dtype, want_entropy: bool,
+                  keep_logits: bool) -> tuple[Partials, torch.Tensor | None]:
+    """Partial statistics of one token chunk over all of ``weight``'s rows.
+
+    Args:
+        hidden: ``[n, H]`` chunk of hidden states.
+        weight: ``[V, H]`` head weight (or the local vocabulary shard).
+        bias: ``[V]`` or ``None``.
+        targets: ``[n]`` int64 target indices local to ``weight``; any value outside
+            ``[0, V)`` means "not in this range" (the target logit stays 0, ``owned`` False).
+        keep_logits: return the chunk's ``[n, V]`` logits (only when ``plan.keep_logits``).
+
+    Returns:
+        ``(Partials, z)`` with ``z`` the kept logits or ``None``.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    m = torch.full((n,), -torch.inf, dtype=stat_dtype, device=dev)
+    se = torch.zeros((n,), dtype=stat_dtype, device=dev)
+    sez = torch.zeros((n,), dtype=stat_dtype, device=dev) if want_entropy else None
+    zy = torch.zeros((n,), dtype=stat_dtype, device=dev)
+    owned = (targets >= 0) & (targets < vocab)
+    kept = None
+    for start in range(0, vocab, plan.vocab_block):
+        end = min(start + plan.vocab_block, vocab)
+        z = logits_block(hidden, weight[start:end], None if bias is None else bias[start:end],
+                         transform, stat_dtype)
+        new_m = torch.maximum(m, z.max(dim=1).values)
+        rescale = torch.exp(m - new_m)
+        e = torch.exp(z - new_m[:, None])
+        se = se * rescale + e.sum(dim=1)
+        if sez is not None:
+            sez = sez * rescale + (e * z).sum(dim=1)
+        m = new_m
+        in_block = owned & (targets >= start) & (targets < end)
+        local = (targets - start).clamp(0, end - start - 1)
+        zy = torch.where(in_block, z.gather(1, local[:, None]).squeeze(1), zy)
+        if keep_logits and end - start == vocab:
+            kept = z
+    return Partials(m=m, se=se, sez=sez, zy=zy, owned=owned), kept
+
+
+def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
+                   lse: torch.Tensor, sum_pz: torch.Tensor | None, g_logp: torch.Tensor | None,
+                   g_lse: torch.Tensor | None, g_entropy: torch.Tensor | None,
+                   kept_logits: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                   grad_bias: torch.Tensor | None, need_grad_hidden: bool) -> torch.Tensor | None:
+    """Gradients of one token chunk from the per-token gradients of its statistics.
+
+    With ``p = softmax(z)`` and ``c = Σ p z``, the gradient w.r.t. the logits is
+    ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - c)) + g_logp [v == y]``, then the chain
+    rule through the :class:`LogitTransform`.
+
+    Args:
+        lse, sum_pz: ``[n]`` statistics of the forward (``sum_pz`` needed iff ``g_entropy``).
+        g_logp, g_lse, g_entropy: ``[n]`` gradients (statistics dtype) or ``None`` (zero).
+        kept_logits: ``[n, V]`` logits from :func:`chunk_forward`, or ``None`` to recompute.
+        grad_weight: ``[V, H]`` fp32/fp64 accumulator updated in place, or ``None``.
+        grad_bias: ``[V]`` accumulator updated in place, or ``None``.
+
+    Returns:
+        ``[n, H]`` gradient w.r.t. ``hidden`` in the statistics dtype, or ``None``.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    stat_dtype = lse.dtype
+    # dz in the matmul dtype: the input dtype on GPUs (bf16 GEMMs), the statistics dtype on CPUs.
+    mm_dtype = hidden.dtype if hidden.device.type == "cuda" else stat_dtype
+    coef = torch.zeros_like(lse)
+    if g_lse is not None:
+        coef = coef + g_lse
+    if g_logp is not None:
+        coef = coef - g_logp
+    grad_hidden = torch.zeros((n, hidden.shape[1]), dtype=stat_dtype, device=hidden.device) \
+        if need_grad_hidden else None
+    h_mm = hidden.to(mm_dtype)
+    for start in range(0, vocab, plan.vocab_block):
+        end = min(start + plan.vocab_block, vocab)
+        w = weight[start:end]
+        z = kept_logits if kept_logits is not None else logits_block(
+            hidden, w, None if bias is None else bias[start:end], transform, stat_dtype)
+        p = torch.exp(z - lse[:, None])
+        if g_entropy is not None:
+            dz = p * (coef[:, None] - g_entropy[:, None] * (z - sum_pz[:, None]))
+        else:
+            dz = p * coef[:, None]
+        if g_logp is not None:
+            in_block = (targets >= start) & (targets < end)
+            rows = in_block.nonzero().squeeze(1)
+            cols = targets[rows] - start
+            dz[rows, cols] += g_logp[rows]
+        dy = transform.grad_to_raw(dz, z)
+        del z, p, dz
+        if grad_bias is not None:
+            grad_bias[start:end] += dy.sum(dim=0).to(grad_bias.dtype)
+        dy_mm = dy.to(mm_dtype)
+        del dy
+        if grad_hidden is not None:
+            grad_hidden += _matmul(dy_mm, w.to(mm_dtype), stat_dtype)
+        if grad_weight is not None:
+            grad_weight[start:end] += _matmul(dy_mm.t(), h_mm, grad_weight.dtype)
+    return grad_hidden

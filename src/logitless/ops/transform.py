@@ -1,0 +1,65 @@
+"""The elementwise map from the head's matmul output to the logits the objectives see.
+
+``z = softcap(logit_scale * y) / temperature`` with ``y = hidden @ weight.T + bias`` and
+``softcap(x) = c * tanh(x / c)``. This is the order Hugging Face models apply scaling and
+soft-capping (Gemma 2/3 ``final_logit_softcapping``, Cohere ``logit_scale``) followed by the
+sampling temperature TRL divides by (``trl.kernels.chunked_logprob._transform``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """Scalars applied to the head's matmul output, elementwise.
+
+    Attributes:
+        temperature: sampling temperature the logits are divided by (> 0).
+        logit_scale: multiplier applied before soft-capping (Cohere ``logit_scale``,
+            Granite ``1 / logits_scaling``).
+        softcap: soft-capping value ``c`` (Gemma ``final_logit_softcapping``) or ``None``.
+
+    Raises:
+        ValueError: on a non-positive or non-finite ``temperature``/``softcap`` or a
+            non-finite ``logit_scale``.
+    """
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if not math.isfinite(self.logit_scale):
+            raise ValueError(f"logit_scale must be finite, got {self.logit_scale!r}")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {self.softcap!r}")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.temperature == 1.0 and self.logit_scale == 1.0 and self.softcap is None
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        """Map raw matmul output ``y`` (fp32 or fp64) to logits ``z``."""
+        if self.logit_scale != 1.0:
+            y = y * self.logit_scale
+        if self.softcap is not None:
+            y = self.softcap * torch.tanh(y / self.softcap)
+        if self.temperature != 1.0:
+            y = y / self.temperature
+        return y
+
+    def grad_to_raw(self, dz: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Chain rule ``dL/dy = dL/dz * dz/dy``, with ``dz/dy`` recovered from ``z`` itself
+        (``tanh = z * temperature / softcap``), so the raw ``y`` need not be kept."""
+        factor = self.logit_scale / self.temperature
+        if self.softcap is not None:
+            t = z * (self.temperature / self.softcap)
+            dz = dz * (1.0 - t * t)
+        return dz * factor if factor != 1.0 else dz

@@ -1,0 +1,67 @@
+"""Input checks shared by every entry point: named errors before any kernel runs."""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      targets: torch.Tensor, ignore_index: int | None, vocab_size: int | None = None) -> None:
+    """Validate ``hidden [..., H]``, ``weight [V, H]``, ``bias [V]``, ``targets [...]``.
+
+    Raises:
+        TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
+            dtype mismatch between hidden, weight and bias.
+        ValueError: wrong ranks or shapes, device mismatch, empty vocabulary, a target outside
+            ``[0, vocab_size)`` other than ``ignore_index``, NaN/inf in hidden, weight or bias.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dtype not in _FLOAT:
+        raise TypeError(f"hidden must be float16/bfloat16/float32/float64, got {hidden.dtype}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has an empty vocabulary (V = 0)")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
+        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    if targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    vocab = weight.shape[0] if vocab_size is None else vocab_size
+    # One host sync for every value check.
+    t = targets.reshape(-1)
+    out_of_range = (t < 0) | (t >= vocab)
+    if ignore_index is not None:
+        out_of_range = out_of_range & (t != ignore_index)
+    bad_target = out_of_range.any()
+    flags = torch.stack([bad_target, ~torch.isfinite(hidden).all(), ~torch.isfinite(weight).all(),
+                         torch.zeros((), dtype=torch.bool, device=hidden.device) if bias is None
+                         else ~torch.isfinite(bias).all()]).tolist()
+    if flags[0]:
+        bad = t[out_of_range][:5].tolist()
+        extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
+        raise ValueError(f"targets must lie in [0, {vocab}){extra}; found {bad}")
+    for flag, name in zip(flags[1:], ("hidden", "weight", "bias"), strict=True):
+        if flag:
+            raise ValueError(f"{name} contains NaN or inf")

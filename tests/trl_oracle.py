@@ -1,0 +1,101 @@
+"""TRL's own ``GRPOTrainer._compute_loss`` as the test oracle, on a tiny float64 model."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from tiny_models import save_tiny_qwen2
+
+
+class TRLOracle:
+    """Builds one ``GRPOTrainer`` and evaluates its loss, gradients and metrics for crafted inputs."""
+
+    def __init__(self, vocab_size: int = 64, hidden_size: int = 32) -> None:
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        self.dir = Path(tempfile.mkdtemp(prefix="logitless-trl-"))
+        save_tiny_qwen2(self.dir, vocab_size=vocab_size, hidden_size=hidden_size)
+        from tiny_models import word_tokenizer
+
+        args = GRPOConfig(output_dir=str(self.dir / "out"), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, beta=0.0, report_to=[], use_cpu=True, logging_steps=1)
+        self.trainer = GRPOTrainer(model=str(self.dir), reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                                   args=args, train_dataset=Dataset.from_dict({"prompt": ["t1 t2"] * 8}),
+                                   processing_class=word_tokenizer(vocab_size))
+        self.model = self.trainer.model.double()
+        self.vocab_size = vocab_size
+        # TRL 1.16's default head computes its statistics in fp32 whatever the model dtype. The oracle
+        # replaces it with TRL's plain path (full logits, TRL's own selective_log_softmax and
+        # entropy_from_logits) so that a float64 model gives float64 log-probs; the rest of
+        # `_compute_loss` is TRL's code, untouched.
+        self.trainer._get_per_token_logps_and_entropies = self._plain_logps_and_entropies
+
+    def _plain_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                   compute_entropy=False, compute_aux_loss=False, **_):
+        from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = logits[:, -logits_to_keep - 1:-1] / self.trainer.temperature
+        ids = input_ids[:, -logits_to_keep:]
+        logps = selective_log_softmax(logits, ids)
+        entropies = entropy_from_logits(logits) if compute_entropy else None
+        return logps, entropies, None
+
+    def configure(self, **opts) -> None:
+        """Set TRL options the way ``GRPOTrainer.__init__`` stores them."""
+        tr, args = self.trainer, self.trainer.args
+        defaults = dict(loss_type="dapo", importance_sampling_level="token", epsilon=0.2, epsilon_high=None,
+                        delta=None, beta=0.0, use_bias_correction_kl=True, top_entropy_quantile=1.0,
+                        off_policy_mask_threshold=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
+                        sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                        vespo_lambda_neg=2.0, max_completion_length=8, steps_per_generation=1,
+                        gradient_accumulation_steps=1, use_vllm_is=False)
+        unknown = set(opts) - set(defaults)
+        assert not unknown, unknown
+        o = {**defaults, **opts}
+        for k in ("delta", "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                  "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "steps_per_generation"):
+            object.__setattr__(args, k, o[k])
+        tr.loss_type = o["loss_type"]
+        tr.importance_sampling_level = o["importance_sampling_level"]
+        tr.epsilon_low = o["epsilon"]
+        tr.epsilon_high = o["epsilon"] if o["epsilon_high"] is None else o["epsilon_high"]
+        tr.beta = o["beta"]
+        tr.top_entropy_quantile = o["top_entropy_quantile"]
+        tr.off_policy_mask_threshold = o["off_policy_mask_threshold"]
+        tr.entropy_coef = o["entropy_coef"]
+        tr._entropy_bonus_enabled = o["entropy_coef"] != 0.0
+        tr.use_adaptive_entropy = False
+        tr.max_completion_length = o["max_completion_length"]
+        tr.current_gradient_accumulation_steps = o["gradient_accumulation_steps"]
+        tr.use_vllm = o["use_vllm_is"]
+        tr.vllm_importance_sampling_correction = o["use_vllm_is"]
+
+    def run(self, inputs: dict, training: bool = True):
+        """``(loss, grad_hidden [B, T, H], grad_weight [V, H], metrics, hidden [B, T, H])``."""
+        model = self.model
+        model.train(training)
+        model.zero_grad(set_to_none=True)
+        caught = {}
+
+        def hook(_mod, _inp, out):
+            out.retain_grad()
+            caught["h"] = out
+
+        handle = model.model.norm.register_forward_hook(hook)
+        try:
+            self.trainer._metrics["train"].clear()
+            self.trainer._metrics["eval"].clear()
+            loss = self.trainer._compute_loss(model, inputs)
+            loss.backward()
+        finally:
+            handle.remove()
+        p, t = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+        h = caught["h"]
+        mode = "train" if training else "eval"
+        metrics = {k: v[-1] for k, v in self.trainer._metrics[mode].items()}
+        w = model.lm_head.weight
+        return (loss.detach(), h.grad[:, p - 1:p + t - 1].clone(), w.grad.clone(), metrics,
+                h.detach()[:, p - 1:p + t - 1].clone())
