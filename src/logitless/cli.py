@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         refcache_cli = None
     if refcache_cli is not None:
-        refcache_cli.add_arguments(sub.add_parser("refcache", help="build / inspect / verify a reference log-prob cache"))
+        refcache_cli.add_arguments(
+            sub.add_parser("refcache", help="build / inspect / verify a reference log-prob cache"))
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

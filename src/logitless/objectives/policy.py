@@ -6,6 +6,7 @@ from functools import partial
 
 import torch
 
+from ..distributed import all_reduce, gather_varlen
 from ..ops import Impl, LogitTransform, check_head_inputs, stat_dtype_for
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
@@ -35,6 +36,7 @@ def policy_loss(
     mode: Mode = "auto",
     impl: Impl = "auto",
     chunk_bytes: int | None = None,
+    group=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss (GRPO family) and TRL's metrics from one vocabulary pass.
 
@@ -67,6 +69,10 @@ def policy_loss(
             entropies first: ``top_entropy_quantile < 1``).
         impl: backend, ``"auto"``/``"torch"``/``"triton"``.
         chunk_bytes: workspace budget of the vocabulary pass.
+        group: data-parallel ``torch.distributed`` process group over which metrics are
+            reduced (sums and counts, min/max) and the entropy quantile is taken, as TRL
+            does across processes; ``None``: this process only. The loss itself stays
+            local (its normalizers are TRL's: ``num_items_in_batch`` and ``num_processes``).
 
     Returns:
         ``(loss, metrics)``: scalar loss (differentiable w.r.t. ``hidden``, ``weight``,
@@ -87,7 +93,7 @@ def policy_loss(
     run_mode = resolve_mode(mode, cfg.needs_global_entropy)
 
     def set_entropy_mask(_logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
-        tok.entropy_mask = _entropy_mask(entropy, cfg.top_entropy_quantile)
+        tok.entropy_mask = _entropy_mask(entropy, cfg.top_entropy_quantile, group)
         if tok.bonus_weight is not None:
             denom = (tok.m * tok.entropy_mask).sum().clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
@@ -100,18 +106,20 @@ def policy_loss(
     for part in collected:
         for k, v in part.items():
             sums[k] = sums[k] + v if k in sums else v
-    return loss, _finalize_metrics(cfg, tok, sums)
+    return loss, _finalize_metrics(cfg, tok, sums, group)
 
 
 def _accum(cfg: PolicyConfig) -> float:
     return float(cfg.gradient_accumulation_steps) if cfg.training else 1.0
 
 
-def _entropy_mask(entropy: torch.Tensor, quantile: float) -> torch.Tensor:
-    """TRL's ``get_high_entropy_mask`` on the counted tokens (threshold in fp32, as TRL)."""
-    if entropy.numel() == 0:
+def _entropy_mask(entropy: torch.Tensor, quantile: float, group) -> torch.Tensor:
+    """TRL's ``get_high_entropy_mask`` on the counted tokens: the quantile of the entropies of
+    all processes' counted tokens, in fp32 as TRL takes it."""
+    gathered = gather_varlen(entropy.float(), group)
+    if gathered.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.bool)
-    threshold = torch.quantile(entropy.float(), 1 - quantile)
+    threshold = torch.quantile(gathered, 1 - quantile)
     return entropy >= threshold
 
 
@@ -216,27 +224,24 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     return tok, h_flat, t_flat
 
 
-def _nanmin(x: torch.Tensor) -> torch.Tensor:
-    x = x[~torch.isnan(x)]
-    return x.min() if x.numel() else torch.tensor(float("nan"), dtype=x.dtype, device=x.device)
-
-
-def _nanmax(x: torch.Tensor) -> torch.Tensor:
-    x = x[~torch.isnan(x)]
-    return x.max() if x.numel() else torch.tensor(float("nan"), dtype=x.dtype, device=x.device)
-
-
-def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor],
+                      group) -> dict[str, torch.Tensor]:
+    """TRL's logged metrics from the per-segment sums: means are reduced as (sum, count) pairs
+    and extrema as min/max over ``group``, so they are exact across processes."""
     lay = tok.layout
     seg_len = lay.seg_len
     zeros = seg_len.new_zeros(lay.num_segments)
+    policy_part = sums.get("policy", seg_len.new_zeros(()))
     sums = {k: sums.get(k, zeros) for k in ("kl", "entropy", "low", "high", "cispo", "phi", "log_ratio", "vespo_s")}
-    total = seg_len.sum().clamp(min=1.0)
-    n_seq = max(lay.num_segments, 1)
-    out: dict[str, torch.Tensor] = {}
+    total = seg_len.sum()
+    n_seq = seg_len.new_tensor(float(lay.num_segments))
+    nan = seg_len.new_tensor(float("nan"))
+    means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    mins: dict[str, torch.Tensor] = {}
+    maxs: dict[str, torch.Tensor] = {}
     if cfg.beta != 0.0:
-        out["kl"] = sums["kl"].sum() / total
-    out["entropy"] = sums["entropy"].sum() / total
+        means["kl"] = (sums["kl"].sum(), total)
+    means["entropy"] = (sums["entropy"].sum(), total)
     lt = cfg.loss_type
     if sequence_metrics(cfg, tok) and lt in (*CLIPPED, "cispo"):
         c1 = torch.exp(sums["log_ratio"] / seg_len.clamp(min=1.0))
@@ -244,31 +249,44 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
             c1 = c1.clamp(max=cfg.delta)
         adv = tok.adv_per_sequence
         if lt == "cispo":
-            out["cispo_clip_ratio"] = ((c1 > cfg.eps_high) & (adv > 0)).to(c1.dtype).sum() / n_seq
+            means["cispo_clip_ratio"] = (((c1 > cfg.eps_high) & (adv > 0)).to(c1.dtype).sum(), n_seq)
         else:
             low = ((c1 < 1 - cfg.epsilon) & (adv < 0)).to(c1.dtype)
             high = ((c1 > 1 + cfg.eps_high) & (adv > 0)).to(c1.dtype)
-            out["clip_ratio/low_mean"] = low.sum() / n_seq
-            out["clip_ratio/high_mean"] = high.sum() / n_seq
-            out["clip_ratio/region_mean"] = (low + high).sum() / n_seq
-            out["clip_ratio/low_min"] = _nanmin(low)
-            out["clip_ratio/high_max"] = _nanmax(high)
+            means["clip_ratio/low_mean"] = (low.sum(), n_seq)
+            means["clip_ratio/high_mean"] = (high.sum(), n_seq)
+            means["clip_ratio/region_mean"] = ((low + high).sum(), n_seq)
+            mins["clip_ratio/low_min"], maxs["clip_ratio/high_max"] = low, high
     elif lt in CLIPPED:
         low, high = sums["low"], sums["high"]
-        out["clip_ratio/low_mean"] = low.sum() / total
-        out["clip_ratio/high_mean"] = high.sum() / total
-        out["clip_ratio/region_mean"] = (low + high).sum() / total
+        means["clip_ratio/low_mean"] = (low.sum(), total)
+        means["clip_ratio/high_mean"] = (high.sum(), total)
+        means["clip_ratio/region_mean"] = ((low + high).sum(), total)
         # TRL's per-sequence mean divides by the raw length: NaN for an empty sequence, then skipped.
-        out["clip_ratio/low_min"] = _nanmin(low / seg_len)
-        out["clip_ratio/high_max"] = _nanmax(high / seg_len)
+        mins["clip_ratio/low_min"], maxs["clip_ratio/high_max"] = low / seg_len, high / seg_len
     elif lt == "cispo":
-        out["cispo_clip_ratio"] = sums["cispo"].sum() / total
+        means["cispo_clip_ratio"] = (sums["cispo"].sum(), total)
     if lt == "vespo":
         if tok.adv_per_sequence is not None:
-            s = sums["vespo_s"]
-            if tok.log_is_ratio_seq is not None:
-                s = s + tok.log_is_ratio_seq
-            out["vespo/phi_seq_mean"] = vespo_phi(cfg, s, tok.adv_per_sequence).sum() / n_seq
+            s = sums["vespo_s"] if tok.log_is_ratio_seq is None else sums["vespo_s"] + tok.log_is_ratio_seq
+            means["vespo/phi_seq_mean"] = (vespo_phi(cfg, s, tok.adv_per_sequence).sum(), n_seq)
         else:
-            out["vespo/phi_seq_mean"] = sums["phi"].sum() / total
+            means["vespo/phi_seq_mean"] = (sums["phi"].sum(), total)
+
+    if cfg.entropy_coef != 0.0:
+        # TRL logs the policy term (before the entropy bonus) as `policy_loss`, undivided by G for the
+        # loss types whose normalizer is not num_items_in_batch; across processes, the mean (its nanmean).
+        undo_g = _accum(cfg) if lt not in ("dapo", "cispo", "vespo", "reinforce") else 1.0
+        means["policy_loss"] = (policy_part * undo_g, seg_len.new_tensor(1.0))
+    names = list(means)
+    stacked = all_reduce(torch.stack([v for k in names for v in means[k]]), "sum", group) if names else None
+    out = {k: stacked[2 * i] / stacked[2 * i + 1].clamp(min=1.0) for i, k in enumerate(names)}
+    for k, v in mins.items():  # nanmin over sequences of all processes
+        v = all_reduce(torch.where(torch.isnan(v), torch.inf, v).min() if v.numel() else nan.new_tensor(torch.inf),
+                       "min", group)
+        out[k] = torch.where(torch.isinf(v), nan, v)
+    for k, v in maxs.items():
+        v = all_reduce(torch.where(torch.isnan(v), -torch.inf, v).max() if v.numel() else nan.new_tensor(-torch.inf),
+                       "max", group)
+        out[k] = torch.where(torch.isinf(v), nan, v)
     return out

@@ -123,11 +123,12 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
 
     # A masked-in token's term is finite whenever TRL's is; zero weights stay exactly zero.
     loss = (per_token * tok.loss_weight[sl]).sum()
+    policy_part = loss.detach()  # TRL logs it as `policy_loss` when the entropy bonus is on
     if tok.bonus_weight is not None and entropy is not None:
         bw = tok.bonus_weight[sl] if emask is None else tok.bonus_weight[sl] * emask.to(entropy.dtype)
         loss = loss - cfg.entropy_coef * (entropy * bw).sum()
 
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, torch.Tensor] = {"policy": policy_part}
     with torch.no_grad():
         if kl is not None:
             sums["kl"] = lay.seg_sum(kl.detach() * m, seg)

@@ -21,7 +21,7 @@ import torch
 
 from .plan import ChunkPlan
 from .transform import LogitTransform
-from .vocab_stats import stat_dtype_for
+from .vocab_stats import no_autocast, stat_dtype_for
 
 # objective(token_slice, logp [n], entropy [n] | None) -> (loss term, anything to collect)
 ChunkObjective = Callable[[slice, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Any]]
@@ -49,8 +49,13 @@ def plan_chunks(n_tokens: int, token_chunk: int, cuts: Sequence[int] | None) -> 
     return chunks
 
 
-def _run_chunk(backend, hidden, weight, bias, targets, transform, sl, chunk_bytes, want_entropy, objective,
-               grad_weight, grad_bias, want_grad):
+def _run_chunk(*args):
+    with no_autocast(args[1].device):
+        return _run_chunk_impl(*args)
+
+
+def _run_chunk_impl(backend, hidden, weight, bias, targets, transform, sl, chunk_bytes, want_entropy, objective,
+                    grad_weight, grad_bias, want_grad):
     sdt = stat_dtype_for(hidden.dtype)
     h, t = hidden[sl], targets[sl]
     plan = ChunkPlan.make(h.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype)

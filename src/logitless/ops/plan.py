@@ -5,13 +5,30 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Below this many tokens a chunk's matmuls stop using the matrix units well, so a row that
-# does not fit is cut along the vocabulary instead of shrinking the token chunk further.
-_MIN_TOKENS = 32
+# does not fit is cut along the vocabulary instead of shrinking the token chunk further. On GPUs
+# the token chunk is the inner dimension of the fp32 ``d weight += dy^T @ h`` accumulation, whose
+# [V, H] read-modify-write dominates below ~1k tokens, hence the larger floor for Triton.
+_MIN_TOKENS = {"torch": 32, "triton": 1024}
+
+PlanBackend = Literal["torch", "triton"]
+
+
+def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, backend: PlanBackend = "torch") -> int:
+    """Workspace bytes per logit element of one block.
+
+    torch: the logits, the probabilities and ``dz`` in the statistics dtype, plus ``dz`` cast to
+    the input dtype for the matmuls. triton: one fp32 tile of raw matmul output, overwritten in
+    place by ``dy`` (half of it is used with ``LOGITLESS_TRITON_LOGITS=input``).
+    """
+    if backend == "triton" and stat_dtype != torch.float64:
+        return torch.finfo(stat_dtype).bits // 8
+    return 3 * torch.finfo(stat_dtype).bits // 8 + torch.finfo(in_dtype).bits // 8
 
 
 def default_chunk_bytes() -> int:
@@ -37,18 +54,19 @@ class ChunkPlan:
 
     @classmethod
     def make(cls, n_tokens: int, vocab: int, chunk_bytes: int | None, stat_dtype: torch.dtype,
-             in_dtype: torch.dtype) -> ChunkPlan:
-        """Plan for ``n_tokens`` x ``vocab`` logits within ``chunk_bytes`` of workspace.
+             in_dtype: torch.dtype, backend: PlanBackend = "torch") -> ChunkPlan:
+        """Plan for ``n_tokens`` x ``vocab`` logits within ``chunk_bytes`` of workspace, as the
+        ``backend`` lays a block out (see :func:`workspace_per_element`).
 
-        The workspace of one block holds the fp32 (fp64) logits, the probabilities and
-        ``dz`` in the statistics dtype, and ``dz`` cast to the input dtype for the matmuls.
+        Raises:
+            ValueError: ``chunk_bytes <= 0``.
         """
         budget = default_chunk_bytes() if chunk_bytes is None else int(chunk_bytes)
         if budget <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
-        per = 3 * torch.finfo(stat_dtype).bits // 8 + torch.finfo(in_dtype).bits // 8
+        per = workspace_per_element(stat_dtype, in_dtype, backend)
         n = max(1, n_tokens)
         rows = budget // (vocab * per)
-        token_chunk = min(n, max(rows, _MIN_TOKENS))
+        token_chunk = min(n, max(rows, _MIN_TOKENS[backend]))
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab)

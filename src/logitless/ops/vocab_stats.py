@@ -22,6 +22,11 @@ class VocabStats(NamedTuple):
     entropy: torch.Tensor | None
 
 
+def no_autocast(device: torch.device):
+    """The pass controls its own precisions (fp32 statistics); autocast must not recast them."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def stat_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -35,15 +40,16 @@ def forward_pass(backend, hidden: torch.Tensor, weight: torch.Tensor, bias: torc
         empty = hidden.new_zeros(0, dtype=sdt)
         return empty, empty.clone(), empty.clone() if want_entropy else None
     lse, logp, sum_pz = [], [], []
-    for start in range(0, hidden.shape[0], plan.token_chunk):
-        sl = slice(start, start + plan.token_chunk)
-        partials, _ = backend.chunk_forward(hidden[sl], weight, bias, targets[sl], transform, plan, sdt,
-                                            want_entropy, keep_logits=False)
-        a, b, c = partials.finalize()
-        lse.append(a)
-        logp.append(b)
-        if c is not None:
-            sum_pz.append(c)
+    with no_autocast(hidden.device):
+        for start in range(0, hidden.shape[0], plan.token_chunk):
+            sl = slice(start, start + plan.token_chunk)
+            partials, _ = backend.chunk_forward(hidden[sl], weight, bias, targets[sl], transform, plan, sdt,
+                                                want_entropy, keep_logits=False)
+            a, b, c = partials.finalize()
+            lse.append(a)
+            logp.append(b)
+            if c is not None:
+                sum_pz.append(c)
     return torch.cat(lse), torch.cat(logp), torch.cat(sum_pz) if want_entropy else None
 
 
@@ -70,17 +76,25 @@ class _RecomputeFn(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_b else None
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        for start in range(0, hidden.shape[0], plan.token_chunk):
-            sl = slice(start, start + plan.token_chunk)
-            gh = backend.chunk_backward(
-                hidden[sl], weight, bias, targets[sl], transform, plan, lse[sl],
-                None if sum_pz is None else sum_pz[sl],
-                None if g_logp is None else g_logp[sl], None if g_lse is None else g_lse[sl],
-                None if g_entropy is None else g_entropy[sl], None, grad_weight, grad_bias, need_h)
-            if need_h:
-                grad_hidden[sl] = gh
+        with no_autocast(hidden.device):
+            _recompute_backward(backend, hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp, g_lse,
+                                g_entropy, grad_weight, grad_bias, grad_hidden)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
+
+
+def _recompute_backward(backend, hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp, g_lse,
+                        g_entropy, grad_weight, grad_bias, grad_hidden) -> None:
+    need_h = grad_hidden is not None
+    for start in range(0, hidden.shape[0], plan.token_chunk):
+        sl = slice(start, start + plan.token_chunk)
+        gh = backend.chunk_backward(
+            hidden[sl], weight, bias, targets[sl], transform, plan, lse[sl],
+            None if sum_pz is None else sum_pz[sl],
+            None if g_logp is None else g_logp[sl], None if g_lse is None else g_lse[sl],
+            None if g_entropy is None else g_entropy[sl], None, grad_weight, grad_bias, need_h)
+        if need_h:
+            grad_hidden[sl] = gh
 
 
 def _prepare(hidden, weight, bias, targets, temperature, logit_scale, softcap, ignore_index, chunk_bytes,

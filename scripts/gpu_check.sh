@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One script for the GPU machine (run from the repository root, no network there):
+#   1. installs the carried wheels in .whl/ (trl, its missing deps, liger-kernel, cut-cross-entropy)
+#      into /tmp/site, and checks that TRL's chunked head imports;
+#   2. runs the test suite with CUDA visible;
+#   3. runs scripts/gpu_triton_check.py when it exists;
+#   4. runs `logitless bench`, writing the JSON into benchmarks/results/, regenerating BENCHMARKS.md and
+#      benchmarks/bench.png, and copying all three (and this script's log) to $OUT.
+# Stays under ~9 minutes on an H100: each step has a time limit, and the bench gets what is left
+# (--time-budget), minus a margin for writing its report.
+#
+# Knobs (environment): BENCH_ARGS (default: the full grid), TOTAL_S (default 530), PYTEST_S (default 150),
+# SKIP_PYTEST=1, SKIP_TRITON_CHECK=1.
+set -uo pipefail
+
+START=$(date +%s)
+TOTAL_S=${TOTAL_S:-530}
+PYTEST_S=${PYTEST_S:-150}
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+exec > >(tee "$LOG") 2>&1
+export PYTHONUNBUFFERED=1
+elapsed() { echo $(( $(date +%s) - START )); }
+step() { echo; echo "=== [$(elapsed)s] $*"; }
+status=0
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
+
+step "1. carried wheels"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "wheel install FAILED"; status=1; }
+    ls .whl
+else
+    echo "no .whl/ folder: using what the image has"
+fi
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-}
+python3 - <<'EOF' || true
+import importlib
+for mod in ("trl.kernels.chunked_logprob", "trl.trainer.utils", "liger_kernel.chunked_loss",
+            "liger_kernel.transformers.functional", "cut_cross_entropy", "logitless"):
+    try:
+        importlib.import_module(mod)
+        print(f"ok      {mod}")
+    except Exception as e:
+        print(f"MISSING {mod}: {type(e).__name__}: {e}")
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401  (the bench's TRL row)
+print("ok      from trl.kernels.chunked_logprob import ChunkedLogProbFunction")
+EOF
+
+if [ "${SKIP_PYTEST:-0}" != "1" ]; then
+    step "2. pytest (limit ${PYTEST_S}s)"
+    timeout "$PYTEST_S" python3 -m pytest -x -q tests -p no:cacheprovider 2>&1 | tail -40
+    rc=${PIPESTATUS[0]}
+    echo "pytest exit status $rc"; [ "$rc" = 0 ] || status=1
+fi
+
+if [ "${SKIP_TRITON_CHECK:-0}" != "1" ] && [ -f scripts/gpu_triton_check.py ]; then
+    step "3. scripts/gpu_triton_check.py (limit 90s)"
+    timeout 90 python3 scripts/gpu_triton_check.py
+    rc=$?; echo "gpu_triton_check exit status $rc"; [ "$rc" = 0 ] || status=1
+fi
+
+step "4. logitless bench"
+left=$(( TOTAL_S - $(elapsed) ))
+budget=$(( left - 45 ))   # the last row may run past the budget by a few calls, then the report
+if [ "$budget" -lt 30 ]; then echo "no time left for the bench"; exit 1; fi
+BENCH_ARGS=${BENCH_ARGS:---full --min-time 0}
+# `python3 -m logitless.cli bench` when the top-level CLI imports; else the bench's own entry point.
+if python3 -c "import logitless.cli, logitless.demo" 2>/dev/null; then BENCH=(python3 -m logitless.cli bench);
+else BENCH=(python3 -m logitless.bench); fi
+echo "${BENCH[*]} $BENCH_ARGS --time-budget $budget --out-dir ."
+timeout $(( left - 5 )) "${BENCH[@]}" $BENCH_ARGS --time-budget "$budget" --out-dir .
+rc=$?; echo "bench exit status $rc"; [ "$rc" = 0 ] || status=1
+
+newest=$(ls -t benchmarks/results/*.json 2>/dev/null | head -1)
+[ -n "$newest" ] && cp "$newest" "$OUT/"
+[ -f BENCHMARKS.md ] && cp BENCHMARKS.md "$OUT/"
+[ -f benchmarks/bench.png ] && cp benchmarks/bench.png "$OUT/"
+step "done, status $status; files in \$OUT:"
+ls -la "$OUT"
+exit $status

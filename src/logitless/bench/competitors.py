@@ -1,0 +1,423 @@
+"""The rows of the benchmark: one function per implementation and objective.
+
+Each row function takes a case's :class:`~logitless.bench.cases.Inputs` and the logitless
+backend name, and returns a :class:`Prepared` whose ``step()`` runs the whole measured work
+once (forward, and backward into ``hidden.grad`` / ``weight.grad`` for training objectives)
+and returns named outputs for the agreement check. A row that cannot run here (library not
+installed, needs CUDA) raises :class:`Unavailable` with the reason, and is recorded as skipped.
+
+Objectives:
+
+* ``grpo``: TRL's GRPO loss (``loss_type="dapo"``, ``beta=0.04`` k3 KL to ``ref_logp`` with the
+  bias correction, clip and KL metrics, entropy metric), forward + backward.
+* ``ce``: token-mean cross-entropy, forward + backward.
+* ``rollout``: no-grad target log-probs + entropy (old-policy / reference passes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+
+import logitless
+
+from ..ops import resolve_impl
+from .cases import Inputs
+from .plain import GRPO_CONFIG, grpo_args, grpo_from_logp, plain_ce, plain_grpo, plain_logp_entropy
+
+Objective = Literal["grpo", "ce", "rollout"]
+OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout")
+Outputs = dict[str, torch.Tensor]
+
+# Workspace of the floor's logits buffer: token chunks of the three GEMMs stay this small.
+FLOOR_BUFFER_BYTES = 4 * 2**30
+
+
+class Unavailable(Exception):
+    """The row cannot run in this environment; the message says why."""
+
+
+@dataclass
+class Prepared:
+    """A row ready to run on one case.
+
+    Attributes:
+        step: runs the measured work once; returns outputs to check (``loss``, ``entropy`` mean,
+            or per-token ``logp``/``entropy`` for rollouts; empty for the floor).
+        impl: the backend that ran (logitless rows), else ``None``.
+    """
+
+    step: Callable[[], Outputs]
+    impl: str | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One implementation of one objective.
+
+    Attributes:
+        name: row name in the tables (``logitless-fused``, ``trl-chunked``, ``floor`` ...).
+        objective: ``grpo``, ``ce`` or ``rollout``.
+        prepare: ``(inputs, impl) -> Prepared``; raises :class:`Unavailable`.
+        logit_bytes: bytes per ``(token, vocab)`` element a materializing row holds at its
+            peak (0 for rows that never materialize the logits); predicts OOM before trying.
+        role: ``"reference"`` (the logitless row others are checked against), ``"floor"`` or ``""``.
+    """
+
+    name: str
+    objective: Objective
+    prepare: Callable[[Inputs, str], Prepared]
+    logit_bytes: float = 0.0
+    role: str = ""
+
+    @property
+    def summary(self) -> str:
+        fn = self.prepare.func if isinstance(self.prepare, partial) else self.prepare
+        return (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+
+
+def _train_outputs(loss: torch.Tensor, metrics: dict[str, torch.Tensor] | None = None) -> Outputs:
+    loss.backward()
+    out = {"loss": loss.detach()}
+    if metrics and "entropy" in metrics:
+        out["entropy"] = metrics["entropy"].detach()
+    return out
+
+
+def _impl_name(impl: str, device: torch.device) -> str:
+    return resolve_impl(impl, device).__name__.rsplit(".", 1)[-1].removesuffix("_backend")
+
+
+def _need_cuda(x: Inputs, what: str) -> None:
+    if x.hidden.device.type != "cuda":
+        raise Unavailable(f"{what} needs CUDA")
+
+
+def _import(module: str, package: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # ImportError, or a broken optional dependency underneath
+        raise Unavailable(f"{package} not importable: {type(e).__name__}: {e}") from None
+
+
+# ---------------------------------------------------------------- GRPO
+
+
+def grpo_logitless(x: Inputs, impl: str, mode: str) -> Prepared:
+    """logitless ``policy_loss`` (dapo, beta, all metrics, entropy) in one vocabulary pass;
+    ``fused``: gradients computed inside the forward (3 GEMMs), ``recompute``: logits
+    recomputed in the backward (4 GEMMs), O(N) saved state."""
+
+    def step() -> Outputs:
+        loss, metrics = logitless.policy_loss(x.hidden, x.weight, x.targets, x.mask, x.advantages, x.old_logp,
+                                              x.ref_logp, config=GRPO_CONFIG, mode=mode, impl=impl)
+        return _train_outputs(loss, metrics)
+
+    return Prepared(step, _impl_name(impl, x.hidden.device))
+
+
+def _trl_function():
+    mod = _import("trl.kernels.chunked_logprob", "trl")
+    # The backward imports trl.trainer.utils (datasets, accelerate ...): fail here, not mid-backward.
+    utils = _import("trl.trainer.utils", "trl (trainer utils)")
+    return mod.ChunkedLogProbFunction, getattr(utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
+
+
+def grpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL's own chunked head (``trl.kernels.ChunkedLogProbFunction``, the trainer's vocabulary
+    chunk, log-probs + entropy) followed by TRL's GRPO math on the ``[B, T]`` log-probs."""
+    fn, chunk = _trl_function()
+    b, t, h = x.hidden.shape
+
+    def step() -> Outputs:
+        logp, ent, *_ = fn.apply(x.hidden.reshape(-1, h), x.weight, None, x.targets.reshape(-1), 1.0, chunk, None,
+                                 1.0, ("entropy",))
+        loss, metrics = grpo_from_logp(logp.view(b, t), ent.detach().view(b, t), x.mask, x.advantages, x.old_logp,
+                                       x.ref_logp)
+        return _train_outputs(loss, metrics)
+
+    return Prepared(step)
+
+
+def grpo_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch: materialized bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → gather →
+    TRL's GRPO math (entropy from the same log-softmax)."""
+
+    def step() -> Outputs:
+        return _train_outputs(*plain_grpo(x.hidden, x.weight, *grpo_args(x)))
+
+    return Prepared(step)
+
+
+def grpo_torch_compile(x: Inputs, impl: str) -> Prepared:
+    """``torch.compile`` of the plain PyTorch GRPO path (Inductor, default mode); compile time
+    is excluded (warm-up)."""
+    if x.hidden.device.type != "cuda":
+        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+    compiled = torch.compile(plain_grpo, dynamic=False)
+
+    def step() -> Outputs:
+        return _train_outputs(*compiled(x.hidden, x.weight, *grpo_args(x)))
+
+    return Prepared(step)
+
+
+def grpo_liger(x: Inputs, impl: str) -> Prepared:
+    """Liger-Kernel ``LigerFusedLinearGRPOLoss`` (dapo, beta, bias-corrected KL, default chunk of
+    one sequence, its ``torch.compile``'d loss math); it computes no entropy."""
+    _need_cuda(x, "Liger-Kernel")
+    mod = _import("liger_kernel.chunked_loss", "liger-kernel")
+    cfg = GRPO_CONFIG
+    kwargs = dict(beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.eps_high, loss_type=cfg.loss_type,
+                  use_ref_model=True)
+    params = inspect.signature(mod.LigerFusedLinearGRPOLoss).parameters
+    if "use_bias_correction_kl" in params:
+        kwargs["use_bias_correction_kl"] = cfg.use_bias_correction_kl
+    loss_fn = mod.LigerFusedLinearGRPOLoss(**kwargs)
+    n_items = {"num_items_in_batch": x.mask.sum()} if "num_items_in_batch" in inspect.signature(
+        loss_fn.forward).parameters else {}
+
+    def step() -> Outputs:
+        out = loss_fn(x.hidden, x.weight, x.targets, x.mask, x.advantages, ref_per_token_logps=x.ref_logp,
+                      old_per_token_logps=x.old_logp, **n_items)
+        loss = out[0] if isinstance(out, tuple) else out
+        return _train_outputs(loss)
+
+    return Prepared(step)
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+
+def _logitless_ce(mode: str) -> Callable[..., torch.Tensor]:
+    """CE through ``logitless.cross_entropy`` when it exists; until then, an adapter:
+    fused = ``policy_loss`` with ``loss_type="reinforce"`` and unit advantages (its loss is the
+    token-mean ``-logp``), recompute = ``-vocab_stats(...).logp.mean()``."""
+    fn = getattr(logitless, "cross_entropy", None)
+    if fn is not None:
+        takes_mode = "mode" in inspect.signature(fn).parameters
+
+        def ce(h, w, y, impl):
+            out = fn(h, w, y, impl=impl, **({"mode": mode} if takes_mode else {}))
+            return out[0] if isinstance(out, tuple) else out
+
+        return ce
+    if mode == "fused":
+        cfg = logitless.PolicyConfig(loss_type="reinforce")
+
+        def ce(h, w, y, impl):
+            ones = torch.ones(y.shape[0], 1, dtype=torch.int64, device=y.device)
+            adv = torch.ones(y.shape[0], dtype=torch.float32, device=y.device)
+            loss, _ = logitless.policy_loss(h[:, None], w, y[:, None], ones, adv, config=cfg, mode="fused",
+                                            impl=impl)
+            return loss
+
+        return ce
+
+    def ce(h, w, y, impl):
+        return -logitless.vocab_stats(h, w, y, entropy=False, impl=impl).logp.mean()
+
+    return ce
+
+
+def ce_logitless(x: Inputs, impl: str, mode: str) -> Prepared:
+    """logitless cross-entropy (token mean) in one vocabulary pass, ``fused`` or ``recompute``
+    (``logitless.cross_entropy``, or the adapter in ``_logitless_ce`` while it does not exist)."""
+    ce = _logitless_ce(mode)
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        return _train_outputs(ce(h2, x.weight, y, impl))
+
+    return Prepared(step, _impl_name(impl, x.hidden.device))
+
+
+def ce_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL's chunked head (``ChunkedLogProbFunction``, log-probs only) → ``-logp.mean()``, as
+    TRL's SFT fused-head loss."""
+    fn, chunk = _trl_function()
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        logp = fn.apply(h2, x.weight, None, y, 1.0, chunk, None, 1.0, ())[0]
+        return _train_outputs(-logp.mean())
+
+    return Prepared(step)
+
+
+def ce_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch: materialized bf16 logits → ``F.cross_entropy`` in fp32."""
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        return _train_outputs(plain_ce(h2, x.weight, y))
+
+    return Prepared(step)
+
+
+def ce_torch_compile(x: Inputs, impl: str) -> Prepared:
+    """``torch.compile`` of the plain PyTorch cross-entropy (compile time excluded)."""
+    if x.hidden.device.type != "cuda":
+        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+    compiled = torch.compile(plain_ce, dynamic=False)
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        return _train_outputs(compiled(h2, x.weight, y))
+
+    return Prepared(step)
+
+
+def ce_liger(x: Inputs, impl: str) -> Prepared:
+    """Liger-Kernel fused linear cross-entropy (``liger_fused_linear_cross_entropy``, mean)."""
+    _need_cuda(x, "Liger-Kernel")
+    mod = _import("liger_kernel.transformers.functional", "liger-kernel")
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        out = mod.liger_fused_linear_cross_entropy(h2, x.weight, y)
+        return _train_outputs(out[0] if isinstance(out, tuple) else out)
+
+    return Prepared(step)
+
+
+def ce_cce(x: Inputs, impl: str) -> Prepared:
+    """Apple Cut Cross-Entropy ``linear_cross_entropy`` (``cce`` kernels, default gradient
+    filtering), mean."""
+    _need_cuda(x, "Cut Cross-Entropy")
+    mod = _import("cut_cross_entropy", "cut-cross-entropy")
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        return _train_outputs(mod.linear_cross_entropy(h2, x.weight, y))
+
+    return Prepared(step)
+
+
+# ---------------------------------------------------------------- rollout (no grad)
+
+
+def rollout_logitless(x: Inputs, impl: str) -> Prepared:
+    """logitless ``token_logprobs(..., return_entropy=True)``: no-grad log-probs + entropy."""
+    h2, y = x.hidden.detach().reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+    w = x.weight.detach()
+
+    def step() -> Outputs:
+        logp, ent = logitless.token_logprobs(h2, w, y, return_entropy=True, impl=impl)
+        return {"logp": logp, "entropy": ent}
+
+    return Prepared(step, _impl_name(impl, x.hidden.device))
+
+
+def rollout_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL's ``ChunkedLogProbFunction`` forward only (log-probs + entropy), under ``no_grad``."""
+    fn, chunk = _trl_function()
+    h2, y = x.hidden.detach().reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+    w = x.weight.detach()
+
+    def step() -> Outputs:
+        with torch.no_grad():
+            logp, ent, *_ = fn.apply(h2, w, None, y, 1.0, chunk, None, 1.0, ("entropy",))
+        return {"logp": logp, "entropy": ent}
+
+    return Prepared(step)
+
+
+def rollout_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch forward: materialized bf16 logits → fp32 ``log_softmax`` → gather + entropy."""
+    h2, y = x.hidden.detach().reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+    w = x.weight.detach()
+
+    def step() -> Outputs:
+        with torch.no_grad():
+            logp, ent = plain_logp_entropy(h2, w, y)
+        return {"logp": logp, "entropy": ent}
+
+    return Prepared(step)
+
+
+# ---------------------------------------------------------------- floors
+
+
+def _floor_chunk(x: Inputs) -> int:
+    n, v = x.hidden.shape[0] * x.hidden.shape[1], x.weight.shape[0]
+    rows = max(1024, FLOOR_BUFFER_BYTES // (v * x.weight.element_size()))
+    return min(n, rows)
+
+
+def floor_three_gemms(x: Inputs, impl: str) -> Prepared:
+    """FLOOR: the three bf16 cuBLAS GEMMs of a head's forward + backward alone, nothing else:
+    ``logits = h Wᵀ``, ``d hidden = logits W``, ``d weight += logitsᵀ h``, over token chunks
+    whose logits buffer stays under 4 GiB (d weight accumulated in place, bf16)."""
+    h2 = x.hidden.detach().reshape(-1, x.hidden.shape[-1])
+    w = x.weight.detach()
+    n, v = h2.shape[0], w.shape[0]
+    chunk = _floor_chunk(x)
+
+    def step() -> Outputs:
+        buf = torch.empty(chunk, v, dtype=w.dtype, device=w.device)
+        grad_h = torch.empty_like(h2)
+        grad_w = torch.empty_like(w)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            logits = torch.mm(h2[s:e], w.t(), out=buf[: e - s])
+            torch.mm(logits, w, out=grad_h[s:e])
+            if s == 0:
+                torch.mm(logits.t(), h2[s:e], out=grad_w)
+            else:
+                grad_w.addmm_(logits.t(), h2[s:e])
+        return {}
+
+    return Prepared(step)
+
+
+def floor_one_gemm(x: Inputs, impl: str) -> Prepared:
+    """FLOOR (rollout): the logits GEMM ``h Wᵀ`` alone, in the same token chunks."""
+    h2 = x.hidden.detach().reshape(-1, x.hidden.shape[-1])
+    w = x.weight.detach()
+    n, v = h2.shape[0], w.shape[0]
+    chunk = _floor_chunk(x)
+
+    def step() -> Outputs:
+        buf = torch.empty(chunk, v, dtype=w.dtype, device=w.device)
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            torch.mm(h2[s:e], w.t(), out=buf[: e - s])
+        return {}
+
+    return Prepared(step)
+
+
+# Peak bytes per (token, vocab) element of the materializing rows (bf16 logits, fp32 log-softmax,
+# its exp for the entropy, the fp32 and bf16 logits gradients), with some slack.
+_PLAIN_BYTES = 16.0
+_COMPILED_BYTES = 10.0
+
+ROWS: tuple[Row, ...] = (
+    Row("floor", "grpo", floor_three_gemms, role="floor"),
+    Row("logitless-fused", "grpo", partial(grpo_logitless, mode="fused"), role="reference"),
+    Row("logitless-recompute", "grpo", partial(grpo_logitless, mode="recompute")),
+    Row("trl-chunked", "grpo", grpo_trl_chunked),
+    Row("liger", "grpo", grpo_liger),
+    Row("torch-plain", "grpo", grpo_torch_plain, logit_bytes=_PLAIN_BYTES),
+    Row("torch-compile", "grpo", grpo_torch_compile, logit_bytes=_COMPILED_BYTES),
+    Row("floor", "ce", floor_three_gemms, role="floor"),
+    Row("logitless-fused", "ce", partial(ce_logitless, mode="fused"), role="reference"),
+    Row("logitless-recompute", "ce", partial(ce_logitless, mode="recompute")),
+    Row("trl-chunked", "ce", ce_trl_chunked),
+    Row("liger", "ce", ce_liger),
+    Row("cce", "ce", ce_cce),
+    Row("torch-plain", "ce", ce_torch_plain, logit_bytes=_PLAIN_BYTES),
+    Row("torch-compile", "ce", ce_torch_compile, logit_bytes=_COMPILED_BYTES),
+    Row("floor", "rollout", floor_one_gemm, role="floor"),
+    Row("logitless", "rollout", rollout_logitless, role="reference"),
+    Row("trl-chunked", "rollout", rollout_trl_chunked),
+    Row("torch-plain", "rollout", rollout_torch_plain, logit_bytes=_PLAIN_BYTES / 2),
+)
+ROW_NAMES = tuple(dict.fromkeys(r.name for r in ROWS))

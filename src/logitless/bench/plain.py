@@ -1,0 +1,83 @@
+"""The plain path, written out: TRL's GRPO objective on per-token log-probs, and the
+materialized-logits heads the competitor rows build on.
+
+``grpo_from_logp`` is TRL 1.16 ``GRPOTrainer._compute_loss`` for the benchmark's setting
+(``loss_type="dapo"``, token-level importance sampling, k3 KL to the reference with the bias
+correction, ``num_items_in_batch`` = the counted tokens), so every row that only produces
+log-probs (TRL's chunked head, plain PyTorch, ``torch.compile``) finishes with the same math.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..objectives import PolicyConfig
+from .cases import Inputs
+
+# The objective every GRPO row computes.
+GRPO_CONFIG = PolicyConfig(loss_type="dapo", beta=0.04)
+
+
+def grpo_from_logp(logp: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor, advantages: torch.Tensor,
+                   old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                   cfg: PolicyConfig = GRPO_CONFIG) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's dapo loss and logged metrics from ``logp [B, T]`` (fp32, differentiable).
+
+    Args:
+        logp: ``[B, T]`` log-probs of the completion tokens.
+        entropy: ``[B, T]`` entropies for the metric (detached), or ``None``.
+        mask: ``[B, T]`` completion mask; advantages ``[B]``; old/ref log-probs ``[B, T]``.
+
+    Returns:
+        ``(loss, metrics)`` with metrics ``kl``, ``entropy``, ``clip_ratio/region_mean`` (0-dim).
+    """
+    m = mask.to(logp.dtype)
+    adv = advantages[:, None]
+    coef_1 = torch.exp(logp - old_logp)
+    coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon, 1 + cfg.eps_high)
+    d = ref_logp - logp
+    kl = torch.exp(d) - d - 1
+    if cfg.use_bias_correction_kl:
+        kl = kl * coef_1
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv) + cfg.beta * kl
+    total = m.sum().clamp(min=1.0)
+    loss = (per_token * m).sum() / total
+    with torch.no_grad():
+        c1 = coef_1.detach()
+        clipped = ((c1 < 1 - cfg.epsilon) & (adv < 0)) | ((c1 > 1 + cfg.eps_high) & (adv > 0))
+        metrics = {"kl": (kl.detach() * m).sum() / total, "clip_ratio/region_mean": (clipped * m).sum() / total}
+        if entropy is not None:
+            metrics["entropy"] = (entropy.detach() * m).sum() / total
+    return loss, metrics
+
+
+def plain_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialized head: bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → target log-prob
+    (differentiable) and entropy (detached), both ``[N]``."""
+    logits = hidden @ weight.t()  # [N, V] in the input dtype
+    logsm = torch.log_softmax(logits.float(), dim=-1)
+    logp = logsm.gather(-1, targets[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    return logp, entropy
+
+
+def plain_grpo(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+               advantages: torch.Tensor, old_logp: torch.Tensor,
+               ref_logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain-path GRPO from ``hidden [B, T, H]`` (tensor arguments only, so it compiles cleanly)."""
+    b, t, h = hidden.shape
+    logp, entropy = plain_logp_entropy(hidden.reshape(-1, h), weight, targets.reshape(-1))
+    return grpo_from_logp(logp.view(b, t), entropy.view(b, t), mask, advantages, old_logp, ref_logp)
+
+
+def grpo_args(x: Inputs) -> tuple[torch.Tensor, ...]:
+    """The non-head arguments of :func:`plain_grpo` from a case's inputs."""
+    return x.targets, x.mask, x.advantages, x.old_logp, x.ref_logp
+
+
+def plain_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Plain-path cross-entropy (token mean) from ``hidden [N, H]``: bf16 logits, fp32 loss."""
+    logits = hidden @ weight.t()
+    return torch.nn.functional.cross_entropy(logits.float(), targets)

@@ -1,0 +1,256 @@
+"""Results on disk and for people: the run's JSON, ``BENCHMARKS.md`` (regenerated from every
+JSON file in the results folder), the ratio-to-floor plot, and the console table."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path("benchmarks") / "results"
+PLOT_PATH = Path("benchmarks") / "bench.png"
+MARKDOWN = "BENCHMARKS.md"
+
+OBJECTIVE_TITLES = {
+    "grpo": "GRPO (dapo, beta=0.04 KL to ref, clip + KL metrics, entropy), forward + backward",
+    "ce": "Cross-entropy (token mean), forward + backward",
+    "rollout": "Rollout (no grad): target log-probs + entropy",
+}
+_DIFF_KEYS = ("loss_rel_diff", "logp_rel_diff", "entropy_rel_diff", "grad_hidden_rel_diff", "grad_weight_rel_diff")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "device"
+
+
+def write_json(run: dict[str, Any], results_dir: Path) -> Path:
+    """Write ``run`` to ``results_dir/<timestamp>-<device>.json``; returns the path."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = run["timestamp"].replace(":", "").replace("-", "")
+    path = results_dir / f"{stamp}-{_slug(run['device']['name'])}.json"
+    path.write_text(json.dumps(run, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def load_runs(results_dir: Path) -> list[dict[str, Any]]:
+    """Every run JSON under ``results_dir``, oldest first (unreadable files are skipped)."""
+    runs = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(run, dict) and "cases" in run:
+            run["_file"] = path.name
+            runs.append(run)
+    runs.sort(key=lambda r: r.get("timestamp", ""))
+    return runs
+
+
+def _shape_label(case: dict[str, Any]) -> str:
+    n = case["n_tokens"]
+    short = f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+    return f"{case['model']} N={short}"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def _cell_time(r: dict[str, Any]) -> str:
+    if r["status"] == "ok":
+        ratio = f" · **{r['ratio_to_floor']:.2f}×**" if "ratio_to_floor" in r else ""
+        return f"{r['time_ms']:.3g} ms{ratio} · {r['tflops']:.3g} TF/s"
+    return r["status"]
+
+
+def _cell_mem(r: dict[str, Any]) -> str:
+    if r["status"] == "ok":
+        return _gib(r["extra_bytes"]) if "extra_bytes" in r else "n/a"
+    return r["status"]
+
+
+def _row_order(run: dict[str, Any], objective: str) -> list[str]:
+    names: list[str] = []
+    for case in run["cases"]:
+        for r in case["results"]:
+            if r["objective"] == objective and r["row"] not in names:
+                names.append(r["row"])
+    return names
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return out
+
+
+def _run_section(run: dict[str, Any]) -> list[str]:
+    dev = run["device"]
+    versions = ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items() if v)
+    lines = [f"## {dev['name']} — {run['timestamp']}", "",
+             f"`{run.get('command', 'logitless bench')}` · {versions} · file `{run.get('_file', '')}`", ""]
+    cases = run["cases"]
+    ent = ", ".join(f"{_shape_label(c)}: {c.get('mean_entropy', c.get('true_mean_entropy', float('nan'))):.2f}"
+                    for c in cases)
+    lines += [f"Mean entropy of the inputs (nats, measured by logitless): {ent}.", ""]
+    labels = [_shape_label(c) for c in cases]
+    for objective in run.get("objectives", OBJECTIVE_TITLES):
+        names = _row_order(run, objective)
+        if not names:
+            continue
+        by = {(c_i, r["row"]): r for c_i, c in enumerate(cases) for r in c["results"] if r["objective"] == objective}
+        lines += [f"### {OBJECTIVE_TITLES.get(objective, objective)}", "",
+                  "Median time · time / floor · TFLOP/s counted as "
+                  f"{'2NHV' if objective == 'rollout' else '6NHV'}:", ""]
+        lines += _table(["row", *labels], [[n, *(_cell_time(by[(i, n)]) if (i, n) in by else "" for i in
+                                                  range(len(cases)))] for n in names])
+        if any("extra_bytes" in r for r in by.values()):
+            lines += ["", "Peak extra memory, GiB (beyond inputs and the gradients / outputs every row returns):",
+                      ""]
+            lines += _table(["row", *labels], [[n, *(_cell_mem(by[(i, n)]) if (i, n) in by else "" for i in
+                                                     range(len(cases)))] for n in names])
+        notes = sorted({f"{r['row']}: {r['status']} ({r['reason']})" for r in by.values()
+                        if r["status"] != "ok" and r.get("reason")})
+        if notes:
+            lines += [""] + [f"- {n}" for n in notes]
+        lines.append("")
+    agree = []
+    for objective in run.get("objectives", OBJECTIVE_TITLES):
+        for name in _row_order(run, objective):
+            recs = [r for c in cases for r in c["results"] if r["objective"] == objective and r["row"] == name
+                    and r["status"] == "ok" and r.get("agrees") is not None]
+            if not recs:
+                continue
+            cells = []
+            for key in _DIFF_KEYS:
+                vals = [r[key] for r in recs if key in r]
+                cells.append(f"{max(vals):.1e}" if vals else "")
+            cells.append("yes" if all(r["agrees"] for r in recs) else "**no**")
+            agree.append([objective, name, *cells])
+    if agree:
+        lines += ["### Same numbers? Max relative difference to logitless over the shapes", "",
+                  "Scalars: `|x - ref| / |ref|`; tensors: `‖x - ref‖ / ‖ref‖`. Agrees: loss / log-probs within "
+                  f"{run.get('tolerances', {}).get('loss', 1e-2):g}, gradients within "
+                  f"{run.get('tolerances', {}).get('grad', 5e-2):g}.", ""]
+        lines += _table(["objective", "row", "loss", "logp", "entropy", "grad hidden", "grad weight", "agrees"],
+                        agree)
+        lines.append("")
+    return lines
+
+
+def render_markdown(runs: list[dict[str, Any]], plot_rel: str | None) -> str:
+    """``BENCHMARKS.md`` for ``runs`` (newest first)."""
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `logitless bench` from the {len(runs)} JSON file(s) in `benchmarks/results/`; do not edit "
+        "by hand: add a result with `logitless bench`, or rerun `logitless bench --report-only`.",
+        "",
+        "Each row computes the same objective from `hidden [N, H]` and the head `weight [V, H]` (bf16) on one GPU, "
+        "in one run. **floor** is the three bf16 cuBLAS GEMMs of the head alone (logits, d hidden, d weight; one "
+        "GEMM for rollouts): no implementation can beat it, so *time / floor* is the overhead of everything else. "
+        "Time is the median of several calls after warm-up (CUDA events); memory is "
+        "`torch.cuda.max_memory_allocated` during one call beyond what was allocated before it, minus the outputs. "
+        "Inputs are trained-model-like (mean entropy ~2 nats, targets sampled from the head's softmax). "
+        "`oom`: did not fit (or predicted not to); `skipped`: library not installed here.",
+        "",
+    ]
+    if plot_rel:
+        lines += [f"![time / floor vs N]({plot_rel})", ""]
+    if not runs:
+        lines += ["No results yet.", ""]
+    for run in reversed(runs):
+        lines += _run_section(run)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _plot_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    gpu = [r for r in runs if r["device"].get("type") == "cuda"]
+    return (gpu or runs)[-1] if runs else None
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Ratio to floor vs ``N``, one line per row, one panel per (objective, model), of the newest
+    GPU run (newest run of any device if none). Returns whether a plot was written."""
+    run = _plot_run(runs)
+    if run is None:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    objectives = [o for o in run.get("objectives", OBJECTIVE_TITLES) if any(
+        r["objective"] == o for c in run["cases"] for r in c["results"])]
+    models = list(dict.fromkeys(c["model"] for c in run["cases"]))
+    if not objectives or not models:
+        return False
+    names = list(dict.fromkeys(r["row"] for c in run["cases"] for r in c["results"] if r["row"] != "floor"))
+    palette = plt.get_cmap("tab10")
+    colors = {n: palette(k % 10) for k, n in enumerate(names)}
+    fig, axes = plt.subplots(len(objectives), len(models), figsize=(4.2 * len(models), 3.2 * len(objectives)),
+                             squeeze=False, sharex=True)
+    for i, objective in enumerate(objectives):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            cases = sorted((c for c in run["cases"] if c["model"] == model), key=lambda c: c["n_tokens"])
+            for name in _row_order(run, objective):
+                pts = [(c["n_tokens"], r["ratio_to_floor"]) for c in cases for r in c["results"]
+                       if r["objective"] == objective and r["row"] == name and "ratio_to_floor" in r]
+                if not pts:
+                    continue
+                style = (dict(color="black", linestyle="--", linewidth=1) if name == "floor"
+                         else dict(marker="o", color=colors[name]))
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
+            ax.set_xscale("log", base=2)
+            ratios = [line.get_ydata() for line in ax.get_lines()]
+            if ratios and max(max(r) for r in ratios) > 8:
+                ax.set_yscale("log", base=2)
+            ax.set_title(f"{objective} · {model}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("time / floor")
+            if i == len(objectives) - 1:
+                ax.set_xlabel("N tokens")
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{run['device']['name']} — {run['timestamp']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def regenerate(out_dir: Path, results_dir: Path | None = None) -> tuple[Path, Path | None]:
+    """Rewrite ``out_dir/BENCHMARKS.md`` and ``out_dir/benchmarks/bench.png`` from every JSON in
+    ``results_dir`` (default ``out_dir/benchmarks/results``). Returns both paths (plot ``None``
+    when there was nothing to plot)."""
+    results_dir = out_dir / RESULTS_DIR if results_dir is None else results_dir
+    runs = load_runs(results_dir)
+    png = out_dir / PLOT_PATH
+    made = plot(runs, png)
+    md = out_dir / MARKDOWN
+    md.write_text(render_markdown(runs, PLOT_PATH.as_posix() if made else None))
+    return md, png if made else None
+
+
+def console_table(run: dict[str, Any]) -> str:
+    """Plain-text summary of one run: one block per case and objective."""
+    out = [f"{run['device']['name']}  {run['timestamp']}"]
+    for case in run["cases"]:
+        out.append(f"\n{_shape_label(case)}  H={case['hidden_size']} V={case['vocab_size']}  "
+                   f"mean entropy {case.get('mean_entropy', case.get('true_mean_entropy', float('nan'))):.2f} nats")
+        out.append(f"  {'objective':9s} {'row':26s} {'ms':>9s} {'x floor':>8s} {'TFLOP/s':>8s} {'extra GiB':>9s} "
+                   f"{'max rel diff':>12s}")
+        for r in case["results"]:
+            if r["status"] != "ok":
+                out.append(f"  {r['objective']:9s} {r['row']:26s} {r['status']}: {r['reason']}")
+                continue
+            diffs = [r[k] for k in _DIFF_KEYS if k in r]
+            out.append(f"  {r['objective']:9s} {r['row']:26s} {r['time_ms']:9.2f} "
+                       f"{r.get('ratio_to_floor', float('nan')):8.2f} {r['tflops']:8.1f} "
+                       f"{_gib(r['extra_bytes']) if 'extra_bytes' in r else 'n/a':>9s} "
+                       f"{max(diffs) if diffs else float('nan'):12.1e}")
+    return "\n".join(out)

@@ -1,0 +1,1 @@
+"""Thin adapters to training frameworks; each is an optional extra."""

@@ -1,0 +1,156 @@
+"""TRL integration: a drop-in ``GRPOTrainer`` whose loss and old/ref log-probs run through
+logitless from the model's final hidden states and its head, never asking for logits.
+
+    from logitless.integrations.trl import LogitlessGRPOTrainer as GRPOTrainer
+
+Everything else (generation, rewards, advantages, logging, checkpoints) is TRL's own code.
+Matches TRL 1.16 ``GRPOTrainer._compute_loss`` for every option it accepts; options it does
+not handle yet raise :class:`UnsupportedConfigError` at construction instead of computing
+something different.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from trl import GRPOTrainer
+
+from ..objectives import PolicyConfig, policy_loss
+from ..ops import token_logprobs, vocab_stats
+from .hf import add_hidden_states_forward, find_head, head_inputs
+
+
+class UnsupportedConfigError(ValueError):
+    """A TRL option logitless does not reproduce yet."""
+
+
+def _unsupported(args, trainer) -> list[str]:
+    out = []
+    if getattr(args, "use_adaptive_entropy", False):
+        out.append("use_adaptive_entropy=True (adaptive entropy controller)")
+    if getattr(args, "entropy_coef", 0.0):
+        out.append(f"entropy_coef={args.entropy_coef} (the entropy bonus is in logitless.policy_loss; the "
+                   "trainer's policy_loss metric is not reproduced yet)")
+    if getattr(trainer, "aux_loss_enabled", False):
+        out.append("MoE router aux loss (output_router_logits)")
+    if getattr(args, "use_liger_kernel", False):
+        out.append("use_liger_kernel=True")
+    return out
+
+
+class LogitlessGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with the head computed by logitless.
+
+    Extra keyword arguments (all optional):
+        logitless_mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
+        logitless_impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
+        logitless_chunk_bytes: workspace budget of the vocabulary pass.
+
+    Raises:
+        UnsupportedConfigError: a ``GRPOConfig`` option not reproduced yet (named in the message).
+        logitless.integrations.hf.UnsupportedModelError: a model whose head is not recognized.
+    """
+
+    def __init__(self, *args: Any, logitless_mode: str = "auto", logitless_impl: str = "auto",
+                 logitless_chunk_bytes: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _attach(self, logitless_mode, logitless_impl, logitless_chunk_bytes)
+
+    # ---- rollout side: old / reference log-probs ------------------------------------------
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        given = [k for k, v in extra.items() if v is not None]
+        if given or compute_aux_loss:
+            raise UnsupportedConfigError(f"logitless does not support multimodal / aux-loss inputs yet: "
+                                         f"{given or ['compute_aux_loss']}")
+        batch_size = batch_size or input_ids.size(0)
+        logps, ents = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids = input_ids[start:start + batch_size]
+            am = attention_mask[start:start + batch_size]
+            hidden, weight, bias, transform = self._head_pass(model, ids, am, logits_to_keep)
+            targets = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
+            kw = dict(bias=bias, temperature=transform.temperature, logit_scale=transform.logit_scale,
+                      softcap=transform.softcap, impl=self.logitless_impl, chunk_bytes=self.logitless_chunk_bytes)
+            if torch.is_grad_enabled():
+                st = vocab_stats(hidden, weight, targets, entropy=compute_entropy, **kw)
+                lp, en = st.logp, st.entropy
+            else:
+                out = token_logprobs(hidden, weight, targets, return_entropy=compute_entropy, **kw)
+                lp, en = out if compute_entropy else (out, None)
+            logps.append(lp)
+            if compute_entropy:
+                ents.append(en)
+        return torch.cat(logps), torch.cat(ents) if compute_entropy else None, None
+
+    def _head_pass(self, model, input_ids, attention_mask, logits_to_keep):
+        """Final hidden states of the completion positions and the head, in one dtype."""
+        with self.accelerator.autocast():
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask, logitless_hidden_states=True)
+        hidden = hidden[:, -logits_to_keep - 1:-1]
+        head = find_head(self.accelerator.unwrap_model(model))
+        if getattr(self.args, "cast_lm_head_to_fp32", False):
+            hidden, weight, bias = hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+        else:
+            with self.accelerator.autocast():
+                hidden, weight, bias = head_inputs(hidden, head)
+        return hidden, weight, bias, head.transform(self.temperature)
+
+    # ---- training loss --------------------------------------------------------------------
+    def policy_config(self) -> PolicyConfig:
+        """This trainer's options as a :class:`logitless.PolicyConfig`."""
+        a = self.args
+        return PolicyConfig(
+            loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, delta=a.delta, beta=self.beta,
+            use_bias_correction_kl=a.use_bias_correction_kl, sapo_temperature_pos=a.sapo_temperature_pos,
+            sapo_temperature_neg=a.sapo_temperature_neg, vespo_k_pos=a.vespo_k_pos,
+            vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg, vespo_lambda_neg=a.vespo_lambda_neg,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            top_entropy_quantile=self.top_entropy_quantile,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            num_processes=self.accelerator.num_processes, steps_per_generation=a.steps_per_generation,
+            max_completion_length=self.max_completion_length, training=self.model.training)
+
+    def _compute_loss(self, model, inputs):
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        t = inputs["completion_ids"].size(1)
+        hidden, weight, bias, transform = self._head_pass(model, ids, am, t)
+        use_is = self.use_vllm and self.vllm_importance_sampling_correction
+        group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
+        loss, metrics = policy_loss(
+            hidden, weight, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+            inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"), config=self.policy_config(),
+            num_items_in_batch=inputs.get("num_items_in_batch"), bias=bias, transform=transform,
+            tool_mask=inputs.get("tool_mask"), sampling_logp=inputs.get("sampling_per_token_logps"),
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio") if use_is else None,
+            mode=self.logitless_mode, impl=self.logitless_impl, chunk_bytes=self.logitless_chunk_bytes, group=group)
+        mode = "train" if self.model.training else "eval"
+        for k, v in metrics.items():
+            self._metrics[mode][k].append(v.item())
+        return loss
+
+
+def patch_grpo_trainer(trainer: GRPOTrainer, **options: Any) -> LogitlessGRPOTrainer:
+    """Turn an existing ``GRPOTrainer`` into a :class:`LogitlessGRPOTrainer` in place
+    (same state, logitless head). ``options`` as the class's extra keyword arguments."""
+    _attach(trainer, options.get("logitless_mode", "auto"), options.get("logitless_impl", "auto"),
+            options.get("logitless_chunk_bytes"))
+    trainer.__class__ = LogitlessGRPOTrainer
+    return trainer
+
+
+def _attach(trainer: GRPOTrainer, mode: str, impl: str, chunk_bytes: int | None) -> None:
+    bad = _unsupported(trainer.args, trainer)
+    if bad:
+        raise UnsupportedConfigError("logitless does not support yet: " + "; ".join(bad))
+    trainer.logitless_mode = mode
+    trainer.logitless_impl = impl
+    trainer.logitless_chunk_bytes = chunk_bytes
+    for m in (trainer.model, trainer.ref_model):
+        if m is not None:
+            find_head(m)  # refuse unknown heads now, not mid-training
+            add_hidden_states_forward(m)

@@ -1,0 +1,203 @@
+"""Triton backend of the vocabulary pass: cuBLAS GEMMs around two Triton row kernels.
+
+Same contract as :mod:`logitless.ops.torch_backend` (the reference it is tested against):
+
+* :func:`chunk_forward`: ``y = hidden @ weight.T`` block by block with ``torch.mm`` into one
+  tile, folded into the running statistics by one Triton kernel that reads the tile once
+  (bias and :class:`LogitTransform` applied in registers, logits never written). With
+  ``keep_logits`` the raw tile is handed back as the opaque ``kept_logits``.
+* :func:`chunk_backward`: one Triton kernel overwrites the tile (kept, or recomputed block by
+  block) in place with ``dy = dL/dy`` in the GEMM dtype, then ``d hidden = dy @ W`` and
+  ``d weight += dy^T @ hidden`` run in cuBLAS with fp32 outputs/accumulators, so a chunk's
+  ``d weight`` is never rounded to bf16 before it is summed.
+
+Tile dtype: fp32 (cuBLAS ``out_dtype``, so logits are not rounded to bf16), or the GEMM's own
+dtype with ``LOGITLESS_TRITON_LOGITS=input``. Under ``TRITON_INTERPRET=1`` everything runs on CPU tensors
+through the same code, with ``torch.mm`` on CPU for the GEMMs. fp64 inputs are delegated to the
+torch backend (no fp64 tensor-core GEMMs to gain from).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import torch_backend
+from .plan import ChunkPlan
+from .torch_backend import Partials
+from .transform import LogitTransform
+from .triton_kernels import KernelConfig, kernel_config, launch_dlogits, launch_stats
+
+__all__ = ["Partials", "chunk_backward", "chunk_forward"]
+
+
+@functools.cache
+def _cuda_out_dtype_ok() -> bool:
+    """Whether ``torch.mm``/``torch.addmm(..., out_dtype=float32, out=acc)`` exist on CUDA and
+    accumulate correctly in place (torch >= 2.8); probed once on a small product."""
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        a = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16, generator=g)
+        b = torch.randn(48, 80, device="cuda", dtype=torch.bfloat16, generator=g)
+        acc = torch.randn(64, 80, device="cuda", generator=g)
+        want = acc + a.float() @ b.float()
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        prod = torch.mm(a, b, out_dtype=torch.float32)
+        return bool(torch.allclose(acc, want, atol=1e-3, rtol=1e-4)
+                    and torch.allclose(prod, a.float() @ b.float(), atol=1e-3, rtol=1e-4))
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as fp32, with low-precision inputs multiplied at full rate and never rounded."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.device.type == "cuda" and _cuda_out_dtype_ok():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    # CPU (interpreter tests) has no out_dtype GEMM; upcasting is exact there.
+    return a.float() @ b.float()
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place, ``acc`` fp32, without a rounded or materialized product on CUDA."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.device.type == "cuda" and _cuda_out_dtype_ok():
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += _mm_fp32(a, b)
+
+
+def _tile(hidden: torch.Tensor, w: torch.Tensor, cfg: KernelConfig) -> torch.Tensor:
+    """Raw ``hidden [n, H] @ w[v, H].T`` as a contiguous ``[n, v]`` tile in the configured dtype."""
+    if cfg.tile == "fp32" and hidden.dtype != torch.float32:
+        return _mm_fp32(hidden, w.t())
+    return torch.mm(hidden, w.t())
+
+
+def _delegate(stat_dtype: torch.dtype, hidden: torch.Tensor) -> bool:
+    return stat_dtype == torch.float64 or hidden.dtype == torch.float64
+
+
+def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
+                  stat_dtype: torch.dtype, want_entropy: bool,
+                  keep_logits: bool) -> tuple[Partials, torch.Tensor | None]:
+    """Partial statistics of one token chunk over all of ``weight``'s rows.
+
+    Args:
+        hidden: ``[n, H]`` fp16/bf16/fp32 (fp64: torch backend) chunk of hidden states.
+        weight: ``[V, H]`` head weight (or the local vocabulary shard), same dtype.
+        bias: ``[V]`` or ``None``.
+        targets: ``[n]`` integer indices local to ``weight``; values outside ``[0, V)`` mean
+            "not in this range" (``zy`` stays 0, ``owned`` False).
+        transform: elementwise map from the matmul output to the logits.
+        plan: ``plan.vocab_block`` bounds the tile width.
+        stat_dtype: fp32 (fp64 delegates to the torch backend).
+        want_entropy: also accumulate ``sez``.
+        keep_logits: hand back the chunk's tile (only when one block covers ``V``).
+
+    Returns:
+        ``(Partials, kept)``: fp32 ``[n]`` partials; ``kept`` the ``[n, V]`` raw matmul tile
+        (fp32, or the GEMM dtype with ``LOGITLESS_TRITON_LOGITS=input``; bias and transform *not*
+        applied), opaque to callers and only meant for :func:`chunk_backward`, else ``None``.
+    """
+    if _delegate(stat_dtype, hidden):
+        return torch_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, stat_dtype,
+                                           want_entropy, keep_logits)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    cfg = kernel_config(min(plan.vocab_block, vocab))
+    targets = targets.to(torch.int64).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
+    se = torch.zeros((n,), dtype=torch.float32, device=dev)
+    sez = torch.zeros((n,), dtype=torch.float32, device=dev) if want_entropy else None
+    zy = torch.zeros((n,), dtype=torch.float32, device=dev)
+    kept = None
+    for start in range(0, vocab, plan.vocab_block):
+        end = min(start + plan.vocab_block, vocab)
+        tile = _tile(hidden, weight[start:end], cfg)
+        launch_stats(tile, bias, targets, start, transform, m, se, sez, zy, cfg)
+        if keep_logits and end - start == vocab:
+            kept = tile
+        del tile
+    owned = (targets >= 0) & (targets < vocab)
+    return Partials(m=m, se=se, sez=sez, zy=zy, owned=owned), kept
+
+
+def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
+                   lse: torch.Tensor, sum_pz: torch.Tensor | None, g_logp: torch.Tensor | None,
+                   g_lse: torch.Tensor | None, g_entropy: torch.Tensor | None,
+                   kept_logits: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                   grad_bias: torch.Tensor | None, need_grad_hidden: bool) -> torch.Tensor | None:
+    """Gradients of one token chunk from the per-token gradients of its statistics.
+
+    ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - sum_pz)) + g_logp [v == y]`` with
+    ``p = exp(z - lse)``, then the chain rule through ``transform`` (see
+    :func:`logitless.ops.torch_backend.chunk_backward`).
+
+    Args:
+        hidden, weight, bias, targets, transform, plan: as :func:`chunk_forward`.
+        lse, sum_pz: ``[n]`` fp32 statistics of the forward (``sum_pz`` needed iff ``g_entropy``).
+        g_logp, g_lse, g_entropy: ``[n]`` gradients or ``None`` (zero).
+        kept_logits: the tile :func:`chunk_forward` returned, or ``None`` to recompute block by
+            block. **Overwritten in place** with ``dy``; it cannot be reused afterwards.
+        grad_weight: ``[V, H]`` fp32 accumulator updated in place, or ``None``.
+        grad_bias: ``[V]`` fp32 accumulator updated in place, or ``None``.
+        need_grad_hidden: whether to return ``d hidden``.
+
+    Returns:
+        ``[n, H]`` fp32 gradient w.r.t. ``hidden``, or ``None``.
+
+    Raises:
+        ValueError: ``g_entropy`` given without ``sum_pz``.
+    """
+    if _delegate(lse.dtype, hidden):
+        return torch_backend.chunk_backward(hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp,
+                                            g_lse, g_entropy, kept_logits, grad_weight, grad_bias,
+                                            need_grad_hidden)
+    if g_entropy is not None and sum_pz is None:
+        raise ValueError("chunk_backward: g_entropy needs sum_pz from a forward with want_entropy=True")
+    vocab = weight.shape[0]
+    cfg = kernel_config(vocab if kept_logits is not None else min(plan.vocab_block, vocab))
+    mm_dtype = hidden.dtype
+    targets = targets.to(torch.int64).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    lse = _f32(lse)
+    coef = torch.zeros_like(lse)
+    if g_lse is not None:
+        coef += g_lse
+    if g_logp is not None:
+        coef -= g_logp
+    g_logp, g_entropy = _f32(g_logp), _f32(g_entropy)
+    sum_pz = None if g_entropy is None else _f32(sum_pz)
+    grad_hidden = None
+    block = vocab if kept_logits is not None else plan.vocab_block
+    for start in range(0, vocab, block):
+        end = min(start + block, vocab)
+        w = weight[start:end]
+        tile = kept_logits if kept_logits is not None else _tile(hidden, w, cfg)
+        # dy goes over the tile's own storage; an fp32 tile is reinterpreted as twice as many
+        # bf16/fp16 columns and dy fills the first half of each row (see triton_kernels).
+        dy = tile if tile.dtype == mm_dtype else tile.view(mm_dtype)[:, :end - start]
+        launch_dlogits(tile, dy, bias, targets, start, transform, lse, sum_pz, coef, g_logp, g_entropy, cfg)
+        del tile
+        if grad_bias is not None:
+            grad_bias[start:end] += dy.sum(dim=0, dtype=torch.float32).to(grad_bias.dtype)
+        if need_grad_hidden:
+            if grad_hidden is None:
+                grad_hidden = _mm_fp32(dy, w)
+            else:
+                _addmm_fp32_(grad_hidden, dy, w)
+        if grad_weight is not None:
+            _addmm_fp32_(grad_weight[start:end], dy.t(), hidden)
+        del dy
+    return grad_hidden

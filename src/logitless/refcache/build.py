@@ -1,0 +1,268 @@
+"""Building a cache: batched no-grad passes, resumable, shardable across ranks.
+
+The plan is deterministic: records are normalized (:mod:`.dataset`), duplicates merged
+(their wanted positions united), the distinct sequences sorted by length (longest first, ties
+in first-appearance order) and cut into batches of ``batch_size``. Batch ``b`` belongs to rank
+``b % world_size``. Each rank appends its batches' rows to numbered part files, each written
+atomically and recording the number of the rank's batches it completes; a restarted build
+(same model, data and options) continues after the last complete part. Because the batches
+are the same, a sharded or resumed build stores bit-identical values to a one-shot build on
+the same hardware.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .dataset import Example, to_examples
+from .errors import RefCacheMismatchError
+from .fingerprint import Fingerprint, HashMode, sequence_key
+from .model import ReferenceModel, as_reference, batch_logprobs
+from .store import MANIFEST, PARTS, PartWriter, Store, finalize, remove_stale_temporaries, write_json
+
+_STATE = "state.json"
+_DONE = "done.json"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Settings of a build.
+
+    Attributes:
+        batch_size: sequences per forward pass.
+        temperature: logits are divided by it before the softmax (TRL's ``temperature``).
+        entropy: also store per-token entropies.
+        part_bytes: a part file is written once this many value bytes are buffered.
+        chunk_bytes: workspace budget of :func:`logitless.token_logprobs` (``None``: default).
+        hash_mode: weights fingerprint mode (``"auto"``, ``"full"``, ``"sampled"``).
+        progress: show a tqdm progress bar.
+    """
+
+    batch_size: int = 8
+    temperature: float = 1.0
+    entropy: bool = False
+    part_bytes: int = 64 << 20
+    chunk_bytes: int | None = None
+    hash_mode: HashMode = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.part_bytes < 1:
+            raise ValueError(f"part_bytes must be >= 1, got {self.part_bytes}")
+
+
+@dataclass
+class BuildResult:
+    """What one call to :func:`build` did.
+
+    Attributes:
+        path: cache directory.
+        rank, world_size: the shard built.
+        batches: batches of this rank; ``resumed_at`` of them were already on disk.
+        sequences, tokens: computed in this call.
+        seconds: wall time of the forward passes in this call.
+        manifest: the finished cache's manifest when this call merged it, else ``None``.
+    """
+
+    path: Path
+    rank: int
+    world_size: int
+    batches: int
+    resumed_at: int
+    sequences: int
+    tokens: int
+    seconds: float
+    manifest: Any | None
+
+
+@dataclass
+class _Plan:
+    examples: list[Example]  # distinct sequences, in batch order
+    keys: list[bytes]
+    batches: list[range]
+    digest: str
+
+
+def _plan(examples: list[Example], batch_size: int) -> _Plan:
+    uniq: dict[bytes, Example] = {}
+    for ex in examples:
+        k = sequence_key(ex.ids)
+        have = uniq.get(k)
+        if have is None:
+            uniq[k] = Example(ex.ids, None if ex.mask is None else ex.mask.copy())
+        elif have.mask is not None:  # union of the wanted positions
+            have.mask = None if ex.mask is None else have.mask | ex.mask
+    items = sorted(enumerate(uniq.items()), key=lambda it: (-len(it[1][1].ids), it[0]))
+    keys = [k for _, (k, _) in items]
+    exs = [e for _, (_, e) in items]
+    h = hashlib.blake2b(digest_size=16, person=b"logitless-plan")
+    h.update(f"{batch_size}\n".encode())
+    for k, e in zip(keys, exs, strict=True):
+        h.update(k)
+        h.update(b"*" if e.mask is None else np.packbits(e.mask).tobytes() + b"|")
+    batches = [range(s, min(s + batch_size, len(exs))) for s in range(0, len(exs), batch_size)]
+    return _Plan(exs, keys, batches, h.hexdigest())
+
+
+def _collate(exs: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lengths = np.array([len(e.ids) for e in exs], np.int64)
+    T = int(lengths.max())
+    ids = np.zeros((len(exs), T), np.int64)
+    want = np.zeros((len(exs), T), bool)
+    for i, e in enumerate(exs):
+        ids[i, :lengths[i]] = e.ids
+        want[i, :lengths[i]] = True if e.mask is None else e.mask
+    return torch.from_numpy(ids), torch.from_numpy(lengths), torch.from_numpy(want)
+
+
+def _rank_dir(root: Path, rank: int) -> Path:
+    return root / PARTS / f"rank-{rank:05d}"
+
+
+def _check_state(rank_dir: Path, state: dict[str, Any]) -> None:
+    path = rank_dir / _STATE
+    if not path.is_file():
+        write_json(path, state)
+        return
+    old = json.loads(path.read_text())
+    diff = {k: (old.get(k), v) for k, v in state.items() if k != "fingerprint" and old.get(k) != v}
+    fp_old, fp_new = old.get("fingerprint", {}), state["fingerprint"]
+    diff.update({k: (fp_old.get(k), v) for k, v in fp_new.items()
+                 if k != "library_version" and fp_old.get(k) != v})
+    if diff:
+        raise RefCacheMismatchError(diff, f"partial build in {rank_dir} (delete it to start over)")
+
+
+def build(
+    model: torch.nn.Module | ReferenceModel,
+    dataset: Iterable[Any],
+    path: str | Path,
+    *,
+    tokenizer: Any | None = None,
+    options: BuildOptions | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> BuildResult:
+    """Compute and store reference log-probs of ``dataset`` (this rank's share of it).
+
+    For each distinct sequence ``x[0..L-1]`` stores ``logp[t] = log p(x[t] | x[:t])`` (nats,
+    temperature applied) for ``1 <= t < L`` at the positions its records ask for (all of them
+    by default), ``NaN`` elsewhere and at ``t = 0``. Values are fp32 (fp64 for fp64 models).
+
+    Args:
+        model: a Hugging Face causal LM (its backbone runs, never its logits) or a
+            :class:`ReferenceModel`. Runs on its own device under ``torch.inference_mode``.
+        dataset: records as described in :mod:`logitless.refcache.dataset`. Every rank must
+            pass the same records.
+        path: cache directory (created). Rerunning with the same arguments resumes.
+        tokenizer: fingerprinted into the manifest when given.
+        options: :class:`BuildOptions`.
+        rank, world_size: this process's shard; ranks write disjoint part files. With
+            ``world_size > 1`` call :func:`merge` once every rank has returned.
+        on_batch: called as ``on_batch(done, total)`` after each batch is computed (progress
+            hooks, tests).
+
+    Returns:
+        :class:`BuildResult`; with ``world_size == 1`` the cache is merged and ready.
+
+    Raises:
+        ValueError: bad ``rank``/``world_size`` or records; ``path`` holds a finished cache
+            of other content.
+        RefCacheMismatchError: ``path`` holds a partial build of another model, dataset or
+            options.
+    """
+    options = options or BuildOptions()
+    if not (0 <= rank < world_size):
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    root = Path(path)
+    ref = as_reference(model)
+    fp = ref.fingerprint(tokenizer=tokenizer, temperature=options.temperature, mode=options.hash_mode)
+    plan = _plan(to_examples(dataset), options.batch_size)
+    state = {"plan": plan.digest, "world_size": world_size, "batch_size": options.batch_size,
+             "entropy": options.entropy, "fingerprint": asdict(fp)}
+    if (root / MANIFEST).is_file():
+        done = Store(root).manifest
+        if done.build.get("plan") != plan.digest or done.fingerprint.mismatches(asdict(fp)):
+            raise ValueError(f"{root} already holds a finished cache of other content; use another directory")
+        n = len(range(rank, len(plan.batches), world_size))
+        return BuildResult(root, rank, world_size, n, n, 0, 0, 0.0, None)
+    rank_dir = _rank_dir(root, rank)
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(rank_dir)
+    _check_state(rank_dir, state)
+    value_dtype = np.float64 if ref.weight.dtype == torch.float64 else np.float32
+    writer = PartWriter(root, rank, value_dtype)
+    mine = plan.batches[rank::world_size]
+    start = max((int(p["meta"].get("batch_end", 0)) for p in writer.parts), default=0)
+    seqs = toks = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(mine), initial=start, unit="batch", desc=f"refcache rank {rank}",
+               disable=not options.progress)
+    try:
+        for j in range(start, len(mine)):
+            exs = [plan.examples[i] for i in mine[j]]
+            ids, lengths, want = _collate(exs)
+            logp, ent = batch_logprobs(ref, ids, lengths, want, temperature=options.temperature,
+                                       entropy=options.entropy, chunk_bytes=options.chunk_bytes)
+            logp = logp.cpu().numpy()
+            ent = None if ent is None else ent.cpu().numpy()
+            lens = lengths.tolist()
+            writer.add([plan.keys[i] for i in mine[j]], [logp[i, :n] for i, n in enumerate(lens)],
+                       None if ent is None else [ent[i, :n] for i, n in enumerate(lens)])
+            if writer.pending_bytes >= options.part_bytes:
+                writer.flush({"batch_end": j + 1})
+            seqs += len(exs)
+            toks += int(lengths.sum())
+            bar.update(1)
+            bar.set_postfix(seq_s=f"{seqs / max(time.perf_counter() - t0, 1e-9):.1f}")
+            if on_batch is not None:
+                on_batch(j + 1, len(mine))
+        writer.flush({"batch_end": len(mine)})
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    write_json(rank_dir / _DONE, {"plan": plan.digest, "parts": writer.parts})
+    manifest = merge(root) if world_size == 1 else None
+    return BuildResult(root, rank, world_size, len(mine), start, seqs, toks, seconds, manifest)
+
+
+def merge(path: str | Path):
+    """Index every rank's parts into one cache (writes ``index.arrow`` then ``manifest.json``).
+
+    Returns:
+        The :class:`~.fingerprint.Manifest`.
+
+    Raises:
+        ValueError: a rank has not finished, or ranks disagree on plan or fingerprint.
+    """
+    root = Path(path)
+    first = _rank_dir(root, 0)
+    if not (first / _STATE).is_file():
+        raise ValueError(f"{root} holds no build (no {first / _STATE})")
+    state = json.loads((first / _STATE).read_text())
+    world = int(state["world_size"])
+    parts: list[dict[str, Any]] = []
+    for r in range(world):
+        d = _rank_dir(root, r)
+        if not (d / _DONE).is_file():
+            raise ValueError(f"rank {r} of {world} has not finished building into {d}")
+        other = json.loads((d / _STATE).read_text())
+        if other["plan"] != state["plan"] or other["fingerprint"] != state["fingerprint"]:
+            raise ValueError(f"rank {r} built a different plan or model than rank 0")
+        parts += json.loads((d / _DONE).read_text())["parts"]
+    fp = Fingerprint(**state["fingerprint"])
+    info = {k: state[k] for k in ("plan", "world_size", "batch_size", "entropy")}
+    return finalize(root, fp, parts, build=info)

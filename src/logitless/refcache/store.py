@@ -1,0 +1,413 @@
+"""On-disk format: Arrow IPC files (uncompressed, memory-mappable, no pickle).
+
+Layout of a cache directory::
+
+    manifest.json                      # Manifest: fingerprint, counts, file sizes + blake2b
+    index.arrow                        # one row per sequence, sorted by key
+    parts/rank-00000/part-000000.arrow # values, one row per sequence
+    parts/rank-00000/state.json        # build bookkeeping (resume), done.json when finished
+
+A **part** has columns ``key_hi, key_lo`` (uint64, the 16-byte sequence key big-endian),
+``length`` (int32), ``logp_crc`` / ``entropy_crc`` (uint64, blake2b-64 of the row's value
+bytes) and ``logp`` / ``entropy`` (``large_list<float32|float64>``, one value per token,
+``NaN`` where not computed). The **index** has ``key_hi, key_lo, part, offset, length,
+logp_crc, entropy_crc``: ``offset`` is the row's start in the part's flat value buffer.
+
+Serving memory-maps the index (binary search touches O(log n) pages) and reads each row's
+values with ``os.pread`` at a byte offset the manifest records per part, so the values never
+enter the process's resident set and RAM stays flat with the cache size.
+
+Integrity: every file is written to a temporary name, fsynced and renamed into place, and
+``manifest.json`` is written last (a directory without it is not a cache). The manifest
+records each file's size and blake2b; opening checks sizes and the index checksum, every
+served row is checked against its row checksum, and :meth:`Store.verify` rehashes all files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import RefCacheCorruptError
+from .fingerprint import Fingerprint, Manifest, key_words
+
+MANIFEST = "manifest.json"
+INDEX = "index.arrow"
+PARTS = "parts"
+_EMPTY_CRC = 0
+
+
+# --- files -------------------------------------------------------------------------------
+
+def atomic_write(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory + fsync + rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Delete ``.*.tmp`` files an interrupted writer left behind."""
+    for p in directory.glob(".*.tmp"):
+        p.unlink(missing_ok=True)
+
+
+def file_digest(path: Path) -> str:
+    """blake2b-128 of a file, read in 1 MiB blocks (page cache, not this process's RSS)."""
+    h = hashlib.blake2b(digest_size=16)
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def buffer_digest(data: bytes | memoryview | pa.Buffer) -> str:
+    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+
+
+def row_checksum(values: np.ndarray) -> int:
+    """blake2b-64 of a row's value bytes, as an unsigned int (0 for an absent row)."""
+    return int.from_bytes(hashlib.blake2b(memoryview(np.ascontiguousarray(values)).cast("B"),
+                                          digest_size=8).digest(), "little")
+
+
+def _read_table(path: Path) -> pa.Table:
+    """Memory-mapped, zero-copy read of an Arrow IPC file."""
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise RefCacheCorruptError(path, f"not a readable Arrow IPC file ({e})") from None
+
+
+def value_offsets(whole: pa.Buffer) -> dict[str, int]:
+    """Byte offsets, within an Arrow IPC part file given as one buffer, of the flat
+    ``logp``/``entropy`` value buffers (serving reads rows from there with ``pread``)."""
+    t = pa.ipc.open_file(pa.BufferReader(whole)).read_all()
+    out = {}
+    for name in ("logp", "entropy"):
+        if name in t.column_names:
+            flat = _column(t, name).values
+            out[name] = flat.buffers()[1].address - whole.address + flat.offset * flat.type.byte_width
+    return out
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else pa.concat_arrays(col.chunks)
+
+
+# --- writing -----------------------------------------------------------------------------
+
+def _list_array(rows: Sequence[np.ndarray], dtype: np.dtype) -> pa.Array:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
+class PartWriter:
+    """Appends rows for one rank and writes them as numbered, immutable part files.
+
+    Args:
+        root: cache directory.
+        rank: data-parallel rank; parts go to ``parts/rank-{rank:05d}/``.
+        value_dtype: ``np.float32`` or ``np.float64``.
+    """
+
+    def __init__(self, root: Path, rank: int, value_dtype: np.dtype) -> None:
+        self.dir = Path(root) / PARTS / f"rank-{rank:05d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.value_dtype = np.dtype(value_dtype)
+        self.parts: list[dict[str, Any]] = [read_part_meta(p) for p in sorted(self.dir.glob("part-*.arrow"))]
+        self._keys: list[bytes] = []
+        self._logp: list[np.ndarray] = []
+        self._entropy: list[np.ndarray] = []
+        self.pending_bytes = 0
+
+    def add(self, keys: Sequence[bytes], logp: Sequence[np.ndarray],
+            entropy: Sequence[np.ndarray] | None = None) -> None:
+        """Buffer rows: ``keys[i]`` (16 bytes), ``logp[i]`` ``[L_i]`` and optionally ``entropy[i]``."""
+        if len(keys) != len(logp) or (entropy is not None and len(entropy) != len(keys)):
+            raise ValueError("keys, logp and entropy must have one entry per sequence")
+        if self._keys and (entropy is None) != (not self._entropy):
+            raise ValueError("entropy must be given for all rows of a part or for none")
+        self._keys += keys
+        self._logp += [np.asarray(r, self.value_dtype) for r in logp]
+        if entropy is not None:
+            self._entropy += [np.asarray(r, self.value_dtype) for r in entropy]
+        self.pending_bytes += sum(len(r) for r in logp) * self.value_dtype.itemsize * (1 + (entropy is not None))
+
+    def flush(self, meta: dict[str, str] | None = None) -> dict[str, Any] | None:
+        """Write buffered rows as the next part (atomically); ``meta`` goes into its schema
+        metadata. Returns the part's record ``{"name", "bytes", "blake2b", "meta"}`` or ``None``
+        when nothing was buffered."""
+        if not self._keys:
+            return None
+        words = np.array([key_words(k) for k in self._keys], dtype=np.uint64).reshape(-1, 2)
+        cols = {
+            "key_hi": pa.array(np.ascontiguousarray(words[:, 0])),
+            "key_lo": pa.array(np.ascontiguousarray(words[:, 1])),
+            "length": pa.array(np.array([len(r) for r in self._logp], np.int32)),
+            "logp_crc": pa.array(np.array([row_checksum(r) for r in self._logp], np.uint64)),
+            "entropy_crc": pa.array(np.array([row_checksum(r) for r in self._entropy] if self._entropy
+                                             else np.zeros(len(self._keys)), np.uint64)),
+            "logp": _list_array(self._logp, self.value_dtype),
+        }
+        if self._entropy:
+            cols["entropy"] = _list_array(self._entropy, self.value_dtype)
+        meta = dict(meta or {})
+        table = pa.table(cols).replace_schema_metadata({k: str(v) for k, v in meta.items()})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        buf = sink.getvalue()
+        name = f"part-{len(self.parts):06d}.arrow"
+        atomic_write(self.dir / name, buf)
+        rec = {"name": f"{self.dir.name}/{name}", "bytes": buf.size, "blake2b": buffer_digest(buf), "meta": meta,
+               "values_at": value_offsets(buf)}
+        self.parts.append(rec)
+        self._keys, self._logp, self._entropy, self.pending_bytes = [], [], [], 0
+        return rec
+
+
+def read_part_meta(path: Path) -> dict[str, Any]:
+    """A part's record (as :meth:`PartWriter.flush` returns it), hashing the file.
+
+    Raises:
+        RefCacheCorruptError: unreadable part.
+    """
+    try:
+        whole = pa.memory_map(str(path), "r").read_buffer()
+        schema = pa.ipc.open_file(pa.BufferReader(whole)).schema
+        at = value_offsets(whole)
+    except (pa.ArrowException, OSError) as e:
+        raise RefCacheCorruptError(path, f"not a readable Arrow IPC file ({e})") from None
+    meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    return {"name": f"{path.parent.name}/{path.name}", "bytes": path.stat().st_size, "blake2b": file_digest(path),
+            "meta": meta, "values_at": at}
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True).encode())
+
+
+def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any]],
+             build: dict[str, Any] | None = None) -> Manifest:
+    """Index the given parts (in part-id order), then write ``index.arrow`` and, last,
+    ``manifest.json``.
+
+    Args:
+        root: cache directory.
+        fingerprint: what the values depend on.
+        parts: part records (``name`` relative to ``parts/``, ``bytes``, ``blake2b``).
+        build: build settings recorded in the manifest.
+
+    Raises:
+        ValueError: parts disagree on value dtype or entropy, or a key appears twice with
+            different values.
+        RefCacheCorruptError: a part is unreadable or its size differs from its record.
+    """
+    root = Path(root)
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("key_hi", "key_lo", "part", "offset", "length",
+                                                          "logp_crc", "entropy_crc")}
+    value_dtype, has_entropy = None, None
+    for pid, rec in enumerate(parts):
+        path = root / PARTS / rec["name"]
+        if not path.is_file() or path.stat().st_size != rec["bytes"]:
+            raise RefCacheCorruptError(path, "missing or of unexpected size")
+        t = _read_table(path)
+        logp = _column(t, "logp")
+        vd, he = np.dtype(logp.type.value_type.to_pandas_dtype()).name, "entropy" in t.column_names
+        if value_dtype is None:
+            value_dtype, has_entropy = vd, he
+        elif (vd, he) != (value_dtype, has_entropy):
+            raise ValueError(f"part {rec['name']} stores {vd} (entropy={he}); earlier parts store "
+                             f"{value_dtype} (entropy={has_entropy})")
+        n = t.num_rows
+        for k in ("key_hi", "key_lo", "length", "logp_crc", "entropy_crc"):
+            cols[k].append(_column(t, k).to_numpy())
+        cols["part"].append(np.full(n, pid, np.int32))
+        cols["offset"].append(logp.offsets.to_numpy()[:-1].astype(np.int64))
+    arrays = {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
+    order = np.lexsort((arrays["key_lo"], arrays["key_hi"]))
+    arrays = {k: v[order] for k, v in arrays.items()}
+    dup = (arrays["key_hi"][1:] == arrays["key_hi"][:-1]) & (arrays["key_lo"][1:] == arrays["key_lo"][:-1])
+    if dup.any():
+        same = (arrays["logp_crc"][1:] == arrays["logp_crc"][:-1]) & (arrays["length"][1:] == arrays["length"][:-1])
+        if not same[dup].all():
+            raise ValueError("a sequence key appears in two parts with different values")
+        keep = np.concatenate([[True], ~dup])
+        arrays = {k: v[keep] for k, v in arrays.items()}
+    dtypes = {"key_hi": pa.uint64(), "key_lo": pa.uint64(), "part": pa.int32(), "offset": pa.int64(),
+              "length": pa.int32(), "logp_crc": pa.uint64(), "entropy_crc": pa.uint64()}
+    index = pa.table({k: pa.array(arrays[k], type=dtypes[k]) for k in dtypes})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, index.schema) as w:
+        w.write_table(index)
+    buf = sink.getvalue()
+    atomic_write(root / INDEX, buf)
+    files = {INDEX: {"bytes": buf.size, "blake2b": buffer_digest(buf)}}
+    for rec in parts:
+        files[f"{PARTS}/{rec['name']}"] = {"bytes": rec["bytes"], "blake2b": rec["blake2b"]}
+    manifest = Manifest(
+        fingerprint=fingerprint, value_dtype=value_dtype or "float32", has_entropy=bool(has_entropy),
+        num_sequences=int(index.num_rows), num_tokens=int(arrays["length"].sum()) if len(order) else 0,
+        files=files, parts=[f"{PARTS}/{r['name']}" for r in parts], values_at=[r["values_at"] for r in parts],
+        build=dict(build or {}),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    atomic_write(root / MANIFEST, manifest.to_json().encode())
+    return manifest
+
+
+# --- reading -----------------------------------------------------------------------------
+
+class Store:
+    """Read side of a finished cache directory: memory-mapped index and parts.
+
+    Opening reads the manifest, checks every file's size (truncation) and the index's
+    blake2b; part files are mapped lazily. RAM use does not grow with the cache size: only
+    the pages of rows actually served are touched.
+
+    Raises (on construction):
+        RefCacheCorruptError: missing/unparsable manifest, a missing or resized file, an index
+            checksum mismatch.
+    """
+
+    def __init__(self, root: str | Path, *, full_verify: bool = False) -> None:
+        self._fds: dict[int, int] = {}
+        self.root = Path(root)
+        mpath = self.root / MANIFEST
+        if not mpath.is_file():
+            raise RefCacheCorruptError(mpath, "no manifest (not a cache directory, or its build did not finish)")
+        self.manifest = Manifest.from_json(mpath.read_text(), mpath)
+        for name, rec in self.manifest.files.items():
+            p = self.root / name
+            size = p.stat().st_size if p.is_file() else None
+            if size != rec["bytes"]:
+                raise RefCacheCorruptError(p, f"expected {rec['bytes']} bytes, found "
+                                              f"{'no file' if size is None else size} (truncated or replaced)")
+        if full_verify:
+            self.verify()
+        else:
+            self._check_digest(INDEX)
+        t = _read_table(self.root / INDEX)
+        self.key_hi = _column(t, "key_hi").to_numpy()
+        self.key_lo = _column(t, "key_lo").to_numpy()
+        self.part = _column(t, "part").to_numpy()
+        self.offset = _column(t, "offset").to_numpy()
+        self.length = _column(t, "length").to_numpy()
+        self.crc = {"logp": _column(t, "logp_crc").to_numpy(), "entropy": _column(t, "entropy_crc").to_numpy()}
+        self.value_dtype = np.dtype(self.manifest.value_dtype)
+
+    def _check_digest(self, name: str) -> None:
+        if file_digest(self.root / name) != self.manifest.files[name]["blake2b"]:
+            raise RefCacheCorruptError(self.root / name, "blake2b checksum mismatch")
+
+    def verify(self) -> None:
+        """Rehash every file against the manifest.
+
+        Raises:
+            RefCacheCorruptError: the first file whose size or checksum differs.
+        """
+        for name, rec in self.manifest.files.items():
+            p = self.root / name
+            if not p.is_file() or p.stat().st_size != rec["bytes"]:
+                raise RefCacheCorruptError(p, "missing or of unexpected size")
+            self._check_digest(name)
+
+    def __len__(self) -> int:
+        return int(self.key_hi.shape[0])
+
+    def find(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Index rows of ``keys`` (``[n]`` int64), ``-1`` where absent."""
+        if not keys:
+            return np.zeros(0, np.int64)
+        words = np.array([key_words(k) for k in keys], dtype=np.uint64).reshape(-1, 2)
+        hi, lo = words[:, 0], words[:, 1]
+        pos = np.searchsorted(self.key_hi, hi, side="left")
+        n = len(self)
+        safe = np.minimum(pos, max(n - 1, 0))
+        hit = (pos < n) & (self.key_hi[safe] == hi) & (self.key_lo[safe] == lo) if n else np.zeros(len(hi), bool)
+        rows = np.where(hit, pos, -1).astype(np.int64)
+        for i in np.flatnonzero(~hit & (pos < n) & (self.key_hi[safe] == hi)):  # rare: equal high words
+            j = int(pos[i])
+            while j < n and self.key_hi[j] == hi[i]:
+                if self.key_lo[j] == lo[i]:
+                    rows[i] = j
+                    break
+                j += 1
+        return rows
+
+    def _fd(self, pid: int) -> int:
+        fd = self._fds.get(pid)
+        if fd is None:
+            fd = self._fds[pid] = os.open(self.root / self.manifest.parts[pid], os.O_RDONLY)
+        return fd
+
+    def gather(self, rows: np.ndarray, what: str = "logp") -> np.ndarray:
+        """The values of ``rows`` concatenated (``[Σ length]``), each row verified.
+
+        Rows are read with positioned reads (``os.pread``) at offsets recorded in the
+        manifest, so they pass through the page cache without entering this process's
+        resident set; parts are never parsed at serving time.
+
+        Raises:
+            RefCacheCorruptError: a row fails its checksum or lies outside its part.
+        """
+        item = self.value_dtype.itemsize
+        out = np.empty(int(self.length[rows].sum()), self.value_dtype)
+        view = memoryview(out).cast("B")
+        crc = self.crc[what]
+        at = 0
+        for r in rows.tolist():
+            pid, off, n = int(self.part[r]), int(self.offset[r]), int(self.length[r])
+            base = self.manifest.values_at[pid].get(what)
+            if base is None:  # the manifest lists no such column for this part
+                raise RefCacheCorruptError(self.root / self.manifest.parts[pid], f"no {what!r} values")
+            got = os.preadv(self._fd(pid), [view[at * item:(at + n) * item]], base + off * item)
+            if got != n * item or row_checksum(out[at:at + n]) != int(crc[r]):
+                raise RefCacheCorruptError(self.root / self.manifest.parts[pid],
+                                           f"row at value offset {off} (length {n}) fails its checksum")
+            at += n
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def manifest_summary(m: Manifest) -> dict[str, Any]:
+    """Plain-dict view of a manifest for ``info`` output."""
+    d = asdict(m)
+    d["total_bytes"] = sum(f["bytes"] for f in m.files.values())
+    return d

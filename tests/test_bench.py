@@ -1,0 +1,100 @@
+"""``logitless bench`` on CPU: the quick run writes a JSON with every row, agreement numbers
+that say "same numbers", and a regenerated BENCHMARKS.md + plot in the output folder (never
+the repository's own)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from logitless.bench import report
+from logitless.bench.cases import Case, make_inputs, parse_shape
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "logitless.bench", "--device", "cpu", "--quick", "--out-dir",
+                           str(out)], cwd=out, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = list((out / "benchmarks" / "results").glob("*.json"))
+    assert len(files) == 1, files
+    return out, json.loads(files[0].read_text())
+
+
+def _rec(case: dict, objective: str, row: str) -> dict:
+    (rec,) = [r for r in case["results"] if r["objective"] == objective and r["row"] == row]
+    return rec
+
+
+def test_json_has_every_row_and_timings(quick_run):
+    _, run = quick_run
+    assert run["device"]["type"] == "cpu"
+    assert len(run["cases"]) == 2
+    must = {"grpo": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
+            "ce": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
+            "rollout": ["floor", "logitless", "torch-plain"]}
+    if importlib.util.find_spec("trl") is not None:
+        for rows in must.values():
+            rows.append("trl-chunked")
+    for case in run["cases"]:
+        assert abs(case["mean_entropy"] - 2.0) < 0.3, case["mean_entropy"]  # calibrated, not uniform (~log V)
+        for objective, rows in must.items():
+            for row in rows:
+                rec = _rec(case, objective, row)
+                assert rec["status"] == "ok", rec
+                assert rec["time_ms"] > 0 and rec["tflops"] > 0 and math.isfinite(rec["ratio_to_floor"])
+        for objective, row in (("grpo", "liger"), ("ce", "cce"), ("ce", "torch-compile")):  # recorded, with why
+            rec = _rec(case, objective, row)
+            assert rec["status"] == "skipped" and rec["reason"]
+
+
+def test_rows_agree_with_logitless(quick_run):
+    _, run = quick_run
+    for case in run["cases"]:
+        for objective in ("grpo", "ce"):
+            rec = _rec(case, objective, "logitless-recompute")  # same fp32 math on CPU: same numbers
+            assert rec["loss_rel_diff"] < 1e-5 and rec["grad_hidden_rel_diff"] < 1e-5, rec
+            plain = _rec(case, objective, "torch-plain")  # bf16 logits: bf16-sized differences
+            assert plain["agrees"] is True, plain
+            assert 0 < plain["grad_weight_rel_diff"] < 5e-2
+        assert _rec(case, "rollout", "torch-plain")["logp_rel_diff"] < 1e-2
+
+
+def test_report_regenerated_in_out_dir_only(quick_run):
+    out, run = quick_run
+    md = (out / "BENCHMARKS.md").read_text()
+    assert "logitless-fused" in md and "benchmarks/bench.png" in md and "Same numbers" in md
+    assert (out / "benchmarks" / "bench.png").stat().st_size > 1000
+    # --report-only regenerates from every JSON present (here: a second copy of the run).
+    second = dict(run, timestamp="2000-01-01T00:00:00Z")
+    report.write_json(second, out / "benchmarks" / "results")
+    proc = subprocess.run([sys.executable, "-m", "logitless.bench", "--report-only", "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    md2 = (out / "BENCHMARKS.md").read_text()
+    assert "2 JSON file(s)" in md2 and "2000-01-01T00:00:00Z" in md2
+
+
+def test_shapes_parse_and_reject():
+    assert parse_shape("8k:qwen2.5-7b") == Case("qwen2.5-7b", 8192, 3584, 151936)
+    assert parse_shape("256:64x1000").vocab_size == 1000
+    for bad in ("8k", "8k:nope", "0:tiny-a", "102:tiny-a"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+
+
+def test_inputs_are_realistic():
+    x = make_inputs(parse_shape("256:96x1531"), torch.device("cpu"), torch.bfloat16, target_entropy=1.5)
+    assert abs(x.true_entropy - 1.5) < 0.3  # uniform random heads would give ~log V = 7.3 nats
+    assert x.hidden.shape == (4, 64, 96) and x.hidden.requires_grad and x.weight.requires_grad
+    assert int(x.targets.max()) < 1531 and bool((x.old_logp <= 0).all())

@@ -1,0 +1,271 @@
+"""Triton backend vs the torch backend and the float64 oracle, under the Triton interpreter.
+
+Every kernel runs on CPU tensors with ``TRITON_INTERPRET=1``. That variable only takes effect
+for kernels decorated after it is set, and another test module may have imported the kernels
+earlier in this pytest process, so the cases run in a child pytest with the variable set
+(:func:`test_under_interpreter`). Run ``TRITON_INTERPRET=1 pytest tests/test_triton_backend.py``
+to see them one by one.
+
+Errors are bounded by the reference's own: ``|ours - fp64| <= |torch backend - fp64| + tol``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_under_interpreter's child process")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases")
+def test_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("LOGITLESS_TRITON_LOGITS", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+                           "ignore::RuntimeWarning", __file__], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+
+
+# Odd sizes: V = 123 is not a multiple of the interpreter's 64-wide blocks (masked tail) and
+# N = 47 not a multiple of rows per program; vocab_block 50 cuts V into 50 + 50 + 23.
+N, V = 47, 123
+TRANSFORMS = {
+    "plain": ({}, False),
+    "full": ({"temperature": 0.7, "logit_scale": 1.3, "softcap": 5.0}, True),
+}
+
+
+def _inputs(dtype, transform_key, hidden_size=16, seed=0):
+    from logitless.ops.transform import LogitTransform
+
+    g = torch.Generator().manual_seed(seed)
+    kw, has_bias = TRANSFORMS[transform_key]
+    h = torch.randn(N, hidden_size, generator=g).to(dtype)
+    w = (torch.randn(V, hidden_size, generator=g) * 3 / hidden_size**0.5).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype) if has_bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    t[3], t[5] = V + 2, -1  # targets of another vocabulary shard
+    return h, w, b, t, LogitTransform(**kw)
+
+
+def _oracle(h, w, b, t, transform, g_logp, g_lse, g_ent):
+    """fp64 materialized ``(lse, logp, sum_pz)`` and the gradients of
+    ``Σ g_logp logp + g_lse lse + g_ent entropy`` w.r.t. ``(h, w, b)``."""
+    leaves = [x.double().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    y = leaves[0] @ leaves[1].t()
+    if b is not None:
+        y = y + leaves[2]
+    z = transform.apply(y)
+    lse = torch.logsumexp(z, dim=1)
+    sum_pz = (torch.softmax(z, dim=1) * z).sum(1)
+    owned = (t >= 0) & (t < V)
+    zy = torch.where(owned, z.gather(1, t.clamp(0, V - 1)[:, None]).squeeze(1), torch.zeros_like(lse))
+    logp = zy - lse
+    loss = sum((g.double() * s).sum() for g, s in ((g_logp, logp), (g_lse, lse), (g_ent, lse - sum_pz))
+               if g is not None)
+    grads = torch.autograd.grad(loss, leaves) if torch.is_tensor(loss) else None
+    return (lse.detach(), logp.detach(), sum_pz.detach()), grads
+
+
+def _assert_bounded(ours, ref, oracle, rtol, name):
+    """``|ours - oracle| <= |ref - oracle| + rtol * max|oracle|`` elementwise."""
+    ours, ref, oracle = ours.double(), ref.double(), oracle.double()
+    tol = rtol * oracle.abs().max().clamp_min(1.0)
+    excess = (ours - oracle).abs() - (ref - oracle).abs() - tol
+    assert excess.max() <= 0, f"{name}: error exceeds the torch backend's by {excess.max().item():.3e} (tol {tol:.1e})"
+
+
+def _rtol(dtype, tile, what):
+    if dtype == torch.float32:
+        return 1e-5
+    if what == "stats":
+        # fp32 tile: same logits as the torch backend. bf16 tile: logits rounded to bf16
+        # (relative 2**-9 of |z|, which the max-scaled tolerance covers).
+        return 1e-5 if tile == "fp32" else 2**-7
+    return 2e-2  # gradients: dy is rounded to bf16 for the bf16 GEMMs (the torch CPU path keeps fp32)
+
+
+def _plan(vocab_block):
+    from logitless.ops.plan import ChunkPlan
+
+    return ChunkPlan(token_chunk=N, vocab_block=vocab_block, keep_logits=vocab_block == V)
+
+
+# Forward: both input dtypes, both transforms (bias, scale, softcap, temperature), one block or
+# three, and for bf16 both tile dtypes (the fp32 tile of bf16 inputs is the GPU default).
+FORWARD_CASES = [(dt, tr, vb, "fp32") for dt in (torch.float32, torch.bfloat16) for tr in TRANSFORMS
+                 for vb in (V, 50)] + [(torch.bfloat16, tr, V, "input") for tr in TRANSFORMS]
+
+
+@interpreted
+@pytest.mark.parametrize(("dtype", "transform_key", "vocab_block", "tile"), FORWARD_CASES)
+def test_chunk_forward(monkeypatch, dtype, transform_key, vocab_block, tile):
+    from logitless.ops import torch_backend, triton_backend
+
+    monkeypatch.setenv("LOGITLESS_TRITON_LOGITS", tile)
+    h, w, b, t, tr = _inputs(dtype, transform_key)
+    plan = _plan(vocab_block)
+    ours, kept = triton_backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, True, keep_logits=True)
+    ref, _ = torch_backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, True, keep_logits=True)
+    assert (kept is not None) == (vocab_block == V)
+    assert torch.equal(ours.owned, ref.owned)
+    assert ours.m.dtype == ours.se.dtype == ours.sez.dtype == ours.zy.dtype == torch.float32
+    oracle, _ = _oracle(h, w, b, t, tr, None, None, None)
+    for name, a, r, o in zip(("lse", "logp", "sum_pz"), ours.finalize(), ref.finalize(), oracle, strict=True):
+        _assert_bounded(a, r, o, _rtol(dtype, tile, "stats"), name)
+    assert torch.all(ours.zy[~ours.owned] == 0)
+
+
+@interpreted
+def test_chunk_forward_without_entropy_matches_with():
+    from logitless.ops import triton_backend
+
+    h, w, b, t, tr = _inputs(torch.float32, "full")
+    a, _ = triton_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float32, False, keep_logits=False)
+    c, _ = triton_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float32, True, keep_logits=False)
+    assert a.sez is None
+    for x, y in ((a.m, c.m), (a.se, c.se), (a.zy, c.zy)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# Backward: kept tile (fused) and recomputed blocks, g_entropy absent/present, g_logp absent,
+# g_lse absent, for fp32, for bf16 with an fp32 tile (dy written over the tile's first half) and
+# with a bf16 tile (dy written in place); H = 32 once so the GEMM sizes differ from N and V.
+BACKWARD_CASES = [
+    # dtype, transform, kept, (g_logp, g_lse, g_entropy) present, tile, H
+    (torch.float32, "plain", True, (True, True, True), "fp32", 16),
+    (torch.float32, "full", False, (True, True, True), "fp32", 32),
+    (torch.float32, "full", True, (True, False, False), "fp32", 16),
+    (torch.bfloat16, "full", True, (True, True, True), "fp32", 16),
+    (torch.bfloat16, "full", False, (False, True, False), "fp32", 16),
+    (torch.bfloat16, "plain", True, (True, True, True), "input", 16),
+    (torch.bfloat16, "full", False, (True, False, True), "input", 16),
+]
+
+
+@interpreted
+@pytest.mark.parametrize(("dtype", "transform_key", "kept", "present", "tile", "hidden_size"), BACKWARD_CASES)
+def test_chunk_backward(monkeypatch, dtype, transform_key, kept, present, tile, hidden_size):
+    from logitless.ops import torch_backend, triton_backend
+
+    monkeypatch.setenv("LOGITLESS_TRITON_LOGITS", tile)
+    h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size=hidden_size, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    g_logp, g_lse, g_ent = (torch.randn(N, generator=gen) if p else None for p in present)
+    plan = _plan(V if kept else 50)
+    oracle_stats, oracle_grads = _oracle(h, w, b, t, tr, g_logp, g_lse, g_ent)
+    results = {}
+    for name, backend in (("triton", triton_backend), ("torch", torch_backend)):
+        partials, logits = backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, g_ent is not None,
+                                                 keep_logits=kept)
+        assert (logits is not None) == kept
+        lse, _, sum_pz = partials.finalize()
+        gw = torch.zeros(V, hidden_size)
+        gb = torch.zeros(V) if b is not None else None
+        gh = backend.chunk_backward(h, w, b, t, tr, plan, lse, sum_pz, g_logp, g_lse, g_ent, logits, gw, gb, True)
+        assert gh.dtype == torch.float32 and gh.shape == h.shape
+        results[name] = (gh, gw, gb)
+    for i, name in enumerate(("d hidden", "d weight", "d bias")):
+        if results["torch"][i] is not None:
+            _assert_bounded(results["triton"][i], results["torch"][i], oracle_grads[i],
+                            _rtol(dtype, tile, "grads"), name)
+    assert oracle_stats is not None
+
+
+@interpreted
+def test_chunk_backward_accumulates_and_skips_hidden():
+    """grad_weight/grad_bias are accumulators; need_grad_hidden=False returns None."""
+    from logitless.ops import triton_backend
+
+    h, w, b, t, tr = _inputs(torch.float32, "full")
+    plan = _plan(V)
+    partials, kept = triton_backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, False, keep_logits=True)
+    lse = partials.finalize()[0]
+    g = torch.ones(N)
+    gw1, gb1 = torch.zeros(V, 16), torch.zeros(V)
+    triton_backend.chunk_backward(h, w, b, t, tr, plan, lse, None, g, None, None, None, gw1, gb1, False)
+    gw2, gb2 = gw1.clone(), gb1.clone()
+    out = triton_backend.chunk_backward(h, w, b, t, tr, plan, lse, None, g, None, None, kept, gw2, gb2, False)
+    assert out is None
+    torch.testing.assert_close(gw2, 2 * gw1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gb2, 2 * gb1, rtol=1e-5, atol=1e-6)
+
+
+@interpreted
+def test_fp64_delegates_to_torch_backend():
+    from logitless.ops import torch_backend, triton_backend
+
+    h, w, b, t, tr = _inputs(torch.float64, "full")
+    a, _ = triton_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float64, True, keep_logits=False)
+    c, _ = torch_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float64, True, keep_logits=False)
+    for x, y in zip(a.finalize(), c.finalize(), strict=True):
+        assert x.dtype == torch.float64
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# Public API end to end: a small budget so the plan cuts several token chunks and vocabulary
+# blocks (8000 B at 16 B/element: 32-token chunks, 15-entry blocks).
+SMALL_BUDGET = 8000
+
+
+@interpreted
+def test_vocab_stats_and_token_logprobs_match_torch():
+    import logitless
+    from logitless.ops.reference import reference_stats
+
+    h, w, b, t, _ = _inputs(torch.float32, "full")
+    t = t.clamp(0, V - 1)
+    t[7] = -100
+    kw = {"bias": b, "temperature": 0.7, "logit_scale": 1.3, "softcap": 5.0, "chunk_bytes": SMALL_BUDGET}
+    out, grads = {}, {}
+    for impl in ("torch", "triton"):
+        hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
+        st = logitless.vocab_stats(hh, ww, t, impl=impl, **{**kw, "bias": bb})
+        (st.logp.sum() * 0.5 + (st.entropy * torch.linspace(-1, 1, N)).sum() + st.lse.square().sum()).backward()
+        out[impl], grads[impl] = st, (hh.grad, ww.grad, bb.grad)
+    ref = reference_stats(h, w, t, bias=b, temperature=0.7, logit_scale=1.3, softcap=5.0)
+    for i, name in enumerate(("logp", "lse", "entropy")):
+        _assert_bounded(out["triton"][i], out["torch"][i], ref[i], 1e-5, name)
+    for a, c in zip(grads["triton"], grads["torch"], strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+    lp_tri, ent_tri = logitless.token_logprobs(h, w, t, impl="triton", return_entropy=True, **kw)
+    lp_tch, ent_tch = logitless.token_logprobs(h, w, t, impl="torch", return_entropy=True, **kw)
+    torch.testing.assert_close(lp_tri, lp_tch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_tri, ent_tch, rtol=1e-5, atol=1e-5)
+    assert lp_tri[7] == 0
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_policy_loss_fused_matches_torch(dtype):
+    import logitless
+
+    g = torch.Generator().manual_seed(3)
+    b_, t_, hid = 3, 9, 16
+    h = torch.randn(b_, t_, hid, generator=g).to(dtype)
+    w = (torch.randn(V, hid, generator=g) * 0.7).to(dtype)
+    ids = torch.randint(0, V, (b_, t_), generator=g)
+    mask = (torch.rand(b_, t_, generator=g) > 0.2).long()
+    adv = torch.randn(b_, generator=g)
+    old = -torch.rand(b_, t_, generator=g) * 3
+    res = {}
+    for impl in ("torch", "triton"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, metrics = logitless.policy_loss(hh, ww, ids, mask, adv, old, mode="fused", impl=impl,
+                                              chunk_bytes=SMALL_BUDGET)
+        loss.backward()
+        res[impl] = (loss.detach(), hh.grad.float(), ww.grad.float(), metrics)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(res["triton"][0], res["torch"][0], **tol)
+    torch.testing.assert_close(res["triton"][1], res["torch"][1], **tol)
+    torch.testing.assert_close(res["triton"][2], res["torch"][2], **tol)
+    for k, v in res["torch"][3].items():
+        torch.testing.assert_close(res["triton"][3][k].float(), v.float(), **tol, msg=k)

@@ -1,0 +1,133 @@
+"""The TRL drop-in: same loss, gradients, metrics and rollout log-probs as TRL's own trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import save_tiny_qwen2, word_tokenizer
+
+from logitless.integrations.hf import UnsupportedModelError, find_head
+from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigError, patch_grpo_trainer
+
+V = 64
+
+
+def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, **config):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    save_tiny_qwen2(tmp_path / "m", vocab_size=V, tie=tie, seed=1)
+    opts = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, max_steps=2, bf16=False)
+    opts.update(config)
+    return cls(model=str(tmp_path / "m"), reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+               args=GRPOConfig(**opts), train_dataset=Dataset.from_dict({"prompt": ["t1 t2", "t3 t4 t5"] * 8}),
+               processing_class=word_tokenizer(V))
+
+
+def _inputs(trainer, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, p, t = 4, 3, 6
+    mask = (torch.rand(b, t, generator=g) > 0.25).long()
+    mask[1, 3:] = 0
+    ids = torch.randint(0, V - 3, (b, p + t), generator=g)
+    inputs = dict(prompt_ids=ids[:, :p], prompt_mask=torch.ones(b, p, dtype=torch.long), completion_ids=ids[:, p:],
+                  completion_mask=mask, advantages=torch.randn(b, generator=g),
+                  num_items_in_batch=mask.sum().float())
+    with torch.no_grad():
+        cur, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), t)
+    inputs["old_per_token_logps"] = cur + 0.3 * torch.randn(b, t, generator=g)
+    inputs["ref_per_token_logps"] = cur + 0.3 * torch.randn(b, t, generator=g)
+    return inputs
+
+
+def _loss_and_grads(trainer, fn, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics["train"].clear()
+    loss = fn(trainer, trainer.model, inputs)
+    loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
+    return loss.detach(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize(("loss_type", "level", "beta"), [("dapo", "token", 0.04), ("grpo", "sequence", 0.0),
+                                                          ("bnpo", "token", 0.1)])
+def test_loss_grads_metrics_match_trl(tmp_path, loss_type, level, beta):
+    from trl import GRPOTrainer
+
+    tr = _trainer(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_high=0.28)
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 2
+    inputs = _inputs(tr, seed=3)
+    ours = _loss_and_grads(tr, LogitlessGRPOTrainer._compute_loss, inputs)
+    theirs = _loss_and_grads(tr, GRPOTrainer._compute_loss, inputs)
+    # TRL's head computes in fp32: compare at fp32 accuracy.
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    assert (ours[1] - theirs[1]).norm() <= 1e-5 * theirs[1].norm()
+    assert set(ours[2]) == set(theirs[2])
+    for k, v in theirs[2].items():
+        assert ours[2][k] == pytest.approx(v, rel=1e-5, abs=1e-7, nan_ok=True), k
+
+
+def test_rollout_logps_match_trl_head(tmp_path):
+    from trl import GRPOTrainer
+
+    tr = _trainer(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V - 3, (3, 9), generator=g)
+    am = torch.ones_like(ids)
+    am[0, :2] = 0  # left padding
+    am[2, -2:] = 0  # padded completion
+    with torch.no_grad():
+        ours, ent, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, am, 5, compute_entropy=True)
+        theirs, ent_t, _ = GRPOTrainer._get_per_token_logps_and_entropies(tr, tr.model, ids, am, 5,
+                                                                          compute_entropy=True)
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(ent, ent_t, rtol=1e-5, atol=1e-6)
+    assert (ours[2, -2:] == 0).all()
+
+
+def test_trains_and_logs_trl_metrics(tmp_path):
+    tr = _trainer(tmp_path, beta=0.04, loss_type="dapo")
+    tr.train()
+    logged = [h for h in tr.state.log_history if "loss" in h]
+    assert len(logged) == 2
+    for k in ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_min"):
+        assert k in logged[-1]
+    assert torch.isfinite(torch.tensor(logged[-1]["entropy"]))
+
+
+def test_tied_embeddings_head_is_found(tmp_path):
+    tr = _trainer(tmp_path, tie=True)
+    head = find_head(tr.model)
+    assert head.weight is tr.model.get_input_embeddings().weight
+
+
+def test_patch_existing_trainer(tmp_path):
+    from trl import GRPOTrainer
+
+    tr = _trainer(tmp_path, cls=GRPOTrainer)
+    patched = patch_grpo_trainer(tr, logitless_mode="recompute")
+    assert isinstance(patched, LogitlessGRPOTrainer) and patched.logitless_mode == "recompute"
+    inputs = _inputs(patched, seed=7)
+    patched.model.train()
+    patched.current_gradient_accumulation_steps = 1
+    ours = _loss_and_grads(patched, LogitlessGRPOTrainer._compute_loss, inputs)
+    theirs = _loss_and_grads(patched, GRPOTrainer._compute_loss, inputs)
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+
+
+def test_refuses_unsupported_config(tmp_path):
+    with pytest.raises(UnsupportedConfigError, match="use_adaptive_entropy"):
+        _trainer(tmp_path, use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1.0)
+
+
+def test_refuses_unknown_head():
+    class NoHead(torch.nn.Module):
+        config = None
+
+        def get_output_embeddings(self):
+            return None
+
+    with pytest.raises(UnsupportedModelError, match="NoHead"):
+        find_head(NoHead())
