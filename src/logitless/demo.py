@@ -1,9 +1,10 @@
 """``logitless demo``: train a small Qwen2-architecture model with TRL's GRPOTrainer through
 logitless on an embedded verifiable task, and show that the numbers match TRL's own path.
 
-The task: each prompt starts with ``LOW`` or ``HIGH``; the reward of a completion is the
-fraction of its tokens whose id lies in the named half of the vocabulary. A random model
-scores ~0.5; learning to condition on the first prompt token raises it.
+The task (verifiable, checked by a rule): answer with words from the first half of the
+dictionary. The reward of a completion is the fraction of its tokens whose id is below
+``V / 2``. A random model scores ~0.5; GRPO has to move probability mass over half of a
+32k-word vocabulary through the head, which is the part logitless computes.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens of the head-memory comparison (default 8192; 0 skips it)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     p.add_argument("--output-dir", default="demo_out", help="where the plot and summary go (default demo_out)")
-    p.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    p.add_argument("--learning-rate", type=float, default=2e-2, help="AdamW learning rate (default 2e-2)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -100,25 +101,21 @@ def _dataset(vocab: int, n: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     prompts = []
-    for i in range(n):
+    for _ in range(n):
         words = " ".join(f"w{int(x)}" for x in torch.randint(2, vocab - 3, (3,), generator=g))
-        prompts.append(f"{'LOW' if i % 2 == 0 else 'HIGH'} {words}")
+        prompts.append(f"LOW {words}")
     return Dataset.from_dict({"prompt": prompts})
 
 
 def _reward_factory(vocab: int, tokenizer):
     half = vocab // 2
 
-    def half_reward(prompts, completion_ids, **_):
-        """Fraction of completion tokens in the half of the vocabulary the prompt names."""
+    def half_reward(completion_ids, **_):
+        """Fraction of completion tokens in the lower half of the vocabulary."""
         out = []
-        for prompt, ids in zip(prompts, completion_ids, strict=True):
+        for ids in completion_ids:
             ids = [i for i in ids if i < vocab - 3]  # ignore pad/eos
-            if not ids:
-                out.append(0.0)
-                continue
-            low = prompt.split()[0] == "LOW"
-            out.append(sum((i < half) == low for i in ids) / len(ids))
+            out.append(sum(i < half for i in ids) / len(ids) if ids else 0.0)
         return out
 
     return half_reward
