@@ -100,7 +100,8 @@ def parse_shape(text: str) -> Case:
 
 
 def grid(models: list[str], tokens: list[int]) -> list[Case]:
-    return [parse_shape(f"{n}:{m}") for m in models for n in tokens]
+    """Every ``(N, model)`` pair, smallest ``N`` first (a time budget then drops the largest)."""
+    return [parse_shape(f"{n}:{m}") for n in sorted(tokens) for m in models]
 
 
 @dataclass

@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-time", type=float, default=None,
                         help="seconds of timed calls per row (default 1.0; 0.2 with --quick)")
+    parser.add_argument("--reps", type=int, default=None, help="at least this many timed calls per row (default 3)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no new row starts (the rest are recorded as skipped)")
     parser.add_argument("--out-dir", type=Path, default=Path("."),
@@ -128,6 +129,8 @@ def _validate(args: argparse.Namespace) -> None:
     for r in args.rows or []:
         if r not in ROW_NAMES:
             raise SystemExit(f"logitless bench: unknown row {r!r}; choose from {', '.join(ROW_NAMES)}")
+    if args.reps is not None and args.reps < 1:
+        raise SystemExit(f"logitless bench: --reps must be >= 1, got {args.reps}")
     for i in args.impl:
         if i not in ("auto", "torch", "triton"):
             raise SystemExit(f"logitless bench: unknown impl {i!r}; choose from auto, torch, triton")
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     opts = Options(device=device, dtype=_DTYPES[args.dtype], impls=args.impl, objectives=args.objectives,
                    rows=args.rows, target_entropy=args.entropy, seed=args.seed,
                    min_time_s=args.min_time if args.min_time is not None else (0.2 if args.quick else 1.0),
-                   min_reps=2 if quick_cpu else 3, max_reps=5 if quick_cpu else 20,
+                   min_reps=args.reps or (2 if quick_cpu else 3), max_reps=max(args.reps or 0, 5 if quick_cpu else 20),
                    deadline=None if args.time_budget is None else start + args.time_budget)
     run_record: dict[str, Any] = {
         "schema": 1,

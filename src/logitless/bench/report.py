@@ -61,7 +61,9 @@ def _gib(b: float) -> str:
 def _cell_time(r: dict[str, Any]) -> str:
     if r["status"] == "ok":
         ratio = f" · **{r['ratio_to_floor']:.2f}×**" if "ratio_to_floor" in r else ""
-        return f"{r['time_ms']:.3g} ms{ratio} · {r['tflops']:.3g} TF/s"
+        t = r["time_ms"]
+        ms = f"{t:.0f}" if t >= 100 else f"{t:.3g}"
+        return f"{ms} ms{ratio} · {r['tflops']:.3g} TF/s"
     return r["status"]
 
 
@@ -188,22 +190,23 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     if not objectives or not models:
         return False
     names = list(dict.fromkeys(r["row"] for c in run["cases"] for r in c["results"] if r["row"] != "floor"))
-    palette = plt.get_cmap("tab10")
-    colors = {n: palette(k % 10) for k, n in enumerate(names)}
-    fig, axes = plt.subplots(len(objectives), len(models), figsize=(4.2 * len(models), 3.2 * len(objectives)),
+    palette = plt.get_cmap("tab20")
+    colors = {n: palette(k % 20) for k, n in enumerate(names)}
+    fig, axes = plt.subplots(len(objectives), len(models), figsize=(3.6 * len(models) + 2.2, 3.0 * len(objectives)),
                              squeeze=False, sharex=True)
     for i, objective in enumerate(objectives):
         for j, model in enumerate(models):
             ax = axes[i][j]
             cases = sorted((c for c in run["cases"] if c["model"] == model), key=lambda c: c["n_tokens"])
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="floor")
             for name in _row_order(run, objective):
+                if name == "floor":
+                    continue
                 pts = [(c["n_tokens"], r["ratio_to_floor"]) for c in cases for r in c["results"]
                        if r["objective"] == objective and r["row"] == name and "ratio_to_floor" in r]
                 if not pts:
                     continue
-                style = (dict(color="black", linestyle="--", linewidth=1) if name == "floor"
-                         else dict(marker="o", color=colors[name]))
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, marker="o", color=colors[name])
             ax.set_xscale("log", base=2)
             ratios = [line.get_ydata() for line in ax.get_lines()]
             if ratios and max(max(r) for r in ratios) > 8:
@@ -214,7 +217,13 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
                 ax.set_ylabel("time / floor")
             if i == len(objectives) - 1:
                 ax.set_xlabel("N tokens")
-            ax.legend(fontsize=7)
+            if j == len(models) - 1:  # one legend per objective, naming every row of any panel
+                from matplotlib.lines import Line2D
+
+                handles = [Line2D([], [], color="black", linestyle="--", linewidth=1, label="floor")]
+                handles += [Line2D([], [], color=colors[n], marker="o", label=n)
+                            for n in _row_order(run, objective) if n != "floor"]
+                ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(f"{run['device']['name']} — {run['timestamp']}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

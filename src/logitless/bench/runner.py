@@ -190,6 +190,10 @@ def run_row(row: Row, impl: str, name: str, case: Case, x: Inputs, opts: Options
 def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict[str, Any]:
     """All objectives and rows of one case → the case's record (shape, inputs, row results)."""
     t0 = time.perf_counter()
+    if opts.device.type == "cuda":
+        # Fresh compile caches per case: compiled rows (torch.compile, Liger's compiled loss) compile each
+        # shape statically instead of recompiling with dynamic shapes (which broke Liger on torch 2.11).
+        torch._dynamo.reset()
     x = make_inputs(case, opts.device, opts.dtype, target_entropy=opts.target_entropy, seed=opts.seed)
     synchronize(opts.device)
     record: dict[str, Any] = {

@@ -55,7 +55,7 @@ def run_objective(
         return fused_objective(hidden, weight, bias, targets, transform, objective, cuts=cuts,
                                want_entropy=want_entropy, chunk_bytes=chunk_bytes, backend=backend)
     plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype),
-                          hidden.dtype)
+                          hidden.dtype, backend.NAME)
     _lse, logp, ent = _RecomputeFn.apply(hidden, weight, bias, targets, transform, plan, want_entropy, backend)
     entropy = ent if want_entropy else None
     if before_loss is not None:

@@ -58,7 +58,7 @@ def _run_chunk_impl(backend, hidden, weight, bias, targets, transform, sl, chunk
                     grad_weight, grad_bias, want_grad):
     sdt = stat_dtype_for(hidden.dtype)
     h, t = hidden[sl], targets[sl]
-    plan = ChunkPlan.make(h.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype)
+    plan = ChunkPlan.make(h.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype, backend.NAME)
     partials, kept = backend.chunk_forward(h, weight, bias, t, transform, plan, sdt, want_entropy,
                                            keep_logits=want_grad and plan.keep_logits)
     lse, logp, sum_pz = partials.finalize()
@@ -112,9 +112,17 @@ class _FusedFn(torch.autograd.Function):
     def backward(ctx, g_loss, _g_logp, _g_ent):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
-        gh = None if grad_hidden is None else grad_hidden * g_loss.to(grad_hidden.dtype)
-        gw = None if grad_weight is None else (grad_weight * g_loss).to(w_dtype)
-        gb = None if grad_bias is None else (grad_bias * g_loss).to(b_dtype)
+        # loss.backward() sends exactly 1: skip scaling a [V, H] fp32 buffer (a full extra pass).
+        unit = bool(g_loss == 1)
+
+        def scaled(g, dtype):
+            if g is None:
+                return None
+            return g.to(dtype) if unit else (g * g_loss.to(g.dtype)).to(dtype)
+
+        gh = scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None)
+        gw = scaled(grad_weight, w_dtype)
+        gb = scaled(grad_bias, b_dtype)
         return gh, gw, gb, None, None, None, None, None, None, None, None
 
 
@@ -141,7 +149,7 @@ def fused_objective(
         are detached; ``collected`` holds each chunk's second return value, in order.
     """
     sdt = stat_dtype_for(hidden.dtype)
-    plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype)
+    plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype, backend.NAME)
     chunks = plan_chunks(hidden.shape[0], plan.token_chunk, cuts)
     collected: list[Any] = []
     needs_grad = torch.is_grad_enabled() and any(

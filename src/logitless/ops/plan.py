@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-DEFAULT_CHUNK_BYTES = 512 * 2**20
+DEFAULT_CHUNK_BYTES = 2**30
 # Below this many tokens a chunk's matmuls stop using the matrix units well, so a row that
 # does not fit is cut along the vocabulary instead of shrinking the token chunk further. On GPUs
 # the token chunk is the inner dimension of the fp32 ``d weight += dy^T @ h`` accumulation, whose
@@ -32,7 +32,7 @@ def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, backen
 
 
 def default_chunk_bytes() -> int:
-    """Workspace budget in bytes: ``LOGITLESS_CHUNK_BYTES`` if set, else 512 MiB."""
+    """Workspace budget in bytes: ``LOGITLESS_CHUNK_BYTES`` if set, else 1 GiB."""
     env = os.environ.get("LOGITLESS_CHUNK_BYTES")
     return int(env) if env else DEFAULT_CHUNK_BYTES
 

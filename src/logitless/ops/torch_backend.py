@@ -21,19 +21,11 @@ import torch
 from .plan import ChunkPlan
 from .transform import LogitTransform
 
+NAME = "torch"  # the plan heuristic to use (ops/plan.py)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _mm_out_fp32_supported() -> bool:
-    try:
-        a = torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
-        torch.mm(a, a, out_dtype=torch.float32)
-        return True
-    except Exception:  # torch without out_dtype, or no CUDA
-        return False
-
-
-_MM_OUT_FP32: bool | None = None
+_MM_OUT_FP32: bool | None = None  # torch.mm(..., out_dtype=float32) on CUDA: None = not tried yet
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -43,11 +35,15 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
     if a.dtype == b.dtype == out_dtype:
         return a @ b
     if a.device.type == "cuda" and a.dtype in _LOW_PRECISION and out_dtype == torch.float32:
-        if _MM_OUT_FP32 is None:
-            _MM_OUT_FP32 = _mm_out_fp32_supported()
-        if _MM_OUT_FP32:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return (a @ b).to(out_dtype)
+        if _MM_OUT_FP32 is not False:
+            try:
+                out = torch.mm(a, b.to(a.dtype), out_dtype=torch.float32)
+                _MM_OUT_FP32 = True
+                return out
+            except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype
+                _MM_OUT_FP32 = False
+        # Rounds the product to the input dtype before the fp32 statistics: less accurate.
+        return (a @ b.to(a.dtype)).to(out_dtype)
     # CPU: low-precision matmuls are slow there and round the product; compute in out_dtype.
     return a.to(out_dtype) @ b.to(out_dtype)
 

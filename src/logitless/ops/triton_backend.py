@@ -32,6 +32,9 @@ from .triton_kernels import KernelConfig, kernel_config, launch_dlogits, launch_
 __all__ = ["Partials", "chunk_backward", "chunk_forward"]
 
 
+NAME = "triton"  # the plan heuristic to use (ops/plan.py)
+
+
 @functools.cache
 def _cuda_out_dtype_ok() -> bool:
     """Whether ``torch.mm``/``torch.addmm(..., out_dtype=float32, out=acc)`` exist on CUDA and

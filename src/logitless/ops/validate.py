@@ -55,9 +55,9 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if ignore_index is not None:
         out_of_range = out_of_range & (t != ignore_index)
     bad_target = out_of_range.any()
-    flags = torch.stack([bad_target, ~torch.isfinite(hidden).all(), ~torch.isfinite(weight).all(),
+    flags = torch.stack([bad_target, _nonfinite(hidden), _nonfinite(weight),
                          torch.zeros((), dtype=torch.bool, device=hidden.device) if bias is None
-                         else ~torch.isfinite(bias).all()]).tolist()
+                         else _nonfinite(bias)]).tolist()
     if flags[0]:
         bad = t[out_of_range][:5].tolist()
         extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
@@ -65,3 +65,11 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     for flag, name in zip(flags[1:], ("hidden", "weight", "bias"), strict=True):
         if flag:
             raise ValueError(f"{name} contains NaN or inf")
+
+
+def _nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """NaN/inf anywhere in ``x``, reading it once: ``amax`` of ``|x|`` propagates NaN and inf,
+    unlike ``isfinite(x).all()`` which writes a bool tensor the size of ``x`` first."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    return ~torch.isfinite(x.abs().amax())

@@ -108,7 +108,8 @@ def _prepare(hidden, weight, bias, targets, temperature, logit_scale, softcap, i
     compact = not bool(valid.all())
     if compact:  # only rows with a target are computed
         h2, t1 = h2[valid], t1[valid]
-    plan = ChunkPlan.make(h2.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype), hidden.dtype)
+    plan = ChunkPlan.make(h2.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype), hidden.dtype,
+                          backend.NAME)
     return transform, backend, h2, t1, valid if compact else None, plan
 
 
@@ -149,7 +150,7 @@ def vocab_stats(
         bias: optional ``[V]``.
         temperature, logit_scale, softcap: see :class:`LogitTransform`.
         entropy: also compute the entropy (one more reduction per block).
-        chunk_bytes: workspace budget in bytes (default 512 MiB, env ``LOGITLESS_CHUNK_BYTES``).
+        chunk_bytes: workspace budget in bytes (default 1 GiB, env ``LOGITLESS_CHUNK_BYTES``).
         impl: ``"auto"`` (Triton on CUDA when available), ``"torch"`` or ``"triton"``.
 
     Returns:
