@@ -7,7 +7,7 @@ import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
 
 from logitless.integrations.hf import UnsupportedModelError, find_head
-from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigError, patch_grpo_trainer
+from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigError, patch_grpo_trainer, trl_own_path
 
 V = 64
 
@@ -41,10 +41,16 @@ def _inputs(trainer, seed):
     return inputs
 
 
-def _loss_and_grads(trainer, fn, inputs):
+def _loss_and_grads(trainer, inputs, trl_own=False):
+    """Loss, flat gradient of every parameter, and logged metrics; ``trl_own`` runs TRL's own
+    head and ``_compute_loss`` on the same trainer state."""
     trainer.model.zero_grad(set_to_none=True)
     trainer._metrics["train"].clear()
-    loss = fn(trainer, trainer.model, inputs)
+    if trl_own:
+        with trl_own_path(trainer):
+            loss = trainer._compute_loss(trainer.model, inputs)
+    else:
+        loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     grads = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
     return loss.detach(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -53,14 +59,12 @@ def _loss_and_grads(trainer, fn, inputs):
 @pytest.mark.parametrize(("loss_type", "level", "beta"), [("dapo", "token", 0.04), ("grpo", "sequence", 0.0),
                                                           ("bnpo", "token", 0.1)])
 def test_loss_grads_metrics_match_trl(tmp_path, loss_type, level, beta):
-    from trl import GRPOTrainer
-
     tr = _trainer(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_high=0.28)
     tr.model.train()
     tr.current_gradient_accumulation_steps = 2
     inputs = _inputs(tr, seed=3)
-    ours = _loss_and_grads(tr, LogitlessGRPOTrainer._compute_loss, inputs)
-    theirs = _loss_and_grads(tr, GRPOTrainer._compute_loss, inputs)
+    ours = _loss_and_grads(tr, inputs)
+    theirs = _loss_and_grads(tr, inputs, trl_own=True)
     # TRL's head computes in fp32: compare at fp32 accuracy.
     assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
     assert (ours[1] - theirs[1]).norm() <= 1e-5 * theirs[1].norm()
@@ -112,8 +116,8 @@ def test_patch_existing_trainer(tmp_path):
     inputs = _inputs(patched, seed=7)
     patched.model.train()
     patched.current_gradient_accumulation_steps = 1
-    ours = _loss_and_grads(patched, LogitlessGRPOTrainer._compute_loss, inputs)
-    theirs = _loss_and_grads(patched, GRPOTrainer._compute_loss, inputs)
+    ours = _loss_and_grads(patched, inputs)
+    theirs = _loss_and_grads(patched, inputs, trl_own=True)
     assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
 
 

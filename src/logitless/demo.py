@@ -123,15 +123,18 @@ def _reward_factory(vocab: int, tokenizer):
 
 def _one_step_comparison(trainer, batch) -> dict:
     """Loss and gradient norm for the same inputs through logitless and TRL's own path."""
-    from trl import GRPOTrainer
+    import contextlib
+
+    from .integrations.trl import trl_own_path
 
     inputs = trainer._generate_and_score_completions(batch)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     out, flat = {}, {}
-    for name, fn in (("logitless", type(trainer)._compute_loss), ("trl", GRPOTrainer._compute_loss)):
+    for name, ctx in (("logitless", contextlib.nullcontext()), ("trl", trl_own_path(trainer))):
         trainer.model.zero_grad(set_to_none=True)
-        loss = fn(trainer, trainer.model, inputs)
+        with ctx:
+            loss = trainer._compute_loss(trainer.model, inputs)
         loss.backward()
         flat[name] = torch.cat([p.grad.float().reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
         out[name] = {"loss": loss.item(), "grad_norm": flat[name].norm().item()}

@@ -11,6 +11,9 @@ something different.
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -154,3 +157,17 @@ def _attach(trainer: GRPOTrainer, mode: str, impl: str, chunk_bytes: int | None)
         if m is not None:
             find_head(m)  # refuse unknown heads now, not mid-training
             add_hidden_states_forward(m)
+
+
+@contextlib.contextmanager
+def trl_own_path(trainer: LogitlessGRPOTrainer) -> Iterator[GRPOTrainer]:
+    """Within the block, ``trainer`` computes its loss and log-probs with TRL's own code (its
+    chunked head and ``_compute_loss``), for A/B checks against logitless on the same state."""
+    trainer._compute_loss = types.MethodType(GRPOTrainer._compute_loss, trainer)
+    trainer._get_per_token_logps_and_entropies = types.MethodType(
+        GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+    try:
+        yield trainer
+    finally:
+        del trainer._compute_loss
+        del trainer._get_per_token_logps_and_entropies
