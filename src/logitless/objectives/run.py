@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..ops import ChunkPlan, LogitTransform, fused_objective, resolve_impl, stat_dtype_for
-from ..ops.vocab_stats import _RecomputeFn
+from ..ops import ChunkPlan, LogitTransform, VocabShard, fused_objective, resolve_impl, stat_dtype_for
+from ..ops.vocab_stats import recompute_stats
 
 Mode = Literal["auto", "fused", "recompute"]
 
@@ -43,22 +43,28 @@ def run_objective(
     impl: str,
     chunk_bytes: int | None,
     before_loss: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
+    extra_stats: tuple[str, ...] = (),
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]:
     """``(loss, logp, entropy, collected)`` of ``objective`` summed over the tokens.
 
     In recompute mode the objective sees all tokens at once, after ``before_loss`` has seen
     the detached statistics (e.g. to set a quantile mask); in fused mode it is called per
-    chunk (cut at ``cuts`` when given). ``logp``/``entropy`` come back detached.
+    chunk (cut at ``cuts`` when given). ``extra_stats`` (``"lse"``, ``"sum_z"``, ``"is_top1"``)
+    reach the objective as keyword arguments. ``logp``/``entropy`` come back detached.
     """
     backend = resolve_impl(impl, hidden.device)
     if mode == "fused":
         return fused_objective(hidden, weight, bias, targets, transform, objective, cuts=cuts,
-                               want_entropy=want_entropy, chunk_bytes=chunk_bytes, backend=backend)
+                               want_entropy=want_entropy, chunk_bytes=chunk_bytes, backend=backend,
+                               extra_stats=extra_stats, shard=shard)
     plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype),
                           hidden.dtype, backend.NAME)
-    _lse, logp, ent = _RecomputeFn.apply(hidden, weight, bias, targets, transform, plan, want_entropy, backend)
+    lse, logp, ent, sum_z, top1 = recompute_stats(backend, hidden, weight, bias, targets, transform, plan,
+                                                   want_entropy, "sum_z" in extra_stats, shard)
     entropy = ent if want_entropy else None
     if before_loss is not None:
         before_loss(logp.detach(), None if entropy is None else entropy.detach())
-    loss, extra = objective(slice(0, hidden.shape[0]), logp, entropy)
+    extra = {k: v for k, v in (("lse", lse), ("sum_z", sum_z), ("is_top1", top1)) if k in extra_stats}
+    loss, extra = objective(slice(0, hidden.shape[0]), logp, entropy, **extra)
     return loss, logp.detach(), None if entropy is None else entropy.detach(), [extra]

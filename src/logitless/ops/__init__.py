@@ -4,6 +4,7 @@ Knows nothing about RL; the objectives layer sits on top."""
 from .backend import Impl, resolve_impl
 from .fused import fused_objective
 from .plan import ChunkPlan, default_chunk_bytes
+from .shard import VocabShard
 from .transform import LogitTransform
 from .validate import check_head_inputs
 from .vocab_stats import VocabStats, stat_dtype_for, token_logprobs, vocab_stats
@@ -12,6 +13,7 @@ __all__ = [
     "ChunkPlan",
     "Impl",
     "LogitTransform",
+    "VocabShard",
     "VocabStats",
     "check_head_inputs",
     "default_chunk_bytes",

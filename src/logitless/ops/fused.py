@@ -19,12 +19,14 @@ from typing import Any
 
 import torch
 
+from ..distributed import all_reduce
 from .plan import ChunkPlan
+from .shard import VocabShard, reduce_partials
 from .transform import LogitTransform
-from .vocab_stats import no_autocast, stat_dtype_for
+from .vocab_stats import LocalHead, no_autocast, stat_dtype_for, stats_from_partials
 
-# objective(token_slice, logp [n], entropy [n] | None) -> (loss term, anything to collect)
-ChunkObjective = Callable[[slice, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, Any]]
+# objective(token_slice, logp [n], entropy [n] | None, **extra_stats) -> (loss term, anything to collect)
+ChunkObjective = Callable[..., tuple[torch.Tensor, Any]]
 
 
 def plan_chunks(n_tokens: int, token_chunk: int, cuts: Sequence[int] | None) -> list[slice]:
@@ -49,40 +51,50 @@ def plan_chunks(n_tokens: int, token_chunk: int, cuts: Sequence[int] | None) -> 
     return chunks
 
 
-def _run_chunk(*args):
-    with no_autocast(args[1].device):
-        return _run_chunk_impl(*args)
-
-
-def _run_chunk_impl(backend, hidden, weight, bias, targets, transform, sl, chunk_bytes, want_entropy, objective,
-                    grad_weight, grad_bias, want_grad):
+def _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes, want_entropy, extra_stats, objective,
+               grad_weight, grad_bias, want_grad):
+    """Statistics, the objective's term and (``want_grad``) the chunk's gradients."""
     sdt = stat_dtype_for(hidden.dtype)
     h, t = hidden[sl], targets[sl]
-    plan = ChunkPlan.make(h.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype, backend.NAME)
-    partials, kept = backend.chunk_forward(h, weight, bias, t, transform, plan, sdt, want_entropy,
-                                           keep_logits=want_grad and plan.keep_logits)
-    lse, logp, sum_pz = partials.finalize()
-    entropy = None if sum_pz is None else lse - sum_pz
+    plan = ChunkPlan.make(h.shape[0], max(head.weight.shape[0], 1), chunk_bytes, sdt, hidden.dtype, backend.NAME)
+    with no_autocast(hidden.device):
+        partials, kept = backend.chunk_forward(h, head.weight, head.bias, t, transform, plan, sdt, want_entropy,
+                                               keep_logits=want_grad and plan.keep_logits,
+                                               want_sum_z="sum_z" in extra_stats)
+        st = stats_from_partials(reduce_partials(partials, head.group))
+    entropy = None if st.sum_pz is None else st.lse - st.sum_pz
     with torch.enable_grad():
-        logp_leaf = logp.detach().requires_grad_(want_grad)
-        ent_leaf = None if entropy is None else entropy.detach().requires_grad_(want_grad)
-        loss, extra = objective(sl, logp_leaf, ent_leaf)
-        grads: tuple = (None, None)
+        leaves = {"logp": st.logp.detach().requires_grad_(want_grad)}
+        if entropy is not None:
+            leaves["entropy"] = entropy.detach().requires_grad_(want_grad)
+        if "lse" in extra_stats:
+            leaves["lse"] = st.lse.detach().requires_grad_(want_grad)
+        if "sum_z" in extra_stats:
+            leaves["sum_z"] = st.sum_z.detach().requires_grad_(want_grad)
+        extra = {k: leaves[k] for k in ("lse", "sum_z") if k in leaves}
+        if "is_top1" in extra_stats:
+            extra["is_top1"] = st.is_top1
+        loss, collected = objective(sl, leaves["logp"], leaves.get("entropy"), **extra)
+        grads = dict.fromkeys(leaves)
         if want_grad and loss.requires_grad:
-            leaves = [logp_leaf] + ([ent_leaf] if ent_leaf is not None else [])
-            grads = (*torch.autograd.grad(loss, leaves, allow_unused=True), None)
-    g_logp, g_ent = grads[0], grads[1]
+            names = list(leaves)
+            grads = dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True),
+                             strict=True))
     grad_hidden = None
-    if want_grad and (g_logp is not None or g_ent is not None):
-        grad_hidden = backend.chunk_backward(h, weight, bias, t, transform, plan, lse, sum_pz, g_logp, None,
-                                             g_ent, kept, grad_weight, grad_bias, hidden.requires_grad)
-    return loss.detach(), extra, logp, entropy, grad_hidden
+    if want_grad and any(g is not None for g in grads.values()):
+        with no_autocast(hidden.device):
+            valid = head.weight.shape[0]
+            grad_hidden = backend.chunk_backward(
+                h, head.weight, head.bias, t, transform, plan, st.lse, st.sum_pz, grads["logp"], grads.get("lse"),
+                grads.get("entropy"), kept, None if grad_weight is None else grad_weight[:valid],
+                None if grad_bias is None else grad_bias[:valid], hidden.requires_grad, g_sum_z=grads.get("sum_z"))
+    return loss.detach(), collected, st.logp, entropy, grad_hidden
 
 
 class _FusedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, chunks, chunk_bytes, want_entropy, objective,
-                backend, collected):
+    def forward(ctx, hidden, weight, bias, targets, transform, chunks, chunk_bytes, want_entropy, extra_stats,
+                objective, backend, head, collected):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         sdt = stat_dtype_for(hidden.dtype)
         grad_weight = torch.zeros(weight.shape, dtype=sdt, device=weight.device) if need_w else None
@@ -91,9 +103,9 @@ class _FusedFn(torch.autograd.Function):
         total = torch.zeros((), dtype=sdt, device=hidden.device)
         logps, ents = [], []
         for sl in chunks:
-            loss, extra, logp, ent, gh = _run_chunk(backend, hidden, weight, bias, targets, transform, sl,
-                                                    chunk_bytes, want_entropy, objective, grad_weight,
-                                                    grad_bias, True)
+            loss, extra, logp, ent, gh = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
+                                                    want_entropy, extra_stats, objective, grad_weight, grad_bias,
+                                                    True)
             total = total + loss
             collected.append(extra)
             logps.append(logp)
@@ -101,6 +113,8 @@ class _FusedFn(torch.autograd.Function):
                 ents.append(ent)
             if need_h and gh is not None:
                 grad_hidden[sl] = gh
+        if need_h and head.reduce_grad_hidden:
+            grad_hidden = all_reduce(grad_hidden, "sum", head.group)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         logp_all = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=sdt)
@@ -123,7 +137,7 @@ class _FusedFn(torch.autograd.Function):
         gh = scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None)
         gw = scaled(grad_weight, w_dtype)
         gb = scaled(grad_bias, b_dtype)
-        return gh, gw, gb, None, None, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_objective(
@@ -138,10 +152,15 @@ def fused_objective(
     want_entropy: bool,
     chunk_bytes: int | None,
     backend,
+    extra_stats: tuple[str, ...] = (),
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]:
     """Run ``objective`` over the vocabulary statistics of ``hidden`` in fused mode.
 
-    Inputs are assumed validated (callers go through :func:`check_head_inputs`).
+    Inputs are assumed validated (callers go through :func:`check_head_inputs`); ``targets``
+    are global ids. ``extra_stats`` (subset of ``"lse"``, ``"sum_z"``, ``"is_top1"``) are passed
+    to the objective as keyword arguments (``is_top1`` a bool tensor). Under a vocabulary-parallel
+    ``shard`` every chunk's statistics take one MAX and one SUM all-reduce.
 
     Returns:
         ``(loss, logp [n], entropy [n] | None, collected)``: ``loss`` is the sum of the chunk
@@ -149,7 +168,10 @@ def fused_objective(
         are detached; ``collected`` holds each chunk's second return value, in order.
     """
     sdt = stat_dtype_for(hidden.dtype)
-    plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, sdt, hidden.dtype, backend.NAME)
+    head = LocalHead.make(weight, bias, shard)
+    targets = head.local_targets(targets)
+    plan = ChunkPlan.make(hidden.shape[0], max(head.weight.shape[0], 1), chunk_bytes, sdt, hidden.dtype,
+                          backend.NAME)
     chunks = plan_chunks(hidden.shape[0], plan.token_chunk, cuts)
     collected: list[Any] = []
     needs_grad = torch.is_grad_enabled() and any(
@@ -158,8 +180,8 @@ def fused_objective(
         total = torch.zeros((), dtype=sdt, device=hidden.device)
         logps, ents = [], []
         for sl in chunks:
-            loss, extra, logp, ent, _ = _run_chunk(backend, hidden, weight, bias, targets, transform, sl,
-                                                   chunk_bytes, want_entropy, objective, None, None, False)
+            loss, extra, logp, ent, _ = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
+                                                   want_entropy, extra_stats, objective, None, None, False)
             total = total + loss
             collected.append(extra)
             logps.append(logp)
@@ -168,5 +190,5 @@ def fused_objective(
         logp_all = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=sdt)
         return total, logp_all, torch.cat(ents) if ents else None, collected
     total, logp_all, ent_all = _FusedFn.apply(hidden, weight, bias, targets, transform, chunks, chunk_bytes,
-                                              want_entropy, objective, backend, collected)
+                                              want_entropy, extra_stats, objective, backend, head, collected)
     return total, logp_all, ent_all if want_entropy else None, collected

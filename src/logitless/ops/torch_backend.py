@@ -64,7 +64,8 @@ class Partials:
 
     ``m`` running max, ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) * z`` (``None`` when
     entropy was not asked for), ``zy`` the target's logit where ``owned`` (the target lies in
-    this range), else 0.
+    this range), else 0, ``sz = Σ z`` (``None`` unless asked for; the mean logit times V).
+    Once complete, ``m`` is the largest logit (``zy >= m``: the target is a top-1 token).
     """
 
     m: torch.Tensor
@@ -72,6 +73,7 @@ class Partials:
     sez: torch.Tensor | None
     zy: torch.Tensor
     owned: torch.Tensor
+    sz: torch.Tensor | None = None
 
     def finalize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(lse, logp, sum_pz)`` with ``sum_pz = Σ p z`` (``entropy = lse - sum_pz``)."""
@@ -84,7 +86,7 @@ class Partials:
 def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
                   stat_dtype: torch.dtype, want_entropy: bool,
-                  keep_logits: bool) -> tuple[Partials, torch.Tensor | None]:
+                  keep_logits: bool, want_sum_z: bool = False) -> tuple[Partials, torch.Tensor | None]:
     """Partial statistics of one token chunk over all of ``weight``'s rows.
 
     Args:
@@ -94,6 +96,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         targets: ``[n]`` int64 target indices local to ``weight``; any value outside
             ``[0, V)`` means "not in this range" (the target logit stays 0, ``owned`` False).
         keep_logits: return the chunk's ``[n, V]`` logits (only when ``plan.keep_logits``).
+        want_sum_z: also accumulate ``sz = Σ_v z_v``.
 
     Returns:
         ``(Partials, z)`` with ``z`` the kept logits or ``None``.
@@ -104,6 +107,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     se = torch.zeros((n,), dtype=stat_dtype, device=dev)
     sez = torch.zeros((n,), dtype=stat_dtype, device=dev) if want_entropy else None
     zy = torch.zeros((n,), dtype=stat_dtype, device=dev)
+    sz = torch.zeros((n,), dtype=stat_dtype, device=dev) if want_sum_z else None
     owned = (targets >= 0) & (targets < vocab)
     kept = None
     for start in range(0, vocab, plan.vocab_block):
@@ -116,13 +120,15 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         se = se * rescale + e.sum(dim=1)
         if sez is not None:
             sez = sez * rescale + (e * z).sum(dim=1)
+        if sz is not None:
+            sz = sz + z.sum(dim=1)
         m = new_m
         in_block = owned & (targets >= start) & (targets < end)
         local = (targets - start).clamp(0, end - start - 1)
         zy = torch.where(in_block, z.gather(1, local[:, None]).squeeze(1), zy)
         if keep_logits and end - start == vocab:
             kept = z
-    return Partials(m=m, se=se, sez=sez, zy=zy, owned=owned), kept
+    return Partials(m=m, se=se, sez=sez, zy=zy, owned=owned, sz=sz), kept
 
 
 def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -130,16 +136,18 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                    lse: torch.Tensor, sum_pz: torch.Tensor | None, g_logp: torch.Tensor | None,
                    g_lse: torch.Tensor | None, g_entropy: torch.Tensor | None,
                    kept_logits: torch.Tensor | None, grad_weight: torch.Tensor | None,
-                   grad_bias: torch.Tensor | None, need_grad_hidden: bool) -> torch.Tensor | None:
+                   grad_bias: torch.Tensor | None, need_grad_hidden: bool,
+                   g_sum_z: torch.Tensor | None = None) -> torch.Tensor | None:
     """Gradients of one token chunk from the per-token gradients of its statistics.
 
     With ``p = softmax(z)`` and ``c = Σ p z``, the gradient w.r.t. the logits is
-    ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - c)) + g_logp [v == y]``, then the chain
-    rule through the :class:`LogitTransform`.
+    ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - c)) + g_logp [v == y] + g_sum_z``, then
+    the chain rule through the :class:`LogitTransform`.
 
     Args:
         lse, sum_pz: ``[n]`` statistics of the forward (``sum_pz`` needed iff ``g_entropy``).
         g_logp, g_lse, g_entropy: ``[n]`` gradients (statistics dtype) or ``None`` (zero).
+        g_sum_z: ``[n]`` gradient w.r.t. ``Σ_v z_v`` or ``None``.
         kept_logits: ``[n, V]`` logits from :func:`chunk_forward`, or ``None`` to recompute.
         grad_weight: ``[V, H]`` fp32/fp64 accumulator updated in place, or ``None``.
         grad_bias: ``[V]`` accumulator updated in place, or ``None``.
@@ -169,6 +177,8 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             dz = p * (coef[:, None] - g_entropy[:, None] * (z - sum_pz[:, None]))
         else:
             dz = p * coef[:, None]
+        if g_sum_z is not None:
+            dz = dz + g_sum_z[:, None]
         if g_logp is not None:
             in_block = (targets >= start) & (targets < end)
             rows = in_block.nonzero().squeeze(1)

@@ -91,7 +91,7 @@ def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
 def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
                   stat_dtype: torch.dtype, want_entropy: bool,
-                  keep_logits: bool) -> tuple[Partials, torch.Tensor | None]:
+                  keep_logits: bool, want_sum_z: bool = False) -> tuple[Partials, torch.Tensor | None]:
     """Partial statistics of one token chunk over all of ``weight``'s rows.
 
     Args:
@@ -105,6 +105,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         stat_dtype: fp32 (fp64 delegates to the torch backend).
         want_entropy: also accumulate ``sez``.
         keep_logits: hand back the chunk's tile (only when one block covers ``V``).
+        want_sum_z: also accumulate ``sz = Σ z``.
 
     Returns:
         ``(Partials, kept)``: fp32 ``[n]`` partials; ``kept`` the ``[n, V]`` raw matmul tile
@@ -113,7 +114,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """
     if _delegate(stat_dtype, hidden):
         return torch_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, stat_dtype,
-                                           want_entropy, keep_logits)
+                                           want_entropy, keep_logits, want_sum_z)
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     cfg = kernel_config(min(plan.vocab_block, vocab))
@@ -123,16 +124,17 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     se = torch.zeros((n,), dtype=torch.float32, device=dev)
     sez = torch.zeros((n,), dtype=torch.float32, device=dev) if want_entropy else None
     zy = torch.zeros((n,), dtype=torch.float32, device=dev)
+    sz = torch.zeros((n,), dtype=torch.float32, device=dev) if want_sum_z else None
     kept = None
     for start in range(0, vocab, plan.vocab_block):
         end = min(start + plan.vocab_block, vocab)
         tile = _tile(hidden, weight[start:end], cfg)
-        launch_stats(tile, bias, targets, start, transform, m, se, sez, zy, cfg)
+        launch_stats(tile, bias, targets, start, transform, m, se, sez, zy, cfg, sz)
         if keep_logits and end - start == vocab:
             kept = tile
         del tile
     owned = (targets >= 0) & (targets < vocab)
-    return Partials(m=m, se=se, sez=sez, zy=zy, owned=owned), kept
+    return Partials(m=m, se=se, sez=sez, zy=zy, owned=owned, sz=sz), kept
 
 
 def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -140,17 +142,18 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                    lse: torch.Tensor, sum_pz: torch.Tensor | None, g_logp: torch.Tensor | None,
                    g_lse: torch.Tensor | None, g_entropy: torch.Tensor | None,
                    kept_logits: torch.Tensor | None, grad_weight: torch.Tensor | None,
-                   grad_bias: torch.Tensor | None, need_grad_hidden: bool) -> torch.Tensor | None:
+                   grad_bias: torch.Tensor | None, need_grad_hidden: bool,
+                   g_sum_z: torch.Tensor | None = None) -> torch.Tensor | None:
     """Gradients of one token chunk from the per-token gradients of its statistics.
 
-    ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - sum_pz)) + g_logp [v == y]`` with
+    ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - sum_pz)) + g_logp [v == y] + g_sum_z`` with
     ``p = exp(z - lse)``, then the chain rule through ``transform`` (see
     :func:`logitless.ops.torch_backend.chunk_backward`).
 
     Args:
         hidden, weight, bias, targets, transform, plan: as :func:`chunk_forward`.
         lse, sum_pz: ``[n]`` fp32 statistics of the forward (``sum_pz`` needed iff ``g_entropy``).
-        g_logp, g_lse, g_entropy: ``[n]`` gradients or ``None`` (zero).
+        g_logp, g_lse, g_entropy, g_sum_z: ``[n]`` gradients or ``None`` (zero).
         kept_logits: the tile :func:`chunk_forward` returned, or ``None`` to recompute block by
             block. **Overwritten in place** with ``dy``; it cannot be reused afterwards.
         grad_weight: ``[V, H]`` fp32 accumulator updated in place, or ``None``.
@@ -166,7 +169,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if _delegate(lse.dtype, hidden):
         return torch_backend.chunk_backward(hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp,
                                             g_lse, g_entropy, kept_logits, grad_weight, grad_bias,
-                                            need_grad_hidden)
+                                            need_grad_hidden, g_sum_z)
     if g_entropy is not None and sum_pz is None:
         raise ValueError("chunk_backward: g_entropy needs sum_pz from a forward with want_entropy=True")
     vocab = weight.shape[0]
@@ -180,7 +183,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         coef += g_lse
     if g_logp is not None:
         coef -= g_logp
-    g_logp, g_entropy = _f32(g_logp), _f32(g_entropy)
+    g_logp, g_entropy, g_sum_z = _f32(g_logp), _f32(g_entropy), _f32(g_sum_z)
     sum_pz = None if g_entropy is None else _f32(sum_pz)
     grad_hidden = None
     block = vocab if kept_logits is not None else plan.vocab_block
@@ -191,7 +194,8 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         # dy goes over the tile's own storage; an fp32 tile is reinterpreted as twice as many
         # bf16/fp16 columns and dy fills the first half of each row (see triton_kernels).
         dy = tile if tile.dtype == mm_dtype else tile.view(mm_dtype)[:, :end - start]
-        launch_dlogits(tile, dy, bias, targets, start, transform, lse, sum_pz, coef, g_logp, g_entropy, cfg)
+        launch_dlogits(tile, dy, bias, targets, start, transform, lse, sum_pz, coef, g_logp, g_entropy, cfg,
+                       g_sum_z)
         del tile
         if grad_bias is not None:
             grad_bias[start:end] += dy.sum(dim=0, dtype=torch.float32).to(grad_bias.dtype)

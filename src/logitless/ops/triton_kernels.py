@@ -142,11 +142,12 @@ def _stats_kernel(
     y_ptr, stride_yn,  # [n, width] raw matmul tile
     bias_ptr,  # [V] (indexed from v_start) or dummy
     tgt_ptr,  # [n] int64 targets, vocabulary-global
-    m_ptr, se_ptr, sez_ptr, zy_ptr,  # [n] fp32 running statistics, updated in place
+    m_ptr, se_ptr, sez_ptr, zy_ptr, sz_ptr,  # [n] fp32 running statistics, updated in place
     n, width, v_start,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
@@ -158,6 +159,7 @@ def _stats_kernel(
     # reduction (the row max of the step) per step; lanes are summed once at the end.
     acc_se = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     acc_sez = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    acc_sz = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     for off in range(0, width, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         col_ok = cols < width
@@ -175,6 +177,8 @@ def _stats_kernel(
         acc_se = acc_se * alpha[:, None] + e
         if WANT_ENTROPY:
             acc_sez = acc_sez * alpha[:, None] + e * z
+        if WANT_SUM_Z:
+            acc_sz += tl.where(mask, z, 0.0)
         m_run = m_new
     carry = tl.exp(m_old - m_run)  # 0 on the first block (m_old = -inf)
     tl.store(m_ptr + rows, m_run, mask=row_ok)
@@ -183,6 +187,9 @@ def _stats_kernel(
     if WANT_ENTROPY:
         sez_old = tl.load(sez_ptr + rows, mask=row_ok, other=0.0)
         tl.store(sez_ptr + rows, sez_old * carry + tl.sum(acc_sez, axis=1), mask=row_ok)
+    if WANT_SUM_Z:
+        sz_old = tl.load(sz_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(sz_ptr + rows, sz_old + tl.sum(acc_sz, axis=1), mask=row_ok)
     # The target's logit: one load of the same tile element, so it agrees with the sums.
     t = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - v_start
     here = row_ok & (t >= 0) & (t < width)
@@ -200,12 +207,12 @@ def _dlogits_kernel(
     y_ptr, stride_yn,  # [n, width] raw matmul tile
     dy_ptr, stride_dyn,  # [n, width] output, GEMM dtype; may alias y_ptr
     bias_ptr, tgt_ptr,
-    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr,  # [n] fp32
+    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,  # [n] fp32
     width, v_start,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_LOGP: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * stride_yn
@@ -218,6 +225,8 @@ def _dlogits_kernel(
     if HAS_LOGP:
         g_logp = tl.load(g_logp_ptr + row)
         t = tl.load(tgt_ptr + row) - v_start
+    if HAS_SUM_Z:
+        g_sz = tl.load(g_sz_ptr + row)
     for off in range(0, width, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < width
@@ -230,6 +239,8 @@ def _dlogits_kernel(
             dz = p * (coef - g_ent * (z - c))
         else:
             dz = p * coef
+        if HAS_SUM_Z:
+            dz += g_sz
         if HAS_LOGP:
             dz += tl.where(cols == t, g_logp, 0.0)
         dy = _raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
@@ -264,7 +275,7 @@ def _launch(kernel, autotune: bool, n: int, rows: int, block_v: int, warps: int,
 
 def launch_stats(tile: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, v_start: int,
                  transform: LogitTransform, m: torch.Tensor, se: torch.Tensor, sez: torch.Tensor | None,
-                 zy: torch.Tensor, cfg: KernelConfig) -> None:
+                 zy: torch.Tensor, cfg: KernelConfig, sz: torch.Tensor | None = None) -> None:
     """Fold a tile into the running statistics, in place.
 
     Args:
@@ -275,6 +286,7 @@ def launch_stats(tile: torch.Tensor, bias: torch.Tensor | None, targets: torch.T
             ``[v_start, v_start + v)`` keep their ``zy``.
         m, se, sez, zy: ``[n]`` fp32 contiguous running max, ``Σ exp(z - m)``,
             ``Σ exp(z - m) z`` (``None``: not computed), target logit; updated in place.
+        sz: ``[n]`` fp32 running ``Σ z`` or ``None`` (not computed).
     """
     n, width = tile.shape
     assert tile.stride(1) == 1 and m.dtype == torch.float32 and targets.dtype == torch.int64
@@ -283,18 +295,18 @@ def launch_stats(tile: torch.Tensor, bias: torch.Tensor | None, targets: torch.T
     scalars, flags = _transform_args(transform)
     _launch(_stats_kernel, cfg.autotune, n, cfg.stats_rows, cfg.stats_block_v, cfg.stats_warps,
             tile, tile.stride(0), tile if bias is None else bias, targets,
-            m, se, se if sez is None else sez, zy, n, width, v_start, *scalars,
-            HAS_BIAS=bias is not None, WANT_ENTROPY=sez is not None, **flags)
+            m, se, se if sez is None else sez, zy, se if sz is None else sz, n, width, v_start, *scalars,
+            HAS_BIAS=bias is not None, WANT_ENTROPY=sez is not None, WANT_SUM_Z=sz is not None, **flags)
 
 
 def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                    v_start: int, transform: LogitTransform, lse: torch.Tensor, sum_pz: torch.Tensor | None,
                    coef: torch.Tensor, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
-                   cfg: KernelConfig) -> None:
+                   cfg: KernelConfig, g_sum_z: torch.Tensor | None = None) -> None:
     """Write ``dy = dL/dy`` of a tile into ``out``, which may be the tile itself or a view of
     the tile's storage in a narrower dtype that starts at the same row addresses.
 
-    With ``p = exp(z - lse)``: ``dz = p (coef - g_entropy (z - sum_pz)) + g_logp [v == y]``,
+    With ``p = exp(z - lse)``: ``dz = p (coef - g_entropy (z - sum_pz)) + g_logp [v == y] + g_sum_z``,
     ``coef = g_lse - g_logp``, then the chain rule through ``transform``.
 
     Args:
@@ -302,6 +314,7 @@ def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
         out: ``[n, v]`` output in the GEMM dtype, unit column stride.
         lse, coef: ``[n]`` fp32; sum_pz, g_entropy: ``[n]`` fp32 or both ``None``;
         g_logp: ``[n]`` fp32 or ``None`` (no one-hot term).
+        g_sum_z: ``[n]`` fp32 or ``None`` (gradient w.r.t. ``Σ z``).
     """
     n, width = tile.shape
     assert out.shape == tile.shape and tile.stride(1) == 1 and out.stride(1) == 1
@@ -313,6 +326,6 @@ def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
     _launch(_dlogits_kernel, cfg.autotune, n, 0, cfg.grad_block_v, cfg.grad_warps,
             tile, tile.stride(0), out, out.stride(0), tile if bias is None else bias,
             targets, lse, lse if sum_pz is None else sum_pz, coef, lse if g_logp is None else g_logp,
-            lse if g_entropy is None else g_entropy, width, v_start, *scalars,
+            lse if g_entropy is None else g_entropy, lse if g_sum_z is None else g_sum_z, width, v_start, *scalars,
             HAS_BIAS=bias is not None, HAS_FACTOR=has_factor, HAS_LOGP=g_logp is not None,
-            HAS_ENTROPY=g_entropy is not None, **flags)
+            HAS_ENTROPY=g_entropy is not None, HAS_SUM_Z=g_sum_z is not None, **flags)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from ..distributed import all_reduce
 from .backend import Impl, resolve_impl
 from .plan import ChunkPlan
+from .shard import VocabShard, cat_partials, reduce_partials
+from .torch_backend import Partials
 from .transform import LogitTransform
 from .validate import check_head_inputs
 
@@ -15,11 +19,52 @@ from .validate import check_head_inputs
 class VocabStats(NamedTuple):
     """Per-token statistics, each shaped like ``targets`` (``[N]`` or ``[B, T]``), fp32
     (fp64 for fp64 inputs), in nats; ``None`` where not requested. Rows whose target is
-    ``ignore_index`` hold 0."""
+    ``ignore_index`` hold 0. ``mean_logit = Σ_v z_v / V``."""
 
     logp: torch.Tensor | None
     lse: torch.Tensor | None
     entropy: torch.Tensor | None
+    mean_logit: torch.Tensor | None = None
+
+
+class PassStats(NamedTuple):
+    """Full-vocabulary statistics of a pass, ``[n]`` each: ``lse``, ``logp``, ``sum_pz = Σ p z``
+    (``entropy = lse - sum_pz``), ``sum_z = Σ z`` and ``is_top1`` (the target's logit is the
+    largest; ties count)."""
+
+    lse: torch.Tensor
+    logp: torch.Tensor
+    sum_pz: torch.Tensor | None
+    sum_z: torch.Tensor | None
+    is_top1: torch.Tensor
+
+
+def stats_from_partials(p: Partials) -> PassStats:
+    lse, logp, sum_pz = p.finalize()
+    return PassStats(lse=lse, logp=logp, sum_pz=sum_pz, sum_z=p.sz, is_top1=p.zy >= p.m)
+
+
+@dataclass(frozen=True)
+class LocalHead:
+    """The rows of ``weight`` that take part in the softmax, and targets indexed into them."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    group: object | None
+    vocab_start: int
+    vocab_size: int
+    reduce_grad_hidden: bool
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, bias: torch.Tensor | None, shard: VocabShard | None) -> LocalHead:
+        shard = VocabShard() if shard is None else shard
+        start, size, valid = shard.resolve(weight.shape[0])
+        return cls(weight=weight[:valid], bias=None if bias is None else bias[:valid], group=shard.group,
+                   vocab_start=start, vocab_size=size, reduce_grad_hidden=shard.reduce_grad_hidden)
+
+    def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Global ids → local rows; ids owned by another rank fall outside ``[0, V_local)``."""
+        return targets - self.vocab_start if self.vocab_start else targets
 
 
 def no_autocast(device: torch.device):
@@ -31,76 +76,108 @@ def stat_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def forward_pass(backend, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
-                 want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(lse, logp, sum_pz)`` for every row of ``hidden [n, H]``, chunk by chunk."""
+def forward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch.Tensor, transform: LogitTransform,
+                 plan: ChunkPlan, want_entropy: bool, want_sum_z: bool = False) -> PassStats:
+    """Statistics of every row of ``hidden [n, H]``, chunk by chunk; under vocabulary
+    parallelism the partials of the whole pass are reduced once (one MAX, one SUM)."""
     sdt = stat_dtype_for(hidden.dtype)
-    if hidden.shape[0] == 0:
-        empty = hidden.new_zeros(0, dtype=sdt)
-        return empty, empty.clone(), empty.clone() if want_entropy else None
-    lse, logp, sum_pz = [], [], []
+    n = hidden.shape[0]
+    parts = []
+    with no_autocast(hidden.device):
+        for start in range(0, n, plan.token_chunk):
+            sl = slice(start, start + plan.token_chunk)
+            partials, _ = backend.chunk_forward(hidden[sl], head.weight, head.bias, targets[sl], transform, plan, sdt,
+                                                want_entropy, keep_logits=False, want_sum_z=want_sum_z)
+            parts.append(partials)
+    if not parts:
+        e = hidden.new_zeros(0, dtype=sdt)
+        parts = [Partials(m=e, se=e, sez=e if want_entropy else None, zy=e, owned=e.bool(),
+                          sz=e if want_sum_z else None)]
+    return stats_from_partials(reduce_partials(cat_partials(parts), head.group))
+
+
+def backward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch.Tensor,
+                  transform: LogitTransform, plan: ChunkPlan, st: PassStats, g_logp, g_lse, g_entropy, g_sum_z,
+                  grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
+                  need_grad_hidden: bool) -> torch.Tensor | None:
+    """``d hidden`` (reduced over the vocabulary group unless told not to) and, in place, the
+    local rows of ``d weight``/``d bias``, recomputing logits block by block."""
+    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    valid = head.weight.shape[0]
+    gw = None if grad_weight is None else grad_weight[:valid]
+    gb = None if grad_bias is None else grad_bias[:valid]
+
+    def part(x, sl):
+        return None if x is None else x[sl]
+
     with no_autocast(hidden.device):
         for start in range(0, hidden.shape[0], plan.token_chunk):
             sl = slice(start, start + plan.token_chunk)
-            partials, _ = backend.chunk_forward(hidden[sl], weight, bias, targets[sl], transform, plan, sdt,
-                                                want_entropy, keep_logits=False)
-            a, b, c = partials.finalize()
-            lse.append(a)
-            logp.append(b)
-            if c is not None:
-                sum_pz.append(c)
-    return torch.cat(lse), torch.cat(logp), torch.cat(sum_pz) if want_entropy else None
+            gh = backend.chunk_backward(
+                hidden[sl], head.weight, head.bias, targets[sl], transform, plan, st.lse[sl], part(st.sum_pz, sl),
+                part(g_logp, sl), part(g_lse, sl), part(g_entropy, sl), None, gw, gb, need_grad_hidden,
+                g_sum_z=part(g_sum_z, sl))
+            if need_grad_hidden:
+                grad_hidden[sl] = gh
+    if need_grad_hidden and head.reduce_grad_hidden:
+        grad_hidden = all_reduce(grad_hidden, "sum", head.group)
+    return grad_hidden
 
 
 class _RecomputeFn(torch.autograd.Function):
-    """Forward keeps O(N) state (lse, Σpz); backward recomputes logits block by block."""
+    """Forward keeps O(N) state (lse, Σpz); backward recomputes logits block by block.
+
+    Outputs ``(lse, logp, entropy, sum_z, is_top1)``, ``[n]`` each; entropy/sum_z are zeros
+    (and non-differentiable) when not requested; ``is_top1`` is a bool tensor.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, plan, want_entropy, backend):
-        lse, logp, sum_pz = forward_pass(backend, hidden, weight, bias, targets, transform, plan, want_entropy)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, sum_pz)
-        ctx.cfg = (transform, plan, backend)
-        entropy = lse - sum_pz if want_entropy else torch.zeros_like(lse)
-        if not want_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return lse, logp, entropy
+    def forward(ctx, hidden, weight, bias, targets, transform, plan, want_entropy, want_sum_z, backend, head):
+        st = forward_pass(backend, hidden, head, targets, transform, plan, want_entropy, want_sum_z)
+        ctx.save_for_backward(hidden, weight, bias, targets, st.lse, st.sum_pz)
+        ctx.cfg = (transform, plan, backend, head)
+        zeros = torch.zeros_like(st.lse)
+        entropy = st.lse - st.sum_pz if want_entropy else zeros
+        sum_z = st.sum_z if want_sum_z else zeros.clone()
+        top1 = st.is_top1.clone()
+        ctx.mark_non_differentiable(top1, *([] if want_entropy else [entropy]), *([] if want_sum_z else [sum_z]))
+        return st.lse, st.logp, entropy, sum_z, top1
 
     @staticmethod
-    def backward(ctx, g_lse, g_logp, g_entropy):
+    def backward(ctx, g_lse, g_logp, g_entropy, g_sum_z, _g_max):
         hidden, weight, bias, targets, lse, sum_pz = ctx.saved_tensors
-        transform, plan, backend = ctx.cfg
+        transform, plan, backend, head = ctx.cfg
         if sum_pz is None:
             g_entropy = None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_b else None
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        with no_autocast(hidden.device):
-            _recompute_backward(backend, hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp, g_lse,
-                                g_entropy, grad_weight, grad_bias, grad_hidden)
+        st = PassStats(lse=lse, logp=lse, sum_pz=sum_pz, sum_z=None, is_top1=lse)
+        # the local rows of the saved (possibly padded) weight
+        local = LocalHead(weight=weight[:head.weight.shape[0]],
+                          bias=None if bias is None else bias[:head.weight.shape[0]], group=head.group,
+                          vocab_start=head.vocab_start, vocab_size=head.vocab_size,
+                          reduce_grad_hidden=head.reduce_grad_hidden)
+        grad_hidden = backward_pass(backend, hidden, local, targets, transform, plan, st, g_logp, g_lse, g_entropy,
+                                    g_sum_z, grad_weight, grad_bias, need_h)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None, None, None)
 
 
-def _recompute_backward(backend, hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp, g_lse,
-                        g_entropy, grad_weight, grad_bias, grad_hidden) -> None:
-    need_h = grad_hidden is not None
-    for start in range(0, hidden.shape[0], plan.token_chunk):
-        sl = slice(start, start + plan.token_chunk)
-        gh = backend.chunk_backward(
-            hidden[sl], weight, bias, targets[sl], transform, plan, lse[sl],
-            None if sum_pz is None else sum_pz[sl],
-            None if g_logp is None else g_logp[sl], None if g_lse is None else g_lse[sl],
-            None if g_entropy is None else g_entropy[sl], None, grad_weight, grad_bias, need_h)
-        if need_h:
-            grad_hidden[sl] = gh
+def recompute_stats(backend, hidden, weight, bias, targets, transform, plan, want_entropy, want_sum_z,
+                    shard: VocabShard | None):
+    """Differentiable ``(lse, logp, entropy, sum_z, is_top1)`` of ``hidden [n, H]`` against the
+    (local shard of the) head, targets global."""
+    head = LocalHead.make(weight, bias, shard)
+    # LocalHead holds views for the pass; the Function gets the parameters themselves so
+    # autograd returns gradients shaped like them.
+    return _RecomputeFn.apply(hidden, weight, bias, head.local_targets(targets), transform, plan, want_entropy,
+                              want_sum_z, backend, head)
 
 
-def _prepare(hidden, weight, bias, targets, temperature, logit_scale, softcap, ignore_index, chunk_bytes,
-             impl):
-    check_head_inputs(hidden, weight, bias, targets, ignore_index)
-    transform = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+def _prepare(hidden, weight, bias, targets, transform, ignore_index, chunk_bytes, impl, shard):
+    head = LocalHead.make(weight, bias, shard)
+    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=head.vocab_size)
     backend = resolve_impl(impl, hidden.device)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1).long()
@@ -108,9 +185,9 @@ def _prepare(hidden, weight, bias, targets, temperature, logit_scale, softcap, i
     compact = not bool(valid.all())
     if compact:  # only rows with a target are computed
         h2, t1 = h2[valid], t1[valid]
-    plan = ChunkPlan.make(h2.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype), hidden.dtype,
-                          backend.NAME)
-    return transform, backend, h2, t1, valid if compact else None, plan
+    plan = ChunkPlan.make(h2.shape[0], max(head.weight.shape[0], 1), chunk_bytes, stat_dtype_for(hidden.dtype),
+                          hidden.dtype, backend.NAME)
+    return backend, h2, t1, valid if compact else None, plan, head
 
 
 def _expand(x: torch.Tensor, valid: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
@@ -131,6 +208,8 @@ def vocab_stats(
     softcap: float | None = None,
     ignore_index: int = -100,
     entropy: bool = True,
+    mean_logit: bool = False,
+    shard: VocabShard | None = None,
     chunk_bytes: int | None = None,
     impl: Impl = "auto",
 ) -> VocabStats:
@@ -140,32 +219,39 @@ def vocab_stats(
 
     Logits are ``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature``
     (see :class:`LogitTransform`); ``logp = z[y] - lse(z)``, ``lse = log Σ_v exp z_v``,
-    ``entropy = lse - Σ_v p_v z_v`` (nats). Statistics are computed in fp32 whatever the input
-    dtype (fp64 for fp64 inputs); ``grad weight`` is accumulated in fp32 and cast once.
+    ``entropy = lse - Σ_v p_v z_v`` (nats), ``mean_logit = Σ_v z_v / V``. Statistics are
+    computed in fp32 whatever the input dtype (fp64 for fp64 inputs); ``grad weight`` is
+    accumulated in fp32 and cast once.
 
     Args:
         hidden: ``[N, H]`` or ``[B, T, H]`` fp16/bf16/fp32/fp64.
-        weight: ``[V, H]``, same dtype and device.
-        targets: integer ``[N]`` or ``[B, T]``; ``ignore_index`` rows give 0 and no gradient.
+        weight: ``[V, H]``, same dtype and device (the local rows under ``shard``).
+        targets: integer ``[N]`` or ``[B, T]`` global token ids; ``ignore_index`` rows give 0
+            and no gradient.
         bias: optional ``[V]``.
         temperature, logit_scale, softcap: see :class:`LogitTransform`.
         entropy: also compute the entropy (one more reduction per block).
+        mean_logit: also compute the mean logit (label smoothing).
+        shard: :class:`VocabShard` for a vocabulary-parallel or padded head.
         chunk_bytes: workspace budget in bytes (default 1 GiB, env ``LOGITLESS_CHUNK_BYTES``).
         impl: ``"auto"`` (Triton on CUDA when available), ``"torch"`` or ``"triton"``.
 
     Returns:
-        :class:`VocabStats` ``(logp, lse, entropy)``, each shaped like ``targets``.
+        :class:`VocabStats` ``(logp, lse, entropy, mean_logit)``, each shaped like ``targets``.
 
     Raises:
         TypeError, ValueError: see :func:`logitless.ops.validate.check_head_inputs`; bad
-            ``temperature``/``softcap``/``chunk_bytes``/``impl``.
+            ``temperature``/``softcap``/``chunk_bytes``/``impl``/``shard``.
     """
-    transform, backend, h2, t1, valid, plan = _prepare(
-        hidden, weight, bias, targets, temperature, logit_scale, softcap, ignore_index, chunk_bytes, impl)
-    lse, logp, ent = _RecomputeFn.apply(h2, weight, bias, t1, transform, plan, entropy, backend)
+    transform = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    backend, h2, t1, valid, plan, head = _prepare(hidden, weight, bias, targets, transform, ignore_index,
+                                                  chunk_bytes, impl, shard)
+    lse, logp, ent, sum_z, _ = recompute_stats(backend, h2, weight, bias, t1, transform, plan, entropy, mean_logit,
+                                               shard)
     shape = targets.shape
     return VocabStats(logp=_expand(logp, valid, shape), lse=_expand(lse, valid, shape),
-                      entropy=_expand(ent, valid, shape) if entropy else None)
+                      entropy=_expand(ent, valid, shape) if entropy else None,
+                      mean_logit=_expand(sum_z / head.vocab_size, valid, shape) if mean_logit else None)
 
 
 @torch.no_grad()
@@ -180,6 +266,7 @@ def token_logprobs(
     softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    shard: VocabShard | None = None,
     chunk_bytes: int | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -192,10 +279,11 @@ def token_logprobs(
     Raises:
         TypeError, ValueError: as :func:`vocab_stats`.
     """
-    transform, backend, h2, t1, valid, plan = _prepare(
-        hidden, weight, bias, targets, temperature, logit_scale, softcap, ignore_index, chunk_bytes, impl)
-    lse, logp, sum_pz = forward_pass(backend, h2, weight, bias, t1, transform, plan, return_entropy)
-    logp = _expand(logp, valid, targets.shape)
+    transform = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    backend, h2, t1, valid, plan, head = _prepare(hidden, weight, bias, targets, transform, ignore_index,
+                                                  chunk_bytes, impl, shard)
+    st = forward_pass(backend, h2, head, head.local_targets(t1), transform, plan, return_entropy)
+    logp = _expand(st.logp, valid, targets.shape)
     if return_entropy:
-        return logp, _expand(lse - sum_pz, valid, targets.shape)
+        return logp, _expand(st.lse - st.sum_pz, valid, targets.shape)
     return logp

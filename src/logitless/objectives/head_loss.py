@@ -1,0 +1,114 @@
+"""``head_loss``: several terms on the head's softmax (CE, z-loss, entropy, your own) from a
+single vocabulary pass, each term's value reported separately."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
+from ..ops.vocab_stats import LocalHead
+from .run import Mode, resolve_mode, run_objective
+
+STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
+
+
+@dataclass
+class TokenStats:
+    """What a term sees: the statistics of a set of counted tokens (one chunk in fused mode,
+    all of them in recompute mode), ``[n]`` each, fp32 (fp64 for fp64 inputs), nats.
+
+    ``logp``, ``lse``, ``entropy``, ``mean_logit`` are differentiable (``None`` unless
+    requested); ``is_top1`` (bool, the target has the largest logit; ties count) is not.
+    ``positions`` are the tokens' indices in the flattened ``targets`` and ``count`` the
+    number of counted tokens of the whole call (for means).
+    """
+
+    logp: torch.Tensor
+    lse: torch.Tensor | None
+    entropy: torch.Tensor | None
+    mean_logit: torch.Tensor | None
+    is_top1: torch.Tensor | None
+    positions: torch.Tensor
+    count: int
+
+
+Term = Callable[[TokenStats], torch.Tensor]
+
+
+def head_loss(
+    hidden: torch.Tensor,  # [N, H] or [B, T, H]
+    weight: torch.Tensor,  # [V, H]
+    targets: torch.Tensor,  # [N] or [B, T]
+    terms: Mapping[str, Term],
+    *,
+    metrics: Mapping[str, Term] | None = None,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform | None = None,
+    ignore_index: int = -100,
+    stats: tuple[str, ...] = STATS,
+    shard: VocabShard | None = None,
+    mode: Mode = "auto",
+    impl: Impl = "auto",
+    chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of ``terms`` over the counted tokens, all from one pass over the vocabulary.
+
+    Each term maps a :class:`TokenStats` to a scalar that must be a *sum over those tokens*
+    (normalize inside the term with ``stats.count`` or your own constant): the loss of the call
+    is the sum over chunks, so fused mode (3 GEMMs of work) applies to any combination, and the
+    softmax is computed once however many terms there are.
+
+    Args:
+        hidden, weight, targets, bias, transform, shard: as :func:`logitless.vocab_stats`.
+        terms: ``{name: term}``; e.g. ``{"ce": lambda s: -s.logp.sum() / s.count,
+            "z_loss": lambda s: 1e-4 * (s.lse ** 2).sum() / s.count}``.
+        metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.
+            ``{"entropy": lambda s: s.entropy.sum() / s.count}``.
+        ignore_index: target value of tokens that are not counted.
+        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1``).
+        mode: ``"auto"``/``"fused"`` (gradient in the forward) or ``"recompute"``.
+
+    Returns:
+        ``(loss, values)``: the summed loss (differentiable w.r.t. ``hidden``/``weight``/``bias``)
+        and each term's and metric's value (detached 0-dim tensors).
+
+    Raises:
+        TypeError, ValueError: invalid inputs (as :func:`vocab_stats`), unknown stats, no terms.
+    """
+    if not terms:
+        raise ValueError("head_loss needs at least one term")
+    unknown = set(stats) - set(STATS)
+    if unknown:
+        raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
+    transform = LogitTransform() if transform is None else transform
+    vocab_size = LocalHead.make(weight, bias, shard).vocab_size
+    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=vocab_size)
+    flat = targets.reshape(-1)
+    positions = (flat != ignore_index).nonzero().squeeze(1)
+    h = hidden.reshape(-1, hidden.shape[-1])[positions]
+    t = flat[positions].long()
+    count = int(positions.numel())
+    extra = tuple(k for k, want in (("lse", "lse" in stats), ("sum_z", "mean_logit" in stats),
+                                    ("is_top1", "is_top1" in stats)) if want)
+    sdt = stat_dtype_for(hidden.dtype)
+
+    def objective(sl, logp, entropy, lse=None, sum_z=None, is_top1=None):
+        ts = TokenStats(logp=logp, lse=lse, entropy=entropy, mean_logit=None if sum_z is None else sum_z / vocab_size,
+                        is_top1=is_top1, positions=positions[sl], count=count)
+        values = {name: term(ts) for name, term in terms.items()}
+        total = sum(values.values(), torch.zeros((), dtype=sdt, device=hidden.device))
+        reported = {k: v.detach() for k, v in values.items()}
+        with torch.no_grad():
+            reported.update({name: fn(ts).detach() for name, fn in (metrics or {}).items()})
+        return total, reported
+
+    loss, _logp, _ent, collected = run_objective(
+        h, weight, bias, t, transform, objective, mode=resolve_mode(mode, False), cuts=None,
+        want_entropy="entropy" in stats, impl=impl, chunk_bytes=chunk_bytes,
+        extra_stats=extra, shard=shard)
+    values = {name: sum((c[name] for c in collected), torch.zeros((), dtype=sdt, device=hidden.device))
+              for name in (*terms, *(metrics or {}))}
+    return loss, values

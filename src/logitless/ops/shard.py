@@ -1,0 +1,86 @@
+"""Which part of the vocabulary a head weight holds: vocabulary (tensor) parallelism and
+padded vocabularies, through ``torch.distributed`` collectives.
+
+Each rank holds rows ``[vocab_start, vocab_start + V_local)`` of the head. A pass computes
+per-token partial statistics over its rows, then one all-reduce MAX (the running max) and
+one all-reduce SUM of a stacked tensor (``Σ exp``, ``Σ exp·z``, the owner's target logit,
+``Σ z``) make them global (Megatron-style vocab-parallel cross-entropy). Backward: each rank
+writes ``dz`` for its rows; ``d hidden`` partials are summed over the group unless the
+caller's framework reduces them itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..distributed import all_reduce, is_active
+from .torch_backend import Partials
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows a ``weight [V_local, H]`` holds.
+
+    Attributes:
+        group: ``torch.distributed`` process group the vocabulary is split over (``None``: the
+            whole vocabulary is local).
+        vocab_start: global index of the first local row (default ``rank * V_local``: even
+            shards; give it for uneven ones).
+        vocab_size: true vocabulary size; rows at or beyond it are padding and get no
+            probability (default: ``world * V_local``, i.e. no padding).
+        reduce_grad_hidden: all-reduce the ``d hidden`` partials over ``group`` (set False when
+            your framework reduces the input gradient of the head itself, e.g. Megatron's
+            ``copy_to_tensor_model_parallel_region``).
+    """
+
+    group: object | None = None
+    vocab_start: int | None = None
+    vocab_size: int | None = None
+    reduce_grad_hidden: bool = True
+
+    def resolve(self, local_rows: int) -> tuple[int, int, int]:
+        """``(vocab_start, vocab_size, valid local rows)``.
+
+        Raises:
+            ValueError: a start/size inconsistent with the local rows.
+        """
+        world, rank = 1, 0
+        if is_active(self.group):
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        start = rank * local_rows if self.vocab_start is None else int(self.vocab_start)
+        size = world * local_rows if self.vocab_size is None else int(self.vocab_size)
+        if start < 0 or size <= 0:
+            raise ValueError(f"VocabShard: vocab_start={start} and vocab_size={size} must be >= 0 and > 0")
+        if not is_active(self.group) and start != 0:
+            raise ValueError("VocabShard: vocab_start must be 0 without a vocabulary-parallel group")
+        valid = max(0, min(local_rows, size - start))
+        return start, size, valid
+
+
+def reduce_partials(p: Partials, group) -> Partials:
+    """Combine every rank's partial statistics into the full-vocabulary ones (one MAX, one SUM)."""
+    if not is_active(group):
+        return p
+    m = all_reduce(p.m, "max", group)
+    scale = torch.exp(p.m - m)  # 0 for a rank with no rows (m = -inf)
+    parts = [p.se * scale, torch.where(p.owned, p.zy, torch.zeros_like(p.zy))]
+    if p.sez is not None:
+        parts.append(p.sez * scale)
+    if p.sz is not None:
+        parts.append(p.sz)
+    total = all_reduce(torch.stack(parts), "sum", group)
+    return Partials(m=m, se=total[0], zy=total[1], sez=total[2] if p.sez is not None else None,
+                    sz=total[-1] if p.sz is not None else None, owned=torch.ones_like(p.owned))
+
+
+def cat_partials(parts: list[Partials]) -> Partials:
+    """Concatenate chunk partials along tokens (so a whole pass reduces once)."""
+    def cat(name):
+        xs = [getattr(p, name) for p in parts]
+        return None if xs[0] is None else torch.cat(xs)
+
+    return Partials(m=cat("m"), se=cat("se"), sez=cat("sez"), zy=cat("zy"), owned=cat("owned"), sz=cat("sz"))
