@@ -26,6 +26,16 @@ def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
     return out
 
 
+def all_reduce_sum_autograd(t: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable SUM all-reduce: the backward sums the gradients of every rank's loss, so
+    each rank's local loss is a share of one global loss (sequence parallelism)."""
+    if not is_active(group):
+        return t
+    from torch.distributed.nn.functional import all_reduce as ar
+
+    return ar(t, op=dist.ReduceOp.SUM, group=group)
+
+
 def gather_varlen(t: torch.Tensor, group) -> torch.Tensor:
     """Concatenate the 1-D tensors ``t`` of every rank (lengths may differ), in rank order."""
     if not is_active(group):

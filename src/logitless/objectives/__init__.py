@@ -2,8 +2,8 @@
 Knows nothing about the vocabulary; calls only ``ops``."""
 
 from .config import PolicyConfig
-from .distill import DistillConfig, distill_loss
 from .cross_entropy import cross_entropy
+from .distill import DistillConfig, distill_loss
 from .head_loss import TokenStats, head_loss
 from .layout import TokenLayout
 from .policy import policy_loss
@@ -22,3 +22,5 @@ from .preference import (
 from .run import Mode
 
 __all__ = ["Mode", "PolicyConfig", "TokenLayout", "TokenStats", "cross_entropy", "head_loss", "policy_loss"]
+__all__ += ["CPOLossConfig", "DPOLossConfig", "DistillConfig", "KTOLossConfig", "SequenceLogps", "cpo_loss",
+            "distill_loss", "dpo_loss", "kto_loss", "orpo_loss", "sequence_logps", "simpo_loss"]

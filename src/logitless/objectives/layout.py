@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed import all_reduce, all_reduce_sum_autograd, is_active
+
 
 @dataclass
 class TokenLayout:
@@ -26,6 +28,8 @@ class TokenLayout:
         shape: the caller's per-token shape (``[B, T]`` or ``[N]``).
         cuts: token positions in ``(0, n]`` where a segment ends (allowed chunk ends for
             objectives that need whole sequences).
+        group: sequence-parallel process group whose ranks hold pieces of the same segments
+            (global segment ids); ``seg_len`` and :meth:`seq_sum` are then over the group.
     """
 
     index: torch.Tensor
@@ -35,6 +39,7 @@ class TokenLayout:
     seg_len: torch.Tensor
     shape: torch.Size
     cuts: list[int]
+    group: object | None = None
 
     @property
     def n(self) -> int:
@@ -68,9 +73,17 @@ class TokenLayout:
         return out.reshape(self.shape)
 
     def seg_sum(self, x: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum of per-token ``x`` over each segment → ``[S]``."""
+        """Sum of per-token ``x`` over each segment's tokens on this rank → ``[S]``."""
         seg = self.seg if seg is None else seg
         return x.new_zeros(self.num_segments).index_add(0, seg, x)
+
+    def seq_sum(self, x: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum over each whole segment, across the sequence-parallel group (differentiable)."""
+        return all_reduce_sum_autograd(self.seg_sum(x, seg), self.group)
+
+    @property
+    def distributed(self) -> bool:
+        return is_active(self.group)
 
     @classmethod
     def from_padded(cls, mask: torch.Tensor) -> TokenLayout:
@@ -84,22 +97,25 @@ class TokenLayout:
         return cls._build(index, seg, b, flat, mask.shape)
 
     @classmethod
-    def from_segments(cls, mask: torch.Tensor, segment_ids: torch.Tensor) -> TokenLayout:
-        """From packed ``[N]`` mask and ``[N]`` non-decreasing segment ids ``0..S-1``."""
+    def from_segments(cls, mask: torch.Tensor, segment_ids: torch.Tensor, group=None) -> TokenLayout:
+        """From packed ``[N]`` mask and ``[N]`` non-decreasing segment ids ``0..S-1`` (global ids
+        shared by the ranks of a sequence-parallel ``group``)."""
         if mask.dim() != 1 or segment_ids.shape != mask.shape:
             raise ValueError(f"packed inputs need mask [N] and segment_ids [N], got {tuple(mask.shape)} "
                              f"and {tuple(segment_ids.shape)}")
         if segment_ids.numel() and bool((segment_ids[1:] < segment_ids[:-1]).any() or (segment_ids[0] < 0)):
             raise ValueError("segment_ids must be non-negative and non-decreasing (packed sequences)")
-        num = int(segment_ids.max()) + 1 if segment_ids.numel() else 0
+        top = segment_ids.max() if segment_ids.numel() else segment_ids.new_tensor(-1)
+        num = int(all_reduce(top.reshape(1), "max", group)) + 1
         index = (mask != 0).nonzero().squeeze(1)
-        return cls._build(index, segment_ids.long()[index], num, mask, mask.shape)
+        return cls._build(index, segment_ids.long()[index], num, mask, mask.shape, group)
 
     @classmethod
-    def _build(cls, index, seg, num, flat_mask, shape) -> TokenLayout:
+    def _build(cls, index, seg, num, flat_mask, shape, group=None) -> TokenLayout:
         weight = flat_mask[index].to(torch.get_default_dtype() if not flat_mask.is_floating_point()
                                      else flat_mask.dtype)
-        seg_len = weight.new_zeros(num).index_add(0, seg, weight)
+        seg_len = all_reduce(weight.new_zeros(num).index_add(0, seg, weight), "sum", group)
         ends = torch.nonzero(seg[1:] != seg[:-1]).squeeze(1) + 1 if seg.numel() > 1 else seg.new_zeros(0)
         cuts = [*ends.tolist(), int(seg.numel())] if seg.numel() else []
-        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, cuts=cuts)
+        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, cuts=cuts,
+                   group=group)

@@ -7,7 +7,8 @@ from functools import partial
 import torch
 
 from ..distributed import all_reduce, gather_varlen
-from ..ops import Impl, LogitTransform, check_head_inputs, stat_dtype_for
+from ..ops import Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
+from ..ops.vocab_stats import LocalHead
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
 from .policy_terms import PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
@@ -33,6 +34,8 @@ def policy_loss(
     sampling_logp: torch.Tensor | None = None,  # [B, T]
     importance_sampling_ratio: torch.Tensor | None = None,  # [B, T] or [B, 1]
     segment_ids: torch.Tensor | None = None,  # [N] for packed inputs
+    shard: VocabShard | None = None,
+    sequence_group=None,
     mode: Mode = "auto",
     impl: Impl = "auto",
     chunk_bytes: int | None = None,
@@ -64,14 +67,21 @@ def policy_loss(
         importance_sampling_ratio: sampler correction ``ρ`` (see
             :func:`logitless.sampling_correction`), multiplied into the per-token loss.
         segment_ids: packed layout: non-decreasing ``[N]`` sequence index per token.
+        shard: :class:`logitless.VocabShard` when ``weight`` holds a vocabulary-parallel shard
+            (or a padded vocabulary).
+        sequence_group: sequence/context-parallel process group whose ranks hold pieces of the
+            same packed sequences (``segment_ids`` global); sequence-level quantities (GSPO
+            ratio, per-sequence means, off-policy KL, VESPO weight) and token counts are then
+            summed over it, and each rank's loss is its share: their sum is the loss of the
+            whole sequences. Objectives that need whole sequences then run in recompute mode.
         mode: ``"fused"`` (gradient computed in the forward, 3 GEMMs of work), ``"recompute"``
             (O(N) saved state, 4 GEMMs), ``"auto"`` (fused unless the objective needs all
             entropies first: ``top_entropy_quantile < 1``).
         impl: backend, ``"auto"``/``"torch"``/``"triton"``.
         chunk_bytes: workspace budget of the vocabulary pass.
-        group: data-parallel ``torch.distributed`` process group over which metrics are
-            reduced (sums and counts, min/max) and the entropy quantile is taken, as TRL
-            does across processes; ``None``: this process only. The loss itself stays
+        group: data-parallel ``torch.distributed`` process group (ranks holding different
+            sequences) over which metrics are reduced (sums and counts, min/max) and the entropy
+            quantile is taken, as TRL does across processes; ``None``: this process only. The loss itself stays
             local (its normalizers are TRL's: ``num_items_in_batch`` and ``num_processes``).
 
     Returns:
@@ -87,21 +97,26 @@ def policy_loss(
     """
     cfg = PolicyConfig() if config is None else config
     transform = LogitTransform() if transform is None else transform
+    if sequence_group is not None and segment_ids is None:
+        raise ValueError("sequence_group needs packed inputs with global segment_ids")
     tok, h_flat, t_flat = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp,
                                    ref_logp, cfg, num_items_in_batch, tool_mask, sampling_logp,
-                                   importance_sampling_ratio, segment_ids)
-    run_mode = resolve_mode(mode, cfg.needs_global_entropy)
+                                   importance_sampling_ratio, segment_ids, shard, sequence_group)
+    # Under sequence parallelism a sequence-level objective takes collectives inside the
+    # objective; ranks must make the same calls, so the objective runs once (recompute).
+    split_sequences = tok.layout.distributed and cfg.needs_whole_sequences
+    run_mode = resolve_mode(mode, cfg.needs_global_entropy or split_sequences)
 
     def set_entropy_mask(_logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
-        tok.entropy_mask = _entropy_mask(entropy, cfg.top_entropy_quantile, group)
+        tok.entropy_mask = _entropy_mask(entropy, cfg.top_entropy_quantile, group, sequence_group)
         if tok.bonus_weight is not None:
-            denom = (tok.m * tok.entropy_mask).sum().clamp(min=1.0)
+            denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
     loss, _logp, _ent, collected = run_objective(
         h_flat, weight, bias, t_flat, transform, partial(chunk_terms, cfg, tok), mode=run_mode,
         cuts=tok.layout.cuts if cfg.needs_whole_sequences else None, want_entropy=True, impl=impl,
-        chunk_bytes=chunk_bytes, before_loss=set_entropy_mask if cfg.needs_global_entropy else None)
+        chunk_bytes=chunk_bytes, before_loss=set_entropy_mask if cfg.needs_global_entropy else None, shard=shard)
     sums: dict[str, torch.Tensor] = {}
     for part in collected:
         for k, v in part.items():
@@ -113,10 +128,10 @@ def _accum(cfg: PolicyConfig) -> float:
     return float(cfg.gradient_accumulation_steps) if cfg.training else 1.0
 
 
-def _entropy_mask(entropy: torch.Tensor, quantile: float, group) -> torch.Tensor:
+def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=None) -> torch.Tensor:
     """TRL's ``get_high_entropy_mask`` on the counted tokens: the quantile of the entropies of
     all processes' counted tokens, in fp32 as TRL takes it."""
-    gathered = gather_varlen(entropy.float(), group)
+    gathered = gather_varlen(gather_varlen(entropy.float(), sequence_group), group)
     if gathered.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.bool)
     threshold = torch.quantile(gathered, 1 - quantile)
@@ -129,7 +144,8 @@ def _check_finite(name: str, x: torch.Tensor | None) -> None:
 
 
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp, ref_logp, cfg,
-             num_items_in_batch, tool_mask, sampling_logp, importance_sampling_ratio, segment_ids):
+             num_items_in_batch, tool_mask, sampling_logp, importance_sampling_ratio, segment_ids, shard,
+             sequence_group):
     if not isinstance(hidden, torch.Tensor) or not isinstance(completion_mask, torch.Tensor):
         raise TypeError("hidden and completion_mask must be torch.Tensors")
     packed = segment_ids is not None
@@ -160,13 +176,14 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     mask = completion_mask if tool_mask is None else completion_mask * tool_mask
     if mask.dtype == torch.bool:
         mask = mask.to(torch.int64)
-    lay = TokenLayout.from_segments(mask, segment_ids) if packed else TokenLayout.from_padded(mask)
+    lay = TokenLayout.from_segments(mask, segment_ids, sequence_group) if packed else TokenLayout.from_padded(mask)
     sdt = stat_dtype_for(hidden.dtype)
     lay.weight = lay.weight.to(sdt)
     lay.seg_len = lay.seg_len.to(sdt)
     h_flat = hidden.reshape(-1, hidden.shape[-1])[lay.index]
     t_flat = lay.gather(completion_ids).long()
-    check_head_inputs(h_flat, weight, bias, t_flat, ignore_index=None)
+    check_head_inputs(h_flat, weight, bias, t_flat, ignore_index=None,
+                      vocab_size=LocalHead.make(weight, bias, shard).vocab_size)
 
     def tok_tensor(x, name):
         if x is None:
@@ -185,16 +202,17 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         if bool((~torch.isfinite(is_tok) | (is_tok < 0)).any()):
             raise ValueError("importance_sampling_ratio must be finite and >= 0 at counted tokens")
         if cfg.loss_type == "vespo":
-            log_is_seq = lay.seg_sum(torch.log(is_tok).clamp(_LOG_1E8, 20.0))
+            log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(_LOG_1E8, 20.0))
 
     m = lay.weight
     n_seq = lay.num_segments
+    m_total = all_reduce(m.sum(), "sum", sequence_group)
     g = _accum(cfg)
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
         loss_weight = m / lay.seg_len.clamp(min=1.0)[lay.seg] / n_seq / g
     elif lt in ("bnpo", "ppo"):
-        loss_weight = m / m.sum().clamp(min=1.0) / g
+        loss_weight = m / m_total.clamp(min=1.0) / g
     elif lt == "dr_grpo":
         max_len = cfg.max_completion_length
         if max_len is None:
@@ -206,7 +224,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         loss_weight = m / n_seq / g
     else:  # dapo, cispo, vespo, reinforce: TRL's num_items_in_batch normalizer
         if num_items_in_batch is None:
-            denom = m.sum().clamp(min=1.0)
+            denom = m_total.clamp(min=1.0)
         else:
             n_items = torch.as_tensor(num_items_in_batch, dtype=sdt, device=m.device)
             denom = n_items.clamp(min=1.0) / cfg.num_processes
@@ -214,7 +232,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
                 spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
                 denom = denom * cfg.gradient_accumulation_steps / spg
         loss_weight = m / denom
-    bonus_weight = m / m.sum().clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
+    bonus_weight = m / m_total.clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
 
     tok = PolicyTokens(layout=lay, m=m, advantages=adv_tok,
                        adv_per_sequence=advantages.to(sdt) if per_seq else None,
@@ -232,7 +250,11 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
     seg_len = lay.seg_len
     zeros = seg_len.new_zeros(lay.num_segments)
     policy_part = sums.get("policy", seg_len.new_zeros(()))
-    sums = {k: sums.get(k, zeros) for k in ("kl", "entropy", "low", "high", "cispo", "phi", "log_ratio", "vespo_s")}
+    keys = ("kl", "entropy", "low", "high", "cispo", "phi", "log_ratio", "vespo_s")
+    sums = {k: sums.get(k, zeros) for k in keys}
+    if lay.distributed:  # pieces of each sequence live on the sequence-parallel ranks
+        stacked = all_reduce(torch.stack([sums[k] for k in keys]), "sum", lay.group)
+        sums = dict(zip(keys, stacked, strict=True))
     total = seg_len.sum()
     n_seq = seg_len.new_tensor(float(lay.num_segments))
     nan = seg_len.new_tensor(float("nan"))

@@ -66,8 +66,8 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
     log_ratio = logp - old
     seg_len = lay.seg_len.clamp(min=1.0)
 
-    def seq_mean(x: torch.Tensor) -> torch.Tensor:  # [S] mean over each segment's tokens
-        return lay.seg_sum(x * m, seg) / seg_len
+    def seq_mean(x: torch.Tensor) -> torch.Tensor:  # [S] mean over each whole segment's tokens
+        return lay.seq_sum(x * m, seg) / seg_len
 
     level = cfg.importance_sampling_level
     if level == "token":
@@ -100,7 +100,7 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
         tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg).to(coef_1.dtype)
         per_token = -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * adv
     elif lt == "vespo":
-        vespo_s = lay.seg_sum(log_ratio.detach().clamp(-20.0, 20.0) * m, seg)
+        vespo_s = lay.seq_sum(log_ratio.detach().clamp(-20.0, 20.0) * m, seg)
         if tok.log_is_ratio_seq is not None:
             vespo_s = vespo_s + tok.log_is_ratio_seq
         phi = vespo_phi(cfg, vespo_s[seg], adv)

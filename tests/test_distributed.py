@@ -1,0 +1,182 @@
+"""Multi-process (gloo, CPU) results equal the single-process ones: vocabulary-parallel heads
+(even and uneven shards, padded vocabulary), sequence-parallel GSPO with segments cut across
+ranks, and data-parallel normalizers/metrics."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from logitless import PolicyConfig, cross_entropy, policy_loss, token_logprobs
+
+sys.path.insert(0, str(Path(__file__).parent))
+import dist_worker  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn_name, case, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        buf = io.BytesIO()  # bytes, not shared-memory tensors: the child may exit before the parent reads
+        torch.save(getattr(dist_worker, fn_name)(rank, world, case), buf)
+        queue.put((rank, buf.getvalue()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn_name: str, world: int, case: dict) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn_name, case, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {r: torch.load(io.BytesIO(b)) for r, b in (queue.get(timeout=240) for _ in range(world))}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return [results[r] for r in range(world)]
+
+
+def _policy_case(gen, b=4, t=7, h=16, v=101):
+    hidden = torch.randn(b, t, h, generator=gen, dtype=torch.float64)
+    weight = 0.7 * torch.randn(v, h, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, v, (b, t), generator=gen)
+    mask = (torch.rand(b, t, generator=gen) > 0.2).to(torch.float64)
+    mask[0, 0] = 1.0
+    with torch.no_grad():
+        cur = token_logprobs(hidden, weight, targets)
+    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask,
+                advantages=torch.randn(b, generator=gen, dtype=torch.float64),
+                old=cur + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64),
+                ref=cur + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64))
+
+
+def _close(a, b, tol=1e-10):
+    return torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+def _reference_policy(case, **kw):
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"].clone().requires_grad_()
+    loss, metrics = policy_loss(hidden, weight, case["targets"], case["mask"], case["advantages"], case["old"],
+                                case["ref"], config=PolicyConfig(**case["config"]), impl="torch", **kw)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad, metrics
+
+
+@pytest.mark.parametrize(("world", "sizes", "mode"), [(2, [40, 61], "fused"), (4, None, "recompute")])
+def test_vocab_parallel_grpo_matches_single_process(world, sizes, mode):
+    gen = torch.Generator().manual_seed(11)
+    case = _policy_case(gen)
+    case.update(objective="grpo", mode=mode, sizes=sizes, chunk=3000,
+                config=dict(loss_type="grpo", beta=0.04, epsilon_high=0.28))
+    loss, gh, gw, metrics = _reference_policy(case)
+    outs = _spawn("vocab_parallel", world, case)
+    for o in outs:
+        assert _close(o["loss"], loss) and _close(o["grad_hidden"], gh)
+        assert _close(o["grad_weight"], gw[o["start"]:o["start"] + o["rows"]])
+        for k, v in metrics.items():
+            assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
+
+
+def test_vocab_parallel_gspo_and_ce_padded_vocab():
+    gen = torch.Generator().manual_seed(12)
+    case = _policy_case(gen)
+    case.update(objective="grpo", mode="fused", config=dict(loss_type="grpo", importance_sampling_level="sequence"))
+    loss, gh, gw, _ = _reference_policy(case)
+    for o in _spawn("vocab_parallel", 2, case):
+        assert _close(o["loss"], loss) and _close(o["grad_hidden"], gh)
+        assert _close(o["grad_weight"], gw[o["start"]:o["start"] + o["rows"]])
+    # CE with 5 padding rows at the end of the last shard: they must get no probability.
+    pad = 5
+    hidden = case["hidden"].reshape(-1, 16)
+    weight = torch.cat([case["weight"], 3 * torch.randn(pad, 16, generator=gen, dtype=torch.float64)])
+    targets = case["targets"].reshape(-1)
+    ce_case = dict(hidden=hidden, weight=weight, targets=targets, pad=pad, objective="ce", mode="fused")
+    h_ref = hidden.clone().requires_grad_()
+    w_ref = case["weight"].clone().requires_grad_()
+    ref, _ = cross_entropy(h_ref, w_ref, targets, label_smoothing=0.1, z_loss=1e-3, impl="torch")
+    ref.backward()
+    for o in _spawn("vocab_parallel", 2, ce_case):
+        assert _close(o["loss"], ref) and _close(o["grad_hidden"], h_ref.grad)
+        g = o["grad_weight"]
+        real = min(o["rows"], w_ref.shape[0] - o["start"])
+        assert _close(g[:real], w_ref.grad[o["start"]:o["start"] + real])
+        assert (g[real:] == 0).all()
+
+
+def test_vocab_parallel_rollout_one_max_one_sum():
+    gen = torch.Generator().manual_seed(13)
+    case = _policy_case(gen)
+    hidden = case["hidden"].reshape(-1, 16)
+    targets = case["targets"].reshape(-1)
+    # chunk=1500 makes several token chunks: still one MAX and one SUM for the whole pass
+    rc = dict(hidden=hidden, weight=case["weight"], targets=targets, objective="rollout", chunk=1500)
+    ref_logp, ref_ent = token_logprobs(hidden, case["weight"], targets, return_entropy=True)
+    for o in _spawn("vocab_parallel", 2, rc):
+        assert _close(o["logp"], ref_logp) and _close(o["entropy"], ref_ent)
+        assert o["counts"] == {"max": 1, "sum": 1, "other": 0}
+
+
+def _packed_case(gen, lens=(5, 9, 3, 7), h=16, v=53):
+    n = sum(lens)
+    seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    weight = 0.7 * torch.randn(v, h, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    mask = (torch.rand(n, generator=gen) > 0.15).to(torch.float64)
+    with torch.no_grad():
+        cur = token_logprobs(hidden, weight, targets)
+    return dict(hidden=hidden, weight=weight, targets=targets, mask=mask, segment_ids=seg,
+                advantages=torch.randn(len(lens), generator=gen, dtype=torch.float64),
+                old=cur + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64),
+                ref=cur + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
+def test_sequence_parallel_gspo_segments_cut_across_ranks(loss_type):
+    gen = torch.Generator().manual_seed(14)
+    case = _packed_case(gen)
+    level = "token" if loss_type == "vespo" else "sequence"
+    case.update(mode="auto", bounds=[0, 8, 17, 24],  # cuts inside segments 1 and 3
+                config=dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+                            off_policy_mask_threshold=0.5 if loss_type != "vespo" else None))
+    loss, gh, gw, metrics = _reference_policy(case, segment_ids=case["segment_ids"])
+    outs = _spawn("sequence_parallel", 3, case)
+    assert _close(sum(o["loss"] for o in outs), loss)
+    assert _close(torch.cat([o["grad_hidden"] for o in outs]), gh)
+    assert _close(sum(o["grad_weight"] for o in outs), gw)
+    for o in outs:
+        for k, v in metrics.items():
+            assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
+
+
+def test_data_parallel_normalizers_and_metrics():
+    gen = torch.Generator().manual_seed(15)
+    case = _policy_case(gen, b=4)
+    case.update(config=dict(loss_type="dapo", beta=0.04, epsilon_high=0.28))
+    loss, gh, gw, metrics = _reference_policy(case)
+    outs = _spawn("data_parallel", 2, case)
+    # DDP averages gradients over ranks; TRL's dapo normalizer (N / P) makes that the global loss's.
+    assert _close(sum(o["loss"] for o in outs) / 2, loss)
+    assert _close(sum(o["grad_weight"] for o in outs) / 2, gw)
+    assert _close(torch.cat([o["grad_hidden"] for o in outs]) / 2, gh)
+    for o in outs:
+        for k, v in metrics.items():
+            assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
