@@ -3,7 +3,6 @@ numpy-free plain tensors; the single-process reference is computed in the test i
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from logitless import PolicyConfig, VocabShard, cross_entropy, policy_loss, token_logprobs
