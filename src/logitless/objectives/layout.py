@@ -8,6 +8,7 @@ inputs give the same numbers, and masked-out tokens never reach the vocabulary p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ class TokenLayout:
         seg_len: ``[S]`` sum of mask values per segment (``Σ_t m``).
         shape: the caller's per-token shape (``[B, T]`` or ``[N]``).
         cuts: token positions in ``(0, n]`` where a segment ends (allowed chunk ends for
-            objectives that need whole sequences).
+            objectives that need whole sequences); computed on first use (a host sync).
         group: sequence-parallel process group whose ranks hold pieces of the same segments
             (global segment ids); ``seg_len`` and :meth:`seq_sum` are then over the group.
     """
@@ -38,8 +39,15 @@ class TokenLayout:
     weight: torch.Tensor
     seg_len: torch.Tensor
     shape: torch.Size
-    cuts: list[int]
     group: object | None = None
+
+    @functools.cached_property
+    def cuts(self) -> list[int]:
+        seg = self.seg
+        if not seg.numel():
+            return []
+        ends = torch.nonzero(seg[1:] != seg[:-1]).squeeze(1) + 1
+        return [*ends.tolist(), int(seg.numel())]
 
     @property
     def n(self) -> int:
@@ -115,7 +123,4 @@ class TokenLayout:
         weight = flat_mask[index].to(torch.get_default_dtype() if not flat_mask.is_floating_point()
                                      else flat_mask.dtype)
         seg_len = all_reduce(weight.new_zeros(num).index_add(0, seg, weight), "sum", group)
-        ends = torch.nonzero(seg[1:] != seg[:-1]).squeeze(1) + 1 if seg.numel() > 1 else seg.new_zeros(0)
-        cuts = [*ends.tolist(), int(seg.numel())] if seg.numel() else []
-        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, cuts=cuts,
-                   group=group)
+        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, group=group)

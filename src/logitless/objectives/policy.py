@@ -138,9 +138,24 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
     return entropy >= threshold
 
 
-def _check_finite(name: str, x: torch.Tensor | None) -> None:
-    if x is not None and not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{name} contains NaN or inf at counted tokens")
+class _FiniteChecks:
+    """Collects NaN/inf checks of the per-token inputs and syncs with the device once."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.flags: list[torch.Tensor] = []
+
+    def add(self, name: str, x: torch.Tensor | None, bad: torch.Tensor | None = None) -> None:
+        if x is not None and x.numel():
+            self.names.append(name)
+            self.flags.append((~torch.isfinite(x)).any() if bad is None else bad)
+
+    def raise_if_any(self) -> None:
+        if not self.flags:
+            return
+        for name, flag in zip(self.names, torch.stack(self.flags).tolist(), strict=True):
+            if flag:
+                raise ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
 
 
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp, ref_logp, cfg,
@@ -185,22 +200,23 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     check_head_inputs(h_flat, weight, bias, t_flat, ignore_index=None,
                       vocab_size=LocalHead.make(weight, bias, shard).vocab_size)
 
+    checks = _FiniteChecks()
+
     def tok_tensor(x, name):
         if x is None:
             return None
         out = lay.gather(x).to(sdt)
         if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
-            _check_finite(name, out)
+            checks.add(name, out)
         return out
 
     per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
     adv_tok = lay.per_token(advantages, "advantages").to(sdt)
-    _check_finite("advantages", adv_tok)
+    checks.add("advantages", adv_tok)
     is_tok = log_is_seq = None
     if importance_sampling_ratio is not None:
         is_tok = lay.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
-        if bool((~torch.isfinite(is_tok) | (is_tok < 0)).any()):
-            raise ValueError("importance_sampling_ratio must be finite and >= 0 at counted tokens")
+        checks.add("importance_sampling_ratio", is_tok, (~torch.isfinite(is_tok) | (is_tok < 0)).any())
         if cfg.loss_type == "vespo":
             log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(_LOG_1E8, 20.0))
 
@@ -239,6 +255,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
                        old_logp=tok_tensor(old_logp, "old_logp"), ref_logp=tok_tensor(ref_logp, "ref_logp"),
                        sampling_logp=tok_tensor(sampling_logp, "sampling_logp"), is_ratio=is_tok,
                        log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight)
+    checks.raise_if_any()
     return tok, h_flat, t_flat
 
 
