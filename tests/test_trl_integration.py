@@ -12,7 +12,7 @@ from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigEr
 V = 64
 
 
-def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, **config):
+def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, **config):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -20,7 +20,9 @@ def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, **config):
     opts = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                 max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, max_steps=2, bf16=False)
     opts.update(config)
-    return cls(model=str(tmp_path / "m"), reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
+    extra = {} if ref_cache is None else {"ref_cache": ref_cache}
+    return cls(**extra, model=str(tmp_path / "m"),
+               reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                args=GRPOConfig(**opts), train_dataset=Dataset.from_dict({"prompt": ["t1 t2", "t3 t4 t5"] * 8}),
                processing_class=word_tokenizer(V))
 
@@ -135,3 +137,38 @@ def test_refuses_unknown_head():
 
     with pytest.raises(UnsupportedModelError, match="NoHead"):
         find_head(NoHead())
+
+
+def test_reference_cache_replaces_the_reference_model(tmp_path):
+    """beta > 0 with a ref cache: the reference model is freed and its log-probs come from the
+    cache, equal to a live reference pass (the policy before any step has the same weights)."""
+    from logitless.refcache import build
+
+    tr = _trainer(tmp_path, beta=0.04)
+    g = torch.Generator().manual_seed(9)
+    b, p, t = 4, 3, 5
+    ids = torch.randint(0, V - 3, (b, p + t), generator=g)
+    am = torch.ones_like(ids)
+    am[1, -2:] = 0
+    records = [{"prompt_ids": ids[i, :p], "completion_ids": ids[i, p:], "completion_mask": am[i, p:]}
+               for i in range(b)]
+    build(tr.ref_model, records, tmp_path / "cache", tokenizer=tr.processing_class)
+    with torch.no_grad():
+        live, _, _ = tr._get_per_token_logps_and_entropies(tr.ref_model, ids, am, t)
+    tr2 = _trainer(tmp_path / "second", beta=0.04, ref_cache=tmp_path / "cache")
+    assert type(tr2.ref_model).__name__ == "_CachedReference"
+    with torch.no_grad():
+        cached, _, _ = tr2._get_per_token_logps_and_entropies(tr2.ref_model, ids, am, t)
+    assert torch.allclose(cached, live, rtol=1e-6, atol=1e-6)
+    assert (cached[1, -2:] == 0).all()
+    # Generated completions are not in this cache: training must stop with a named miss, not
+    # run on wrong reference values.
+    from logitless.refcache import RefCacheMissError
+
+    with pytest.raises(RefCacheMissError):
+        tr2.train()
+
+
+def test_reference_cache_refuses_moving_reference(tmp_path):
+    with pytest.raises(UnsupportedConfigError, match="sync_ref_model"):
+        _trainer(tmp_path, beta=0.04, sync_ref_model=True, ref_cache=tmp_path / "nope")

@@ -29,6 +29,10 @@ class UnsupportedConfigError(ValueError):
     """A TRL option logitless does not reproduce yet."""
 
 
+class _CachedReference(torch.nn.Module):
+    """Stands in for the freed reference model: its log-probs come from the trainer's cache."""
+
+
 def _unsupported(args, trainer) -> list[str]:
     out = []
     if getattr(args, "use_adaptive_entropy", False):
@@ -50,6 +54,10 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         logitless_mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
         logitless_impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
         logitless_chunk_bytes: workspace budget of the vocabulary pass.
+        ref_cache: a :class:`logitless.refcache.RefCache` (or its directory) of the reference
+            model's log-probs over a fixed dataset (``beta > 0``): reference log-probs are
+            served from it and the reference model TRL loaded is freed. Opened against the
+            policy's initial weights, tokenizer and temperature (a mismatch is refused).
 
     Raises:
         UnsupportedConfigError: a ``GRPOConfig`` option not reproduced yet (named in the message).
@@ -57,13 +65,37 @@ class LogitlessGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args: Any, logitless_mode: str = "auto", logitless_impl: str = "auto",
-                 logitless_chunk_bytes: int | None = None, **kwargs: Any) -> None:
+                 logitless_chunk_bytes: int | None = None, ref_cache: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _attach(self, logitless_mode, logitless_impl, logitless_chunk_bytes)
+        self.logitless_ref_cache = None
+        if ref_cache is not None:
+            self._use_ref_cache(ref_cache)
+
+    def _use_ref_cache(self, ref_cache: Any) -> None:
+        from ..refcache import RefCache, free_reference
+
+        if self.beta == 0.0:
+            raise UnsupportedConfigError("ref_cache is only used with beta != 0 (the KL to the reference)")
+        if getattr(self.args, "sync_ref_model", False):
+            raise UnsupportedConfigError("ref_cache holds a fixed reference; sync_ref_model=True moves it")
+        if not isinstance(ref_cache, RefCache):
+            ref_cache = RefCache.open(ref_cache, model=self.accelerator.unwrap_model(self.model),
+                                      tokenizer=self.processing_class, temperature=self.temperature)
+        self.logitless_ref_cache = ref_cache
+        if self.ref_model is not None:
+            free_reference(self.ref_model)
+        # TRL only tests `ref_model is not None` and passes it back to the method below.
+        self.ref_model = _CachedReference()
 
     # ---- rollout side: old / reference log-probs ------------------------------------------
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
+        if isinstance(model, _CachedReference):
+            k = logits_to_keep
+            logps = self.logitless_ref_cache.ref_logps_for(input_ids[:, :-k], attention_mask[:, :-k],
+                                                          input_ids[:, -k:], attention_mask[:, -k:])
+            return logps, None, None
         given = [k for k, v in extra.items() if v is not None]
         if given or compute_aux_loss:
             raise UnsupportedConfigError(f"logitless does not support multimodal / aux-loss inputs yet: "
@@ -154,7 +186,7 @@ def _attach(trainer: GRPOTrainer, mode: str, impl: str, chunk_bytes: int | None)
     trainer.logitless_impl = impl
     trainer.logitless_chunk_bytes = chunk_bytes
     for m in (trainer.model, trainer.ref_model):
-        if m is not None:
+        if m is not None and not isinstance(m, _CachedReference):
             find_head(m)  # refuse unknown heads now, not mid-training
             add_hidden_states_forward(m)
 
