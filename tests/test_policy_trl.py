@@ -447,3 +447,24 @@ def test_property_random_options(oracle, scenario):
     cfg = PolicyConfig(**cfg_kw)
     modes = ("recompute", "auto") if cfg.top_entropy_quantile < 1 else ("fused", "recompute")
     check(oracle, case, cfg, modes=modes, chunk_bytes=chunk_bytes)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_sampling_correction_is_trls(mode):
+    """`logitless.sampling_correction` builds the ratio exactly as TRL's generation step does."""
+    from logitless import sampling_correction
+
+    g = torch.Generator().manual_seed(hash(mode) % 2**31)
+    old = torch.randn(5, 9, generator=g, dtype=torch.float64) - 3
+    samp = old + 0.4 * torch.randn(5, 9, generator=g, dtype=torch.float64)
+    samp[0, 2] = float("nan")  # a token the sampler could not score
+    mask = (torch.rand(5, 9, generator=g) > 0.3).to(torch.float64)
+    ratio, metrics = sampling_correction(old, samp, mask, mode=mode, clip_min=0.5, clip_max=2.0)
+    want = is_ratio(old, samp, mask, mode, 0.5, 2.0)
+    assert ratio.shape == want.shape and torch.equal(ratio, want)
+    keep = mask.bool()
+    delta = (old - samp).abs()[keep & ~torch.isnan(samp)]
+    assert metrics["sampling/sampling_logp_difference/max"] == delta.max()
+    flat = want.flatten() if mode.startswith("sequence") else want[keep]
+    assert metrics["sampling/importance_sampling_ratio/min"] == flat.min()
+    assert torch.allclose(metrics["sampling/importance_sampling_ratio/mean"], flat.mean())

@@ -91,6 +91,31 @@ def _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes, want_
     return loss.detach(), collected, st.logp, entropy, grad_hidden
 
 
+def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, want_entropy, extra_stats, objective,
+                collected, grad_weight, grad_bias, grad_hidden):
+    """All chunks in order: ``(total loss, logp [n], entropy [n] | None)``; gradients go into the
+    given accumulators (``grad_hidden`` rows written per chunk) when any is given."""
+    sdt = stat_dtype_for(hidden.dtype)
+    n = hidden.shape[0]
+    want_grad = any(g is not None for g in (grad_weight, grad_bias, grad_hidden))
+    total = torch.zeros((), dtype=sdt, device=hidden.device)
+    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see forward_pass).
+    logp_all = torch.empty(n, dtype=sdt, device=hidden.device)
+    ent_all = torch.empty(n, dtype=sdt, device=hidden.device) if want_entropy else None
+    for sl in chunks:
+        loss, extra, logp, ent, gh = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
+                                                want_entropy, extra_stats, objective, grad_weight, grad_bias,
+                                                want_grad)
+        total = total + loss
+        collected.append(extra)
+        logp_all[sl] = logp
+        if ent_all is not None:
+            ent_all[sl] = ent
+        if grad_hidden is not None and gh is not None:
+            grad_hidden[sl] = gh
+    return total, logp_all, ent_all
+
+
 class _FusedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, transform, chunks, chunk_bytes, want_entropy, extra_stats,
@@ -100,25 +125,14 @@ class _FusedFn(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=sdt, device=weight.device) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=sdt, device=weight.device) if need_b else None
         grad_hidden = torch.zeros_like(hidden) if need_h else None
-        total = torch.zeros((), dtype=sdt, device=hidden.device)
-        logps, ents = [], []
-        for sl in chunks:
-            loss, extra, logp, ent, gh = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
-                                                    want_entropy, extra_stats, objective, grad_weight, grad_bias,
-                                                    True)
-            total = total + loss
-            collected.append(extra)
-            logps.append(logp)
-            if ent is not None:
-                ents.append(ent)
-            if need_h and gh is not None:
-                grad_hidden[sl] = gh
+        total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
+                                               want_entropy, extra_stats, objective, collected, grad_weight,
+                                               grad_bias, grad_hidden)
         if need_h and head.reduce_grad_hidden:
             grad_hidden = all_reduce(grad_hidden, "sum", head.group)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        logp_all = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=sdt)
-        ent_all = torch.cat(ents) if ents else logp_all.new_zeros(0)
+        ent_all = logp_all.new_zeros(0) if ent_all is None else ent_all
         ctx.mark_non_differentiable(logp_all, ent_all)
         return total, logp_all, ent_all
 
@@ -177,18 +191,9 @@ def fused_objective(
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not needs_grad:
-        total = torch.zeros((), dtype=sdt, device=hidden.device)
-        logps, ents = [], []
-        for sl in chunks:
-            loss, extra, logp, ent, _ = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
-                                                   want_entropy, extra_stats, objective, None, None, False)
-            total = total + loss
-            collected.append(extra)
-            logps.append(logp)
-            if ent is not None:
-                ents.append(ent)
-        logp_all = torch.cat(logps) if logps else hidden.new_zeros(0, dtype=sdt)
-        return total, logp_all, torch.cat(ents) if ents else None, collected
+        total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
+                                               want_entropy, extra_stats, objective, collected, None, None, None)
+        return total, logp_all, ent_all, collected
     total, logp_all, ent_all = _FusedFn.apply(hidden, weight, bias, targets, transform, chunks, chunk_bytes,
                                               want_entropy, extra_stats, objective, backend, head, collected)
     return total, logp_all, ent_all if want_entropy else None, collected

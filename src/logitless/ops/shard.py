@@ -76,11 +76,3 @@ def reduce_partials(p: Partials, group) -> Partials:
     return Partials(m=m, se=total[0], zy=total[1], sez=total[2] if p.sez is not None else None,
                     sz=total[-1] if p.sz is not None else None, owned=torch.ones_like(p.owned))
 
-
-def cat_partials(parts: list[Partials]) -> Partials:
-    """Concatenate chunk partials along tokens (so a whole pass reduces once)."""
-    def cat(name):
-        xs = [getattr(p, name) for p in parts]
-        return None if xs[0] is None else torch.cat(xs)
-
-    return Partials(m=cat("m"), se=cat("se"), sez=cat("sez"), zy=cat("zy"), owned=cat("owned"), sz=cat("sz"))

@@ -75,6 +75,22 @@ class Partials:
     owned: torch.Tensor
     sz: torch.Tensor | None = None
 
+    @classmethod
+    def empty(cls, n: int, dtype: torch.dtype, device: torch.device, want_entropy: bool,
+              want_sum_z: bool) -> Partials:
+        """Uninitialized ``[n]`` buffers, to be filled chunk by chunk with :meth:`write`."""
+        def new(want=True, dt=dtype):
+            return torch.empty(n, dtype=dt, device=device) if want else None
+
+        return cls(m=new(), se=new(), sez=new(want_entropy), zy=new(), owned=new(dt=torch.bool), sz=new(want_sum_z))
+
+    def write(self, sl: slice, part: Partials) -> None:
+        """Copy a chunk's partials into rows ``sl``."""
+        for name in ("m", "se", "sez", "zy", "owned", "sz"):
+            dst = getattr(self, name)
+            if dst is not None:
+                dst[sl] = getattr(part, name)
+
     def finalize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(lse, logp, sum_pz)`` with ``sum_pz = Σ p z`` (``entropy = lse - sum_pz``)."""
         lse = self.m + torch.log(self.se)

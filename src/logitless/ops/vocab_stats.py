@@ -10,7 +10,7 @@ import torch
 from ..distributed import all_reduce
 from .backend import Impl, resolve_impl
 from .plan import ChunkPlan
-from .shard import VocabShard, cat_partials, reduce_partials
+from .shard import VocabShard, reduce_partials
 from .torch_backend import Partials
 from .transform import LogitTransform
 from .validate import check_head_inputs
@@ -82,18 +82,18 @@ def forward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch.
     parallelism the partials of the whole pass are reduced once (one MAX, one SUM)."""
     sdt = stat_dtype_for(hidden.dtype)
     n = hidden.shape[0]
-    parts = []
+    # Whole-pass buffers filled chunk by chunk: keeping every chunk's small result tensors alive
+    # instead pins the heap between the chunks' large logits blocks on CPU (glibc), and resident
+    # memory then grows by about one block per chunk, i.e. with N x V.
+    out = Partials.empty(n, sdt, hidden.device, want_entropy, want_sum_z)
     with no_autocast(hidden.device):
         for start in range(0, n, plan.token_chunk):
             sl = slice(start, start + plan.token_chunk)
             partials, _ = backend.chunk_forward(hidden[sl], head.weight, head.bias, targets[sl], transform, plan, sdt,
                                                 want_entropy, keep_logits=False, want_sum_z=want_sum_z)
-            parts.append(partials)
-    if not parts:
-        e = hidden.new_zeros(0, dtype=sdt)
-        parts = [Partials(m=e, se=e, sez=e if want_entropy else None, zy=e, owned=e.bool(),
-                          sz=e if want_sum_z else None)]
-    return stats_from_partials(reduce_partials(cat_partials(parts), head.group))
+            out.write(sl, partials)
+            del partials
+    return stats_from_partials(reduce_partials(out, head.group))
 
 
 def backward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch.Tensor,

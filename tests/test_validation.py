@@ -1,0 +1,233 @@
+"""Bad input raises a named error (TypeError / ValueError naming the bad value) before any
+vocabulary pass runs; the degenerate-but-valid all-masked batch behaves as TRL does."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import logitless.ops.torch_backend as torch_backend
+from logitless import PolicyConfig, policy_loss, token_logprobs, vocab_stats
+
+V, H = 11, 6
+
+
+@pytest.fixture
+def seed(request) -> int:
+    s = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(s)
+    return s
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Any call into the backend fails the test: errors must come first."""
+
+    def boom(*_a, **_k):
+        raise AssertionError("a vocabulary pass ran before the input was rejected")
+
+    monkeypatch.setattr(torch_backend, "chunk_forward", boom)
+    monkeypatch.setattr(torch_backend, "chunk_backward", boom)
+
+
+def head_inputs(n=5):
+    return torch.randn(n, H), torch.randn(V, H), torch.randint(0, V, (n,))
+
+
+ENTRY_POINTS = {
+    "vocab_stats": lambda h, w, t, **k: vocab_stats(h, w, t, **k),
+    "token_logprobs": lambda h, w, t, **k: token_logprobs(h, w, t, **k),
+}
+
+
+def _bad_cases():
+    h, w, t = head_inputs()
+    nan_h = h.clone()
+    nan_h[1, 2] = math.nan
+    inf_w = w.clone()
+    inf_w[3, 0] = math.inf
+    bad_bias = torch.randn(V)
+    bad_bias[0] = math.nan
+    neg = t.clone()
+    neg[0] = -1
+    big = t.clone()
+    big[2] = V
+    return {
+        "hidden rank": (dict(hidden=torch.randn(H)), ValueError, "hidden"),
+        "weight H": (dict(weight=torch.randn(V, H + 1)), ValueError, "weight"),
+        "weight rank": (dict(weight=torch.randn(V * H)), ValueError, "weight"),
+        "empty vocab": (dict(weight=torch.randn(0, H)), ValueError, "vocab|V = 0|weight"),
+        "targets shape": (dict(targets=t[:-1]), ValueError, "targets"),
+        "targets float": (dict(targets=t.float()), TypeError, "targets"),
+        "targets bool": (dict(targets=t > 3), TypeError, "targets"),
+        "hidden int": (dict(hidden=h.long(), weight=w.long()), TypeError, "hidden"),
+        "dtype mismatch": (dict(weight=w.double()), TypeError, "dtype"),
+        "bias dtype": (dict(bias=torch.randn(V, dtype=torch.float64)), TypeError, "bias"),
+        "bias shape": (dict(bias=torch.randn(V + 1)), ValueError, "bias"),
+        "weight device": (dict(weight=torch.empty(V, H, device="meta")), ValueError, "device|meta"),
+        "targets device": (dict(targets=torch.empty(5, dtype=torch.long, device="meta")), ValueError, "meta"),
+        "bias device": (dict(bias=torch.empty(V, device="meta")), ValueError, "meta"),
+        "target >= V": (dict(targets=big), ValueError, rf"\[0, {V}\).*{V}"),
+        "negative target": (dict(targets=neg), ValueError, r"-1"),
+        "nan hidden": (dict(hidden=nan_h), ValueError, "hidden.*NaN"),
+        "inf weight": (dict(weight=inf_w), ValueError, "weight.*NaN or inf"),
+        "nan bias": (dict(bias=bad_bias), ValueError, "bias.*NaN"),
+        "temperature 0": (dict(temperature=0.0), ValueError, "temperature"),
+        "temperature nan": (dict(temperature=math.nan), ValueError, "temperature"),
+        "softcap negative": (dict(softcap=-1.0), ValueError, "softcap"),
+        "logit_scale inf": (dict(logit_scale=math.inf), ValueError, "logit_scale"),
+        "chunk_bytes 0": (dict(chunk_bytes=0), ValueError, "chunk_bytes"),
+        "chunk_bytes negative": (dict(chunk_bytes=-5), ValueError, "chunk_bytes"),
+        "impl": (dict(impl="cuda"), ValueError, "impl"),
+    }
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("case", list(BAD))
+def test_head_inputs_rejected(no_kernel, entry, case):
+    torch.manual_seed(zlib.crc32(case.encode()))
+    h, w, t = head_inputs()
+    over, exc, pattern = BAD[case]
+    args = dict(hidden=h, weight=w, targets=t)
+    args.update({k: v for k, v in over.items() if k in args})
+    kwargs = {k: v for k, v in over.items() if k not in args}
+    with pytest.raises(exc, match=pattern):
+        ENTRY_POINTS[entry](args["hidden"], args["weight"], args["targets"], **kwargs)
+
+
+def test_ignore_index_is_the_only_negative_target(no_kernel):
+    h, w, t = head_inputs()
+    t[1] = -7
+    with pytest.raises(ValueError, match="-7"):
+        vocab_stats(h, w, t, ignore_index=-100)
+
+
+def test_token_logprobs_not_a_tensor(no_kernel):
+    h, w, t = head_inputs()
+    with pytest.raises(TypeError, match="hidden"):
+        token_logprobs(h.tolist(), w, t)
+
+
+# ----------------------------------------------------------------------------- policy_loss
+
+
+def policy_inputs(b=3, t=4, dtype=torch.float32):
+    return dict(hidden=torch.randn(b, t, H, dtype=dtype), weight=torch.randn(V, H, dtype=dtype),
+                completion_ids=torch.randint(0, V, (b, t)), completion_mask=torch.ones(b, t, dtype=torch.long),
+                advantages=torch.randn(b, dtype=dtype), old_logp=-torch.rand(b, t, dtype=dtype) * 3)
+
+
+def _call(inp, **kw):
+    args = [inp[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
+    return policy_loss(*args, inp.get("old_logp"), inp.get("ref_logp"), **kw)
+
+
+def _policy_bad():
+    nan_old = -torch.rand(3, 4)
+    nan_old[1, 1] = math.nan
+    nan_adv = torch.randn(3)
+    nan_adv[2] = math.inf
+    return {
+        "hidden 2d without segment_ids": (dict(hidden=torch.randn(12, H)), {}, ValueError, "hidden"),
+        "ids shape": (dict(completion_ids=torch.randint(0, V, (3, 5))), {}, ValueError, "completion_ids"),
+        "mask shape": (dict(completion_mask=torch.ones(3, 5)), {}, ValueError, "completion_mask"),
+        "old_logp shape": (dict(old_logp=torch.zeros(3, 5)), {}, ValueError, "old_logp"),
+        "advantages shape": (dict(advantages=torch.randn(4)), {}, ValueError, "advantages"),
+        "advantages list": (dict(advantages=[1.0, 2.0, 3.0]), {}, TypeError, "advantages"),
+        "ids out of range": (dict(completion_ids=torch.full((3, 4), V)), {}, ValueError, "targets|range"),
+        "ids device": (dict(completion_ids=torch.empty(3, 4, dtype=torch.long, device="meta")), {}, ValueError,
+                       "meta"),
+        "weight device": (dict(weight=torch.empty(V, H, device="meta")), {}, ValueError, "meta"),
+        "weight dtype": (dict(weight=torch.randn(V, H, dtype=torch.float64)), {}, TypeError, "dtype"),
+        "nan old_logp": (dict(old_logp=nan_old), {}, ValueError, "old_logp"),
+        "inf advantages": (dict(advantages=nan_adv), {}, ValueError, "advantages"),
+        "empty batch": (dict(hidden=torch.randn(0, 4, H), completion_ids=torch.zeros(0, 4, dtype=torch.long),
+                             completion_mask=torch.zeros(0, 4), advantages=torch.zeros(0),
+                             old_logp=torch.zeros(0, 4)), {}, ValueError, "empty"),
+        "beta without ref": ({}, dict(config=PolicyConfig(beta=0.04)), ValueError, "ref_logp"),
+        "mode": ({}, dict(mode="sometimes"), ValueError, "mode"),
+        "impl": ({}, dict(impl="cuda"), ValueError, "impl"),
+        "chunk_bytes": ({}, dict(chunk_bytes=0), ValueError, "chunk_bytes"),
+        "fused with quantile": ({}, dict(config=PolicyConfig(top_entropy_quantile=0.5), mode="fused"), ValueError,
+                                "top_entropy_quantile"),
+        "negative IS ratio": ({}, dict(importance_sampling_ratio=-torch.ones(3, 4)), ValueError,
+                              "importance_sampling_ratio"),
+        "vespo sequence IS ratio": ({}, dict(config=PolicyConfig(loss_type="vespo"),
+                                             importance_sampling_ratio=torch.ones(3, 1)), ValueError, "vespo"),
+    }
+
+
+POLICY_BAD = _policy_bad()
+
+
+@pytest.mark.parametrize("case", list(POLICY_BAD))
+def test_policy_inputs_rejected(no_kernel, case):
+    torch.manual_seed(zlib.crc32(case.encode()))
+    inp = policy_inputs()
+    over, kw, exc, pattern = POLICY_BAD[case]
+    inp.update(over)
+    with pytest.raises(exc, match=pattern):
+        _call(inp, **kw)
+
+
+@pytest.mark.parametrize(("field", "value", "pattern"), [
+    ("loss_type", "gspo", "loss_type"),
+    ("importance_sampling_level", "tokens", "importance_sampling_level"),
+    ("vllm_importance_sampling_mode", "mask", "vllm_importance_sampling_mode"),
+    ("epsilon", -0.1, "epsilon"),
+    ("epsilon", math.nan, "epsilon"),
+    ("epsilon_high", -1.0, "epsilon_high"),
+    ("beta", -0.01, "beta"),
+    ("beta", math.inf, "beta"),
+    ("entropy_coef", -1.0, "entropy_coef"),
+    ("top_entropy_quantile", 0.0, "top_entropy_quantile"),
+    ("top_entropy_quantile", 1.5, "top_entropy_quantile"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps"),
+    ("num_processes", 0, "num_processes"),
+    ("steps_per_generation", 0, "steps_per_generation"),
+])
+def test_policy_config_rejected(field, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        PolicyConfig(**{field: value})
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "vespo"])
+def test_delta_refused_where_it_has_no_effect(loss_type):
+    with pytest.raises(ValueError, match="delta"):
+        PolicyConfig(loss_type=loss_type, delta=1.5)
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_all_masked_batch_is_zero_with_a_gradient(seed, loss_type, mode):
+    """TRL: an all-masked micro-batch gives loss 0 whose (zero) gradient still reaches the
+    parameters (so a distributed backward does not hang), entropy/kl/clip means 0 and the
+    per-sequence clip extrema NaN. (Matched against TRL itself in test_policy_trl.py.)"""
+    inp = policy_inputs()
+    inp["completion_mask"] = torch.zeros(3, 4, dtype=torch.long)
+    inp["ref_logp"] = -torch.rand(3, 4) * 3
+    h = inp["hidden"].requires_grad_(True)
+    w = inp["weight"].requires_grad_(True)
+    cfg = PolicyConfig(loss_type=loss_type, beta=0.04, entropy_coef=0.01, max_completion_length=4)
+    loss, metrics = _call(inp, config=cfg, mode=mode, num_items_in_batch=0)
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert h.grad is not None and (h.grad == 0).all()
+    assert w.grad is not None and (w.grad == 0).all()
+    assert metrics["entropy"].item() == 0.0 and metrics["kl"].item() == 0.0
+    if "clip_ratio/low_mean" in metrics:
+        assert metrics["clip_ratio/low_mean"].item() == 0.0
+        assert math.isnan(metrics["clip_ratio/low_min"].item()) and math.isnan(metrics["clip_ratio/high_max"].item())
+
+
+def test_no_kernel_guard_is_armed(no_kernel):
+    # The guard above is what makes "before any kernel runs" checkable: a valid call trips it.
+    h, w, t = head_inputs()
+    with pytest.raises(AssertionError, match="vocabulary pass ran"):
+        token_logprobs(h, w, t)
