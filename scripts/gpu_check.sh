@@ -58,6 +58,12 @@ if [ "${SKIP_PYTEST:-0}" != "1" ]; then
     echo "pytest exit status $rc"; [ "$rc" = 0 ] || status=1
 fi
 
+if [ "${SKIP_CORRECTNESS:-0}" != "1" ]; then
+    step "3a. scripts/gpu_correctness.py (limit 120s)"
+    timeout 120 python3 scripts/gpu_correctness.py
+    rc=$?; echo "gpu_correctness exit status $rc"; [ "$rc" = 0 ] || status=1
+fi
+
 if [ "${SKIP_TRITON_CHECK:-0}" != "1" ] && [ -f scripts/gpu_triton_check.py ]; then
     step "3. scripts/gpu_triton_check.py (limit 90s)"
     timeout 90 python3 scripts/gpu_triton_check.py
