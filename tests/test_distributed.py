@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from logitless import PolicyConfig, cross_entropy, policy_loss, token_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))
-import dist_worker  # noqa: E402
+import dist_worker
 
 
 def _port() -> int:

@@ -14,10 +14,33 @@ The public surface:
   terms on the head's softmax in one pass.
 """
 
-from .objectives import PolicyConfig, TokenStats, cross_entropy, head_loss, policy_loss
+from .objectives import (
+    CPOLossConfig,
+    DistillConfig,
+    DPOLossConfig,
+    KTOLossConfig,
+    PolicyConfig,
+    SequenceLogps,
+    TokenStats,
+    cpo_loss,
+    cross_entropy,
+    distill_loss,
+    dpo_loss,
+    head_loss,
+    kto_loss,
+    orpo_loss,
+    policy_loss,
+    sampling_correction,
+    sequence_logps,
+    simpo_loss,
+)
 from .ops import LogitTransform, VocabShard, VocabStats, token_logprobs, vocab_stats
 
 __version__ = "0.1.0"
 
-__all__ = ["LogitTransform", "PolicyConfig", "TokenStats", "VocabShard", "VocabStats", "__version__",
-           "cross_entropy", "head_loss", "policy_loss", "token_logprobs", "vocab_stats"]
+__all__ = [
+    "CPOLossConfig", "DPOLossConfig", "DistillConfig", "KTOLossConfig", "LogitTransform", "PolicyConfig",
+    "SequenceLogps", "TokenStats", "VocabShard", "VocabStats", "__version__", "cpo_loss", "cross_entropy",
+    "distill_loss", "dpo_loss", "head_loss", "kto_loss", "orpo_loss", "policy_loss", "sampling_correction",
+    "sequence_logps", "simpo_loss", "token_logprobs", "vocab_stats",
+]

@@ -1,0 +1,311 @@
+"""``distill_loss``: knowledge distillation straight from two heads' hidden states and weights.
+
+The divergences follow TRL 1.16: ``GKDTrainer.generalized_jsd_loss`` /
+``DistillationTrainer`` (``trl.kernels.chunked_divergence``) for a dense teacher, and
+``ServerDistillationTrainer._compute_server_forward_kl_loss`` for a teacher given as top-k
+log-probs. Neither side's ``[N, V]`` logits are materialized: the statistics come from one
+blocked vocabulary pass (:func:`logitless.ops.distill.distill_stats`), and a hard-label
+cross-entropy mixed in is a column of the same pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..ops import LogitTransform, check_head_inputs
+from ..ops.distill import distill_stats
+
+Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
+Reduction = Literal["mean", "sum", "none"]
+_IGNORE = -100
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Options of :func:`distill_loss` (TRL's names).
+
+    Attributes:
+        divergence: ``"generalized_jsd"`` (TRL's ``generalized_jsd_loss``: ``beta = 0`` is the
+            forward KL, ``beta = 1`` the reverse KL, else ``β KL(q‖m) + (1-β) KL(p‖m)`` with
+            ``m = β q + (1-β) p``, ``p`` the student, ``q`` the teacher), ``"forward_kl"``
+            (``KL(q‖p)``, whatever ``beta``) or ``"reverse_kl"`` (``KL(p‖q)``).
+        beta: the JSD interpolation ``β ∈ [0, 1]`` (GKD's default 0.5).
+        ce_weight: weight of the hard-label cross-entropy added to the divergence (needs
+            ``labels``): ``loss = divergence + ce_weight * ce``, both token means.
+        reduction: ``"mean"`` over counted tokens (TRL's ``batchmean``; divided by
+            ``num_items_in_batch`` when given), ``"sum"``, or ``"none"`` (per-token loss in the
+            caller's layout, 0 at tokens not counted).
+        vocab_size: the tokenizer's vocabulary. Both heads (and biases) are cut to their first
+            ``vocab_size`` rows, so padded rows of either head are excluded from both softmaxes
+            (and get no gradient). ``None``: both heads must have the same number of rows.
+        topk_add_tail: sparse teacher only (TRL ``loss_add_tail``, default ``True``): append a
+            tail bucket ``log(1 - Σ_topk p)`` to both distributions; ``False``: renormalize both
+            over the top-k support.
+    """
+
+    divergence: Divergence = "generalized_jsd"
+    beta: float = 0.5
+    ce_weight: float = 0.0
+    reduction: Reduction = "mean"
+    vocab_size: int | None = None
+    topk_add_tail: bool = True
+
+    def __post_init__(self) -> None:
+        if self.divergence not in ("generalized_jsd", "forward_kl", "reverse_kl"):
+            raise ValueError(f"divergence must be 'generalized_jsd', 'forward_kl' or 'reverse_kl', "
+                             f"got {self.divergence!r}")
+        if not (isinstance(self.beta, (int, float)) and 0.0 <= self.beta <= 1.0):
+            raise ValueError(f"beta must lie in [0, 1], got {self.beta!r}")
+        if not math.isfinite(self.ce_weight) or self.ce_weight < 0:
+            raise ValueError(f"ce_weight must be a finite number >= 0, got {self.ce_weight!r}")
+        if self.reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {self.reduction!r}")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
+            raise ValueError(f"vocab_size must be a positive int or None, got {self.vocab_size!r}")
+
+    @property
+    def kind(self) -> Literal["forward_kl", "reverse_kl", "jsd"]:
+        """Which divergence is computed: the JSD at ``β`` 0 / 1 is exactly the forward / reverse KL."""
+        if self.divergence == "generalized_jsd":
+            return "forward_kl" if self.beta == 0 else "reverse_kl" if self.beta == 1 else "jsd"
+        return self.divergence
+
+
+def distill_loss(
+    hidden: torch.Tensor,  # [B, T, H_s] or [N, H_s]
+    weight: torch.Tensor,  # [V_s, H_s]
+    teacher_hidden: torch.Tensor | None = None,  # [B, T, H_t] or [N, H_t]
+    teacher_weight: torch.Tensor | None = None,  # [V_t, H_t]
+    *,
+    mask: torch.Tensor | None = None,  # [B, T] or [N]
+    labels: torch.Tensor | None = None,  # [B, T] or [N]
+    teacher_topk_ids: torch.Tensor | None = None,  # [B, T, k] or [N, k]
+    teacher_topk_logprobs: torch.Tensor | None = None,  # [B, T, k] or [N, k]
+    config: DistillConfig | None = None,
+    bias: torch.Tensor | None = None,  # [V_s]
+    teacher_bias: torch.Tensor | None = None,  # [V_t]
+    transform: LogitTransform | None = None,
+    teacher_transform: LogitTransform | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    chunk_bytes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Distillation loss (and metrics) of a student head against a teacher, in one vocabulary pass.
+
+    The teacher is either **dense** (``teacher_hidden`` + ``teacher_weight``: its full softmax
+    is folded into the same blocked pass as the student's) or **sparse** (``teacher_topk_ids``
+    + ``teacher_topk_logprobs``, what inference servers return; entries with ``-inf`` log-prob
+    are padding). With a sparse teacher the divergence is TRL's server forward KL over the top-k
+    support: the student's full-vocabulary log-probs at the teacher's ids, then either a tail
+    bucket ``log(1 - Σ exp)`` appended to both (``config.topk_add_tail``, TRL's default) or
+    both renormalized over the top-k; only the forward KL exists there (as in TRL).
+
+    Log-probs are of the transformed logits: TRL's ``temperature`` is the ``temperature`` of
+    ``transform``, and ``teacher_transform`` defaults to the student's (TRL applies one
+    temperature to both); give the teacher its own to differ. Gradients flow to the student's
+    ``hidden``, ``weight`` and ``bias`` only; the teacher is detached.
+
+    Args:
+        hidden, weight, bias: the student's final hidden states (each predicting the token at
+            its position), head weight ``[V_s, H_s]`` and optional bias.
+        teacher_hidden, teacher_weight, teacher_bias: the teacher's, same leading shape as
+            ``hidden``; its hidden size may differ.
+        mask: counted tokens (completion mask); ``None``: all.
+        labels: hard labels, TRL's convention: ``-100`` marks a token not counted. Needed for
+            ``config.ce_weight > 0``; the cross-entropy is a column of the same pass.
+        teacher_topk_ids, teacher_topk_logprobs: sparse teacher, ``[..., k]``.
+        config: :class:`DistillConfig`.
+        transform, teacher_transform: the heads' :class:`LogitTransform` (temperature, scale, cap).
+        num_items_in_batch: global count of counted tokens (gradient accumulation); ``None``:
+            this call's count (clamped to >= 1).
+        chunk_bytes: workspace budget of the pass (default 1 GiB, env ``LOGITLESS_CHUNK_BYTES``).
+
+    Returns:
+        ``(loss, metrics)``: a scalar loss (or per-token ``[B, T]`` / ``[N]`` with
+        ``reduction="none"``) and 0-dim tensors, means over counted tokens: ``divergence``,
+        ``entropy`` (the student's, as TRL's DistillationTrainer logs it), ``nll`` (with
+        labels); dense teacher: ``forward_kl``, ``reverse_kl``, ``teacher_entropy``, ``jsd``
+        (when computed); sparse teacher: ``topk_mass/teacher``, ``topk_mass/student``.
+
+    Raises:
+        TypeError, ValueError: shapes, dtypes, devices, ids out of range, NaN/inf in the heads,
+            both or neither teacher kinds, heads of different vocabularies without
+            ``config.vocab_size``, ``ce_weight > 0`` without labels.
+    """
+    cfg = DistillConfig() if config is None else config
+    transform = LogitTransform() if transform is None else transform
+    dense = teacher_hidden is not None or teacher_weight is not None
+    sparse = teacher_topk_ids is not None or teacher_topk_logprobs is not None
+    if dense == sparse:
+        raise ValueError("give exactly one teacher: teacher_hidden + teacher_weight (dense) or "
+                         "teacher_topk_ids + teacher_topk_logprobs (sparse)")
+    if dense and (teacher_hidden is None or teacher_weight is None):
+        raise ValueError("a dense teacher needs both teacher_hidden and teacher_weight")
+    if sparse and (teacher_topk_ids is None or teacher_topk_logprobs is None):
+        raise ValueError("a sparse teacher needs both teacher_topk_ids and teacher_topk_logprobs")
+    if sparse and cfg.kind != "forward_kl":
+        raise ValueError("a sparse (top-k) teacher supports only the forward KL: use divergence='forward_kl' "
+                         "or generalized_jsd with beta=0")
+    if cfg.ce_weight > 0 and labels is None:
+        raise ValueError("ce_weight > 0 needs labels")
+
+    vocab = _common_vocab(weight, teacher_weight if dense else None, cfg.vocab_size)
+    weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
+    shape = hidden.shape[:-1]
+    check_head_inputs(hidden, weight, bias, torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
+    if dense:
+        teacher_weight = teacher_weight[:vocab]
+        teacher_bias = None if teacher_bias is None else teacher_bias[:vocab]
+        if teacher_hidden.shape[:-1] != shape:
+            raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} differs from "
+                             f"hidden's {tuple(shape)}")
+        check_head_inputs(teacher_hidden, teacher_weight, teacher_bias,
+                          torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
+
+    counted = _counted(shape, mask, labels, hidden.device)
+    idx = counted.reshape(-1).nonzero().squeeze(1)
+    n = int(idx.shape[0])
+    h = hidden.reshape(-1, hidden.shape[-1])[idx]
+    cols: list[torch.Tensor] = []
+    if sparse:
+        topk_ids, topk_lp = _check_topk(teacher_topk_ids, teacher_topk_logprobs, shape, vocab)
+        topk_ids, topk_lp = topk_ids.reshape(-1, topk_ids.shape[-1])[idx], topk_lp.reshape(-1, topk_lp.shape[-1])[idx]
+        cols.append(topk_ids)
+    if labels is not None:
+        y = labels.reshape(-1)[idx].long()
+        bad = (y < 0) | (y >= vocab)
+        if n and bool(bad.any()):
+            raise ValueError(f"labels must lie in [0, {vocab}) or equal -100; found {y[bad][:5].tolist()}")
+        cols.append(y[:, None])
+    targets = torch.cat(cols, dim=1) if cols else None
+
+    stats = distill_stats(
+        h, weight, targets, bias=bias, transform=transform,
+        teacher_hidden=teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if dense else None,
+        teacher_weight=teacher_weight if dense else None, teacher_bias=teacher_bias if dense else None,
+        teacher_transform=teacher_transform, jsd_beta=cfg.beta if dense and cfg.kind == "jsd" else None,
+        chunk_bytes=chunk_bytes)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if dense:
+        div = {"forward_kl": stats.forward_kl, "reverse_kl": stats.reverse_kl, "jsd": stats.jsd}[cfg.kind]
+        metrics.update(forward_kl=stats.forward_kl, reverse_kl=stats.reverse_kl,
+                       teacher_entropy=stats.teacher_entropy)
+        if cfg.kind == "jsd":
+            metrics["jsd"] = stats.jsd
+    else:
+        k = topk_ids.shape[1]
+        div, mass_t, mass_s = sparse_forward_kl(stats.logp[:, :k], topk_lp, cfg.topk_add_tail)
+        metrics.update({"topk_mass/teacher": mass_t, "topk_mass/student": mass_s})
+    per_token = div
+    if labels is not None:
+        nll = -stats.logp[:, -1]
+        metrics["nll"] = nll
+        if cfg.ce_weight > 0:
+            per_token = per_token + cfg.ce_weight * nll
+    metrics["divergence"] = div
+    metrics["entropy"] = stats.entropy
+    count = max(n, 1)
+    metrics = {name: v.detach().sum() / count for name, v in metrics.items()}
+
+    if cfg.reduction == "none":
+        out = per_token.new_zeros(counted.numel()).index_put((idx,), per_token)
+        return out.reshape(shape), metrics
+    total = per_token.sum()
+    if cfg.reduction == "sum":
+        return total, metrics
+    if num_items_in_batch is None:
+        return total / count, metrics
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch, metrics
+
+
+def sparse_forward_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                      add_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's server forward KL over a top-k support (``_compute_server_forward_kl_loss``, ``beta=0``).
+
+    Args:
+        student_logp: ``[n, k]`` the student's full-vocabulary log-probs at the teacher's ids.
+        teacher_logp: ``[n, k]`` the teacher's log-probs; ``-inf`` marks padding entries.
+        add_tail: append ``log(1 - Σ exp)`` (clamped to keep the sum below 1) to both sides;
+            else renormalize both over the valid entries.
+
+    Returns:
+        ``(kl [n], teacher_mass [n], student_mass [n])``: the per-token KL (summed over the
+        support) and each side's probability mass on the valid top-k entries.
+    """
+    valid = teacher_logp > float("-inf")
+    neg_inf = torch.full((), float("-inf"), dtype=student_logp.dtype, device=student_logp.device)
+    s = torch.where(valid, student_logp, neg_inf)
+    t = torch.where(valid, teacher_logp.to(student_logp.dtype), neg_inf)
+    mass_t, mass_s = torch.logsumexp(t, dim=-1), torch.logsumexp(s, dim=-1)
+    if add_tail:
+        s, support = _add_tail(s, valid)
+        t, _ = _add_tail(t, valid)
+    else:
+        support = valid
+        s = s - mass_s[:, None]
+        t = t - mass_t[:, None]
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    s_safe, t_safe = torch.where(support, s, zero), torch.where(support, t, zero)
+    kl = torch.nan_to_num(torch.where(support, t.exp(), zero) * (t_safe - s_safe), nan=0.0).sum(-1)
+    return kl, mass_t.exp().detach(), mass_s.exp().detach()
+
+
+def _add_tail(log_probs: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's ``_add_tail_bucket``: a ``(k+1)``-th entry ``log(1 - Σ exp(log_probs))``."""
+    log_sum = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    tail = torch.log(-torch.expm1(log_sum))
+    return torch.cat([log_probs, tail], dim=-1), torch.cat([valid, torch.ones_like(valid[..., :1])], dim=-1)
+
+
+def _common_vocab(weight: torch.Tensor, teacher_weight: torch.Tensor | None, vocab_size: int | None) -> int:
+    for name, w in (("weight", weight), ("teacher_weight", teacher_weight)):
+        if w is not None and (not isinstance(w, torch.Tensor) or w.dim() != 2):
+            raise ValueError(f"{name} must be a [V, H] tensor, got "
+                             f"{type(w).__name__ if not isinstance(w, torch.Tensor) else tuple(w.shape)}")
+    rows = [weight.shape[0]] + ([] if teacher_weight is None else [teacher_weight.shape[0]])
+    if vocab_size is None:
+        if len(set(rows)) > 1:
+            raise ValueError(f"student head has {rows[0]} rows and teacher head {rows[1]}: pass "
+                             "DistillConfig(vocab_size=len(tokenizer)) to cut both to the shared vocabulary")
+        return rows[0]
+    if vocab_size > min(rows):
+        raise ValueError(f"vocab_size={vocab_size} exceeds a head's rows {rows}")
+    return vocab_size
+
+
+def _counted(shape: torch.Size, mask: torch.Tensor | None, labels: torch.Tensor | None,
+             device: torch.device) -> torch.Tensor:
+    counted = torch.ones(shape, dtype=torch.bool, device=device)
+    for name, x in (("mask", mask), ("labels", labels)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        counted = counted & ((x != 0) if name == "mask" else (x != _IGNORE)).to(device)
+    return counted
+
+
+def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, shape: torch.Size,
+                vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if tuple(ids.shape[:-1]) != tuple(shape) or ids.shape != logprobs.shape or ids.dim() != len(shape) + 1:
+        raise ValueError(f"teacher_topk_ids and teacher_topk_logprobs must both be {[*shape, 'k']}, got "
+                         f"{tuple(ids.shape)} and {tuple(logprobs.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"teacher_topk_ids must be an integer tensor, got {ids.dtype}")
+    if not logprobs.dtype.is_floating_point:
+        raise TypeError(f"teacher_topk_logprobs must be floating point, got {logprobs.dtype}")
+    valid = logprobs > float("-inf")
+    bad = valid & ((ids < 0) | (ids >= vocab))
+    if bool(bad.any()):
+        raise ValueError(f"teacher_topk_ids must lie in [0, {vocab}) where the log-prob is finite; "
+                         f"found {ids[bad][:5].tolist()}")
+    if bool((torch.isnan(logprobs) | (logprobs > 0)).any()):
+        raise ValueError("teacher_topk_logprobs must be log-probabilities (<= 0, -inf for padding), found NaN or > 0")
+    return torch.where(valid, ids.long(), -1), logprobs
