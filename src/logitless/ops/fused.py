@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import all_reduce
+from ..distributed import all_reduce, is_active
 from .plan import ChunkPlan
 from .shard import VocabShard, reduce_partials
 from .transform import LogitTransform
@@ -124,12 +124,14 @@ class _FusedFn(torch.autograd.Function):
         sdt = stat_dtype_for(hidden.dtype)
         grad_weight = torch.zeros(weight.shape, dtype=sdt, device=weight.device) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=sdt, device=weight.device) if need_b else None
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        # Vocabulary-parallel partials are summed in the statistics dtype, then cast once.
+        partial = need_h and head.reduce_grad_hidden and is_active(head.group)
+        grad_hidden = torch.zeros_like(hidden, dtype=sdt if partial else None) if need_h else None
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
                                                want_entropy, extra_stats, objective, collected, grad_weight,
                                                grad_bias, grad_hidden)
-        if need_h and head.reduce_grad_hidden:
-            grad_hidden = all_reduce(grad_hidden, "sum", head.group)
+        if partial:
+            grad_hidden = all_reduce(grad_hidden, "sum", head.group).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ent_all = logp_all.new_zeros(0) if ent_all is None else ent_all

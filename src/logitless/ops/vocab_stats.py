@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed import all_reduce
+from ..distributed import all_reduce, is_active
 from .backend import Impl, resolve_impl
 from .plan import ChunkPlan
 from .shard import VocabShard, reduce_partials
@@ -102,7 +102,9 @@ def backward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch
                   need_grad_hidden: bool) -> torch.Tensor | None:
     """``d hidden`` (reduced over the vocabulary group unless told not to) and, in place, the
     local rows of ``d weight``/``d bias``, recomputing logits block by block."""
-    grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
+    # Vocabulary-parallel partials are summed in the statistics dtype, then cast once.
+    partial = need_grad_hidden and head.reduce_grad_hidden and is_active(head.group)
+    grad_hidden = torch.empty_like(hidden, dtype=st.lse.dtype if partial else None) if need_grad_hidden else None
     valid = head.weight.shape[0]
     gw = None if grad_weight is None else grad_weight[:valid]
     gb = None if grad_bias is None else grad_bias[:valid]
@@ -119,8 +121,8 @@ def backward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch
                 g_sum_z=part(g_sum_z, sl))
             if need_grad_hidden:
                 grad_hidden[sl] = gh
-    if need_grad_hidden and head.reduce_grad_hidden:
-        grad_hidden = all_reduce(grad_hidden, "sum", head.group)
+    if partial:
+        grad_hidden = all_reduce(grad_hidden, "sum", head.group).to(hidden.dtype)
     return grad_hidden
 
 
