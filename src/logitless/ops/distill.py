@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .plan import ChunkPlan, default_chunk_bytes, workspace_per_element
-from .torch_backend import _matmul, logits_block
+from .torch_backend import apply_block_grad, logits_block
 from .transform import LogitTransform
 from .vocab_stats import no_autocast, stat_dtype_for
 
@@ -305,14 +305,7 @@ def chunk_backward(hs, ws, bs, ht, wt, bt, targets: torch.Tensor, spec: DistillS
             dz.index_put_((rows, targets[rows, cols] - start), g.g_logp[rows, cols], accumulate=True)
         dy = spec.student.grad_to_raw(dz, zs)
         del zs, p, log_p, dz
-        if grad_bias is not None:
-            grad_bias[start:end] += dy.sum(dim=0).to(grad_bias.dtype)
-        dy_mm = dy.to(mm_dtype)
-        del dy
-        if grad_hidden is not None:
-            grad_hidden += _matmul(dy_mm, w.to(mm_dtype), sdt)
-        if grad_weight is not None:
-            grad_weight[start:end] += _matmul(dy_mm.t(), h_mm, grad_weight.dtype)
+        apply_block_grad(dy, w, h_mm, slice(start, end), mm_dtype, grad_hidden, grad_weight, grad_bias)
     return grad_hidden
 
 

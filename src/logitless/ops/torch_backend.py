@@ -202,12 +202,19 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             dz[rows, cols] += g_logp[rows]
         dy = transform.grad_to_raw(dz, z)
         del z, p, dz
-        if grad_bias is not None:
-            grad_bias[start:end] += dy.sum(dim=0).to(grad_bias.dtype)
-        dy_mm = dy.to(mm_dtype)
-        del dy
-        if grad_hidden is not None:
-            grad_hidden += _matmul(dy_mm, w.to(mm_dtype), stat_dtype)
-        if grad_weight is not None:
-            grad_weight[start:end] += _matmul(dy_mm.t(), h_mm, grad_weight.dtype)
+        apply_block_grad(dy, w, h_mm, slice(start, end), mm_dtype, grad_hidden, grad_weight, grad_bias)
     return grad_hidden
+
+
+def apply_block_grad(dy: torch.Tensor, w: torch.Tensor, h_mm: torch.Tensor, rows: slice, mm_dtype: torch.dtype,
+                     grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                     grad_bias: torch.Tensor | None) -> None:
+    """Accumulate one vocabulary block's gradients from ``dy = dL/d(h Wᵀ + b)`` ``[n, v]``:
+    ``d hidden += dy @ W[rows]``, ``d weight[rows] += dyᵀ @ h``, ``d bias[rows] += Σ_n dy``."""
+    if grad_bias is not None:
+        grad_bias[rows] += dy.sum(dim=0).to(grad_bias.dtype)
+    dy_mm = dy.to(mm_dtype)
+    if grad_hidden is not None:
+        grad_hidden += _matmul(dy_mm, w.to(mm_dtype), grad_hidden.dtype)
+    if grad_weight is not None:
+        grad_weight[rows] += _matmul(dy_mm.t(), h_mm, grad_weight.dtype)
