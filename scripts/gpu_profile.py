@@ -1,4 +1,5 @@
-"""Where the time of one fused GRPO call goes on a GPU (torch.profiler, top kernels + CPU).
+"""Where the time of one fused GRPO call goes on a GPU, next to cross-entropy on the same head
+(torch.profiler): wall time, GPU busy time, kernel count, top kernels.
 
     python3 scripts/gpu_profile.py [N] [H] [V]
 """
@@ -9,6 +10,7 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import logitless
 from logitless import PolicyConfig
@@ -30,35 +32,37 @@ def main() -> None:
     old, ref = cur + 0.1 * torch.randn_like(cur), cur + 0.1 * torch.randn_like(cur)
     cfg = PolicyConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
 
-    def step(mode):
-        loss, _m = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg, mode=mode)
+    def grpo():
+        loss, _ = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg, mode="fused")
         loss.backward()
-        hid.grad = None
-        w.grad = None
+        hid.grad = w.grad = None
 
-    def gemms():
-        x = hid.reshape(-1, h)
-        z = x @ w.t()
-        _ = z @ w
-        _ = z.t() @ x
+    def ce():
+        loss, _ = logitless.cross_entropy(hid, w, ids, mode="fused")
+        loss.backward()
+        hid.grad = w.grad = None
 
-    for name, fn in (("floor 3 GEMMs", gemms), ("fused", lambda: step("fused")),
-                     ("recompute", lambda: step("recompute"))):
+    def rollout():
+        logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True)
+
+    for name, fn in (("grpo", grpo), ("ce", ce), ("rollout", rollout)):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
-        reps = 5
         t0 = time.perf_counter()
-        for _ in range(reps):
+        for _ in range(5):
             fn()
         torch.cuda.synchronize()
-        print(f"{name:14s} {1e3 * (time.perf_counter() - t0) / reps:8.2f} ms")
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step("fused")
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        wall = 1e3 * (time.perf_counter() - t0) / 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        busy = sum(e.device_time for e in kernels) / 1e3
+        small = [e for e in kernels if e.device_time < 20]
+        print(f"{name:8s} wall {wall:7.2f} ms  GPU busy {busy:7.2f} ms  kernels {len(kernels)}  "
+              f"small(<20us) {len(small)} = {sum(e.device_time for e in small) / 1e3:.2f} ms")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
 
 
 if __name__ == "__main__":
