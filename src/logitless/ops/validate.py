@@ -68,8 +68,8 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def _nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """NaN/inf anywhere in ``x``, reading it once: ``amax`` of ``|x|`` propagates NaN and inf,
-    unlike ``isfinite(x).all()`` which writes a bool tensor the size of ``x`` first."""
+    """NaN/inf anywhere in ``x``, in one read-only reduction: the inf-norm (max |x|) propagates
+    NaN and inf, unlike ``isfinite(x).all()`` which first writes a bool tensor the size of ``x``."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
-    return ~torch.isfinite(x.abs().amax())
+    return ~torch.isfinite(torch.linalg.vector_norm(x.reshape(-1), float("inf")))
