@@ -113,14 +113,14 @@ def policy_loss(
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    loss, _logp, _ent, collected = run_objective(
-        h_flat, weight, bias, t_flat, transform, partial(chunk_terms, cfg, tok), mode=run_mode,
+    # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
+    # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
+    loss, logp, entropy, _ = run_objective(
+        h_flat, weight, bias, t_flat, transform, partial(chunk_terms, cfg, tok, metrics=False), mode=run_mode,
         cuts=tok.layout.cuts if cfg.needs_whole_sequences else None, want_entropy=True, impl=impl,
         chunk_bytes=chunk_bytes, before_loss=set_entropy_mask if cfg.needs_global_entropy else None, shard=shard)
-    sums: dict[str, torch.Tensor] = {}
-    for part in collected:
-        for k, v in part.items():
-            sums[k] = sums[k] + v if k in sums else v
+    with torch.no_grad():
+        _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), logp, entropy)
     return loss, _finalize_metrics(cfg, tok, sums, group)
 
 

@@ -53,8 +53,9 @@ def vespo_phi(cfg: PolicyConfig, seq_log_ratio: torch.Tensor, adv_seq: torch.Ten
 
 
 def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Tensor,
-                entropy: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss term of the tokens ``sl`` and their metric partial sums (per segment, ``[S]``).
+                entropy: torch.Tensor | None, *, metrics: bool = True) -> tuple[torch.Tensor, dict | None]:
+    """Loss term of the tokens ``sl`` and (``metrics``) their metric partial sums (per
+    segment, ``[S]``); ``None`` instead of the sums without ``metrics``.
 
     ``logp``/``entropy`` are the chunk's statistics (``[len(sl)]``, differentiable).
     """
@@ -127,6 +128,8 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
     if tok.bonus_weight is not None and entropy is not None:
         bw = tok.bonus_weight[sl] if emask is None else tok.bonus_weight[sl] * emask.to(entropy.dtype)
         loss = loss - cfg.entropy_coef * (entropy * bw).sum()
+    if not metrics:
+        return loss, None
 
     sums: dict[str, torch.Tensor] = {"policy": policy_part}
     with torch.no_grad():
@@ -134,9 +137,6 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
             sums["kl"] = lay.seg_sum(kl.detach() * m, seg)
         if entropy is not None:
             sums["entropy"] = lay.seg_sum(entropy.detach() * m, seg)
-            if emask is not None:
-                sums["entropy_masked"] = lay.seg_sum(entropy.detach() * m * emask, seg)
-                sums["len_entropy_masked"] = lay.seg_sum(m * emask, seg)
         if sequence_metrics(cfg, tok):
             # One value per sequence (TRL's [B, 1] tensors): rebuilt in finalize from the segment sums.
             sums["log_ratio"] = lay.seg_sum(log_ratio.detach() * m, seg)
