@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-ProcessGroup = "dist.ProcessGroup"
-
 
 def is_active(group) -> bool:
     """Whether ``group`` spans more than this process."""

@@ -95,9 +95,6 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.steps_per_generation is not None and self.steps_per_generation < 1:
             raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation!r}")
-        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
-            # TRL's LUSPO paper setting; TRL itself only recommends it, we follow its docs.
-            pass
         if self.loss_type in ("cispo", "vespo", "reinforce") and self.delta is not None:
             raise ValueError(f"delta (two-sided clipping) has no effect with loss_type={self.loss_type!r}; "
                              "leave it None")

@@ -69,16 +69,8 @@ class TokenLayout:
             return x[:, 0][self.seg]
         if tuple(x.shape) == tuple(self.shape):
             return x.reshape(-1)[self.index]
-        if x.dim() == 1 and x.shape[0] == self.num_segments:
-            return x[self.seg]
         raise ValueError(f"{name} must be [{self.num_segments}] (per sequence) or {list(self.shape)} "
                          f"(per token), got {list(x.shape)}")
-
-    def scatter(self, x: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-        """``[n]`` → caller's layout, ``fill`` elsewhere."""
-        out = x.new_full((int(torch.Size(self.shape).numel()),), fill)
-        out[self.index] = x
-        return out.reshape(self.shape)
 
     def seg_sum(self, x: torch.Tensor, seg: torch.Tensor | None = None) -> torch.Tensor:
         """Sum of per-token ``x`` over each segment's tokens on this rank → ``[S]``."""
