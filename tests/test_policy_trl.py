@@ -468,3 +468,31 @@ def test_sampling_correction_is_trls(mode):
     flat = want.flatten() if mode.startswith("sequence") else want[keep]
     assert metrics["sampling/importance_sampling_ratio/min"] == flat.min()
     assert torch.allclose(metrics["sampling/importance_sampling_ratio/mean"], flat.mean())
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.6])
+def test_adaptive_entropy_controller_inputs_are_trls(oracle, seed, quantile):
+    """`entropy_bonus/entropy_sum` / `token_count` are what TRL's adaptive entropy controller
+    accumulates (Σ H·m' and Σ m' over the bonus's tokens): their ratio is its window entropy."""
+    torch.manual_seed(seed)
+    case = make_case(oracle)
+    cfg = PolicyConfig(loss_type="grpo", entropy_coef=0.01, top_entropy_quantile=quantile,
+                       max_completion_length=MAX_LEN)
+    run_trl(oracle, case, cfg)  # configures the oracle for cfg; then rerun with the controller on
+    tr = oracle.trainer
+    tr.use_adaptive_entropy, tr._entropy_window_stats, tr._last_world_entropy = True, None, 0.0
+    object.__setattr__(tr.args, "entropy_target", 1.0)
+    object.__setattr__(tr.args, "entropy_coef_delta", 0.0)
+    try:
+        oracle.run(case.inputs, training=True)
+        world_entropy = tr._last_world_entropy  # Σ H·m' / Σ m' of this (single-step) window
+    finally:
+        tr.use_adaptive_entropy = False
+    *_, metrics = run_ours(oracle, case, cfg, "recompute")
+    ours = metrics["entropy_bonus/entropy_sum"] / metrics["entropy_bonus/token_count"]
+    assert ours == pytest.approx(world_entropy, rel=1e-6)
+    counted = float(case.mask.sum())
+    if quantile == 1.0:
+        assert metrics["entropy_bonus/token_count"] == counted
+    else:  # the entropy mask keeps only the top tokens for the bonus
+        assert 0 < metrics["entropy_bonus/token_count"] < counted

@@ -87,8 +87,12 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: scalar loss (differentiable w.r.t. ``hidden``, ``weight``,
         ``bias``) and a dict of 0-dim tensors named as TRL logs them (``kl``, ``entropy``,
-        ``clip_ratio/low_mean`` … ``cispo_clip_ratio``, ``vespo/phi_seq_mean``), local to
-        this process.
+        ``clip_ratio/low_mean`` … ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss``
+        with an entropy bonus), reduced over ``group``. With ``entropy_coef != 0`` also
+        ``entropy_bonus/entropy_sum`` and ``entropy_bonus/token_count``: this call's Σ H·m' and
+        Σ m' over the bonus's tokens (not reduced), the inputs of TRL's adaptive entropy
+        controller (``entropy_target``, ``entropy_coef_delta``, ...), which keeps a window sum
+        and reduces it at the optimizer step.
 
     Raises:
         TypeError, ValueError: shapes, dtypes, devices, token ids out of range, NaN/inf in
@@ -267,7 +271,7 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
     seg_len = lay.seg_len
     zeros = seg_len.new_zeros(lay.num_segments)
     policy_part = sums.get("policy", seg_len.new_zeros(()))
-    keys = ("kl", "entropy", "low", "high", "cispo", "phi", "log_ratio", "vespo_s")
+    keys = ("kl", "entropy", "low", "high", "cispo", "phi", "log_ratio", "vespo_s", "bonus_entropy", "bonus_tokens")
     sums = {k: sums.get(k, zeros) for k in keys}
     if lay.distributed:  # pieces of each sequence live on the sequence-parallel ranks
         stacked = all_reduce(torch.stack([sums[k] for k in keys]), "sum", lay.group)
@@ -317,6 +321,12 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
         # loss types whose normalizer is not num_items_in_batch; across processes, the mean (its nanmean).
         undo_g = _accum(cfg) if lt not in ("dapo", "cispo", "vespo", "reinforce") else 1.0
         means["policy_loss"] = (policy_part * undo_g, seg_len.new_tensor(1.0))
+    local = {}
+    if cfg.entropy_coef != 0.0:
+        # TRL's adaptive entropy controller accumulates these per micro-batch and reduces them
+        # over processes at the optimizer step: they stay local here.
+        local["entropy_bonus/entropy_sum"] = sums["bonus_entropy"].sum()
+        local["entropy_bonus/token_count"] = sums["bonus_tokens"].sum()
     names = list(means)
     stacked = all_reduce(torch.stack([v for k in names for v in means[k]]), "sum", group) if names else None
     out = {k: stacked[2 * i] / stacked[2 * i + 1].clamp(min=1.0) for i, k in enumerate(names)}
@@ -328,4 +338,5 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
         v = all_reduce(torch.where(torch.isnan(v), -torch.inf, v).max() if v.numel() else nan.new_tensor(-torch.inf),
                        "max", group)
         out[k] = torch.where(torch.isinf(v), nan, v)
+    out.update(local)
     return out

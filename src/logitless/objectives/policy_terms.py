@@ -137,6 +137,10 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
             sums["kl"] = lay.seg_sum(kl.detach() * m, seg)
         if entropy is not None:
             sums["entropy"] = lay.seg_sum(entropy.detach() * m, seg)
+            if cfg.entropy_coef != 0.0:  # the bonus's tokens: the adaptive controller's window inputs
+                m_eff = m if emask is None else m * emask.to(m.dtype)
+                sums["bonus_entropy"] = lay.seg_sum(entropy.detach() * m_eff, seg)
+                sums["bonus_tokens"] = lay.seg_sum(m_eff, seg)
         if sequence_metrics(cfg, tok):
             # One value per sequence (TRL's [B, 1] tensors): rebuilt in finalize from the segment sums.
             sums["log_ratio"] = lay.seg_sum(log_ratio.detach() * m, seg)
