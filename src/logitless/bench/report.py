@@ -169,13 +169,26 @@ def render_markdown(runs: list[dict[str, Any]], plot_rel: str | None) -> str:
 
 
 def _plot_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest GPU run (newest of any device if none), with the cases of every earlier run on
+    the same device name merged in (a newer run's case replaces an older one's), so that runs
+    over different token counts make one curve."""
     gpu = [r for r in runs if r["device"].get("type") == "cuda"]
-    return (gpu or runs)[-1] if runs else None
+    pool = gpu or runs
+    if not pool:
+        return None
+    newest = pool[-1]
+    same = [r for r in pool if r["device"].get("name") == newest["device"].get("name")]
+    cases: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in same:
+        for c in r["cases"]:
+            cases[(c["model"], c["n_tokens"])] = c
+    objectives = list(dict.fromkeys(o for r in same for o in r.get("objectives", OBJECTIVE_TITLES)))
+    return {**newest, "cases": list(cases.values()), "objectives": objectives}
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     """Ratio to floor vs ``N``, one line per row, one panel per (objective, model), of the newest
-    GPU run (newest run of any device if none). Returns whether a plot was written."""
+    GPU's runs merged (see :func:`_plot_run`). Returns whether a plot was written."""
     run = _plot_run(runs)
     if run is None:
         return False
