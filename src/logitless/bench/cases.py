@@ -56,9 +56,11 @@ class Case:
     def label(self) -> str:
         return f"{self.model} N={_short(self.n_tokens)}"
 
-    def flops(self, backward: bool) -> float:
-        """GEMM FLOPs of the head: ``2NHV`` forward, ``6NHV`` forward + backward."""
-        return (6.0 if backward else 2.0) * self.n_tokens * self.hidden_size * self.vocab_size
+    def flops(self, objective: str) -> float:
+        """GEMM FLOPs of the head: ``2NHV`` rollout, ``6NHV`` forward + backward, ``8NHV``
+        distillation (the teacher's logits GEMM too)."""
+        per = {"rollout": 2.0, "distill": 8.0}.get(objective, 6.0)
+        return per * self.n_tokens * self.hidden_size * self.vocab_size
 
 
 def _short(n: int) -> str:

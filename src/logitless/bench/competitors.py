@@ -31,8 +31,8 @@ from ..ops import resolve_impl
 from .cases import Inputs
 from .plain import GRPO_CONFIG, grpo_args, grpo_from_logp, plain_ce, plain_grpo, plain_logp_entropy
 
-Objective = Literal["grpo", "ce", "rollout"]
-OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout")
+Objective = Literal["grpo", "ce", "rollout", "distill"]
+OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill")
 Outputs = dict[str, torch.Tensor]
 
 # Workspace of the floor's logits buffer: token chunks of the three GEMMs stay this small.
@@ -394,9 +394,87 @@ def floor_one_gemm(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
+# ---------------------------------------------------------------- distillation
+
+
+def _teacher(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher head close to the student's: same vocabulary, perturbed hidden states and weight
+    (so that the forward KL is a realistic ~0.1-1 nats), made once per case outside the timing."""
+    g = torch.Generator(device=x.hidden.device).manual_seed(7)
+    h = x.hidden.detach()
+    w = x.weight.detach()
+    th = (h.float() + 0.3 * h.float().std() * torch.randn(h.shape, generator=g, device=h.device)).to(h.dtype)
+    tw = (w.float() + 0.3 * w.float().std() * torch.randn(w.shape, generator=g, device=w.device)).to(w.dtype)
+    return th.reshape(-1, th.shape[-1]), tw
+
+
+def distill_logitless(x: Inputs, impl: str) -> Prepared:
+    """logitless ``distill_loss`` (forward KL(teacher‖student), token mean): both heads in one
+    blocked pass over the vocabulary, neither's logits materialized (torch backend, recompute)."""
+    import logitless
+
+    th, tw = _teacher(x)
+    cfg = logitless.DistillConfig(divergence="forward_kl")
+
+    def step() -> Outputs:
+        h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
+        loss, _ = logitless.distill_loss(h2, x.weight, th, tw, config=cfg)
+        return _train_outputs(loss)
+
+    return Prepared(step, "torch")
+
+
+def distill_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL's chunked divergence head (``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``,
+    beta = 0: forward KL), token mean."""
+    mod = _import("trl.kernels.chunked_divergence", "trl")
+    th, tw = _teacher(x)
+
+    def step() -> Outputs:
+        h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
+        div, _ent = mod.ChunkedDivergenceFunction.apply(h2, x.weight, None, th, tw, None, 0.0)
+        return _train_outputs(div.mean())
+
+    return Prepared(step)
+
+
+def distill_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch: both heads' bf16 logits ``[N, V]`` materialized → fp32 log-softmax → forward KL."""
+    th, tw = _teacher(x)
+
+    def step() -> Outputs:
+        h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
+        logp = torch.log_softmax((h2 @ x.weight.t()).float(), -1)
+        with torch.no_grad():
+            logq = torch.log_softmax((th @ tw.t()).float(), -1)
+        loss = (logq.exp() * (logq - logp)).sum(-1).mean()
+        return _train_outputs(loss)
+
+    return Prepared(step)
+
+
+def floor_four_gemms(x: Inputs, impl: str) -> Prepared:
+    """FLOOR (distillation): the teacher's logits GEMM plus the student's three (logits, d hidden,
+    d weight), bf16 cuBLAS, same token chunks as the three-GEMM floor."""
+    th, tw = _teacher(x)
+    three = floor_three_gemms(x, impl)
+    chunk = _floor_chunk(x)
+
+    def step() -> Outputs:
+        buf = torch.empty(chunk, tw.shape[0], dtype=tw.dtype, device=tw.device)
+        for s in range(0, th.shape[0], chunk):
+            e = min(s + chunk, th.shape[0])
+            torch.mm(th[s:e], tw.t(), out=buf[: e - s])
+        del buf
+        return three.step()
+
+    return Prepared(step)
+
+
 # Peak bytes per (token, vocab) element of the materializing rows, as measured on an H200 (torch 2.11)
 # plus 10%: predicts OOM before trying (a wrong guess only costs the try, which is caught).
-_BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5}
+_BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
+          "distill-plain": 26.0}
 
 ROWS: tuple[Row, ...] = (
     Row("floor", "grpo", floor_three_gemms, role="floor"),
@@ -418,5 +496,9 @@ ROWS: tuple[Row, ...] = (
     Row("logitless", "rollout", rollout_logitless, role="reference"),
     Row("trl-chunked", "rollout", rollout_trl_chunked),
     Row("torch-plain", "rollout", rollout_torch_plain, logit_bytes=_BYTES["rollout-plain"]),
+    Row("floor", "distill", floor_four_gemms, role="floor"),
+    Row("logitless", "distill", distill_logitless, role="reference"),
+    Row("trl-chunked", "distill", distill_trl_chunked),
+    Row("torch-plain", "distill", distill_torch_plain, logit_bytes=_BYTES["distill-plain"]),
 )
 ROW_NAMES = tuple(dict.fromkeys(r.name for r in ROWS))

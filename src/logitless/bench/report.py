@@ -16,6 +16,7 @@ OBJECTIVE_TITLES = {
     "grpo": "GRPO (dapo, beta=0.04 KL to ref, clip + KL metrics, entropy), forward + backward",
     "ce": "Cross-entropy (token mean), forward + backward",
     "rollout": "Rollout (no grad): target log-probs + entropy",
+    "distill": "Distillation, forward KL(teacher‖student) token mean, forward + backward (floor: 4 GEMMs)",
 }
 _DIFF_KEYS = ("loss_rel_diff", "logp_rel_diff", "entropy_rel_diff", "grad_hidden_rel_diff", "grad_weight_rel_diff")
 
@@ -105,7 +106,7 @@ def _run_section(run: dict[str, Any]) -> list[str]:
         by = {(c_i, r["row"]): r for c_i, c in enumerate(cases) for r in c["results"] if r["objective"] == objective}
         lines += [f"### {OBJECTIVE_TITLES.get(objective, objective)}", "",
                   "Median time · time / floor · TFLOP/s counted as "
-                  f"{'2NHV' if objective == 'rollout' else '6NHV'}:", ""]
+                  f"{ {'rollout': '2NHV', 'distill': '8NHV'}.get(objective, '6NHV') }:", ""]
         lines += _table(["row", *labels], [[n, *(_cell_time(by[(i, n)]) if (i, n) in by else "" for i in
                                                   range(len(cases)))] for n in names])
         if any("extra_bytes" in r for r in by.values()):

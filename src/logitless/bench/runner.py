@@ -169,7 +169,7 @@ def run_row(row: Row, impl: str, name: str, case: Case, x: Inputs, opts: Options
                            min_time_s=opts.min_time_s)
         rec["times_ms"] = [round(t, 4) for t in timing.times_ms]
         rec["time_ms"] = timing.median_ms
-        rec["tflops"] = case.flops(row.objective != "rollout") / (timing.median_ms * 1e-3) / 1e12
+        rec["tflops"] = case.flops(row.objective) / (timing.median_ms * 1e-3) / 1e12
     except Exception as e:
         error = e
         if is_oom(e):
