@@ -167,10 +167,12 @@ def test_sequence_parallel_gspo_segments_cut_across_ranks(loss_type):
             assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
 
 
-def test_data_parallel_normalizers_and_metrics():
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_data_parallel_normalizers_and_metrics(quantile):
+    """TRL's multi-process semantics, including the entropy quantile over every process's tokens."""
     gen = torch.Generator().manual_seed(15)
     case = _policy_case(gen, b=4)
-    case.update(config=dict(loss_type="dapo", beta=0.04, epsilon_high=0.28))
+    case.update(config=dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, top_entropy_quantile=quantile))
     loss, gh, gw, metrics = _reference_policy(case)
     outs = _spawn("data_parallel", 2, case)
     # DDP averages gradients over ranks; TRL's dapo normalizer (N / P) makes that the global loss's.
