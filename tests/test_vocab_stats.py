@@ -259,3 +259,38 @@ def test_plan_chunks(n, token_chunk, data):
             assert c.stop in cuts  # never splits a segment
             if c.stop - c.start > token_chunk:  # only one segment may exceed the chunk
                 assert not any(c.start < k < c.stop for k in cuts)
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_frozen_head_skips_the_weight_gradient(mode, monkeypatch):
+    """A head without ``requires_grad`` gets no ``d weight`` accumulator (the GEMM is skipped);
+    ``d hidden`` is unchanged."""
+    from logitless import PolicyConfig, policy_loss
+    from logitless.ops import torch_backend
+
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(3, 9, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(53, 16, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 53, (3, 9), generator=g)
+    mask = torch.ones(3, 9)
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    seen = []
+    orig = torch_backend.chunk_backward
+
+    def spy(*args, **kwargs):
+        seen.append(args[12])  # grad_weight
+        return orig(*args, **kwargs)
+
+    def run(w):
+        h = hidden.clone().requires_grad_()
+        loss, _ = policy_loss(h, w, ids, mask, adv, config=PolicyConfig(loss_type="grpo"), mode=mode, impl="torch")
+        loss.backward()
+        return h.grad
+
+    monkeypatch.setattr(torch_backend, "chunk_backward", spy)
+    frozen = run(weight)
+    assert seen and all(gw is None for gw in seen)
+    seen.clear()
+    trained = run(weight.clone().requires_grad_())
+    assert seen and all(gw is not None for gw in seen)
+    torch.testing.assert_close(frozen, trained, rtol=1e-12, atol=1e-14)
