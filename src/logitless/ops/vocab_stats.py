@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -62,6 +63,11 @@ class LocalHead:
         return cls(weight=weight[:valid], bias=None if bias is None else bias[:valid], group=shard.group,
                    vocab_start=start, vocab_size=size, reduce_grad_hidden=shard.reduce_grad_hidden)
 
+    def rows_of(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LocalHead:
+        """This head over ``weight``/``bias`` (e.g. the tensors autograd saved): the same rows."""
+        rows = self.weight.shape[0]
+        return dataclasses.replace(self, weight=weight[:rows], bias=None if bias is None else bias[:rows])
+
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Global ids → local rows; ids owned by another rank fall outside ``[0, V_local)``."""
         return targets - self.vocab_start if self.vocab_start else targets
@@ -97,14 +103,15 @@ def forward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch.
 
 
 def backward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch.Tensor,
-                  transform: LogitTransform, plan: ChunkPlan, st: PassStats, g_logp, g_lse, g_entropy, g_sum_z,
-                  grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
+                  transform: LogitTransform, plan: ChunkPlan, lse: torch.Tensor, sum_pz: torch.Tensor | None,
+                  g_logp, g_lse, g_entropy, g_sum_z, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None,
                   need_grad_hidden: bool) -> torch.Tensor | None:
     """``d hidden`` (reduced over the vocabulary group unless told not to) and, in place, the
-    local rows of ``d weight``/``d bias``, recomputing logits block by block."""
+    local rows of ``d weight``/``d bias``, recomputing logits block by block from the forward's
+    ``lse`` and ``sum_pz`` (``[n]``)."""
     # Vocabulary-parallel partials are summed in the statistics dtype, then cast once.
     partial = need_grad_hidden and head.reduce_grad_hidden and is_active(head.group)
-    grad_hidden = torch.empty_like(hidden, dtype=st.lse.dtype if partial else None) if need_grad_hidden else None
+    grad_hidden = torch.empty_like(hidden, dtype=lse.dtype if partial else None) if need_grad_hidden else None
     valid = head.weight.shape[0]
     gw = None if grad_weight is None else grad_weight[:valid]
     gb = None if grad_bias is None else grad_bias[:valid]
@@ -116,7 +123,7 @@ def backward_pass(backend, hidden: torch.Tensor, head: LocalHead, targets: torch
         for start in range(0, hidden.shape[0], plan.token_chunk):
             sl = slice(start, start + plan.token_chunk)
             gh = backend.chunk_backward(
-                hidden[sl], head.weight, head.bias, targets[sl], transform, plan, st.lse[sl], part(st.sum_pz, sl),
+                hidden[sl], head.weight, head.bias, targets[sl], transform, plan, lse[sl], part(sum_pz, sl),
                 part(g_logp, sl), part(g_lse, sl), part(g_entropy, sl), None, gw, gb, need_grad_hidden,
                 g_sum_z=part(g_sum_z, sl))
             if need_grad_hidden:
@@ -154,14 +161,8 @@ class _RecomputeFn(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_b else None
-        st = PassStats(lse=lse, logp=lse, sum_pz=sum_pz, sum_z=None, is_top1=lse)
-        # the local rows of the saved (possibly padded) weight
-        local = LocalHead(weight=weight[:head.weight.shape[0]],
-                          bias=None if bias is None else bias[:head.weight.shape[0]], group=head.group,
-                          vocab_start=head.vocab_start, vocab_size=head.vocab_size,
-                          reduce_grad_hidden=head.reduce_grad_hidden)
-        grad_hidden = backward_pass(backend, hidden, local, targets, transform, plan, st, g_logp, g_lse, g_entropy,
-                                    g_sum_z, grad_weight, grad_bias, need_h)
+        grad_hidden = backward_pass(backend, hidden, head.rows_of(weight, bias), targets, transform, plan, lse,
+                                    sum_pz, g_logp, g_lse, g_entropy, g_sum_z, grad_weight, grad_bias, need_h)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None, None, None)
 
