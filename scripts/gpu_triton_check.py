@@ -69,12 +69,12 @@ def set_tile(tile: str) -> None:
 
 @section
 def check_correctness(h, w, y, n_check: int):
-    from logitless.ops import fused, torch_backend, triton_backend
+    from logitless.ops import fused, gemm, torch_backend, triton_backend
     from logitless.ops.transform import LogitTransform
     from logitless.ops.vocab_stats import vocab_stats
 
     if not DEV["dry"]:
-        print(f"cuda out_dtype GEMMs usable: {triton_backend._cuda_out_dtype_ok()}")
+        print(f"cuda out_dtype GEMMs usable: {gemm.cuda_out_dtype_ok()}")
     h, y = h[:n_check], y[:n_check]
     for tile in ("input", "fp32"):
         set_tile(tile)
@@ -138,7 +138,7 @@ def _recording(backend):
 
 @section
 def timings(h, w, y, quick: bool):
-    from logitless.ops import fused, torch_backend, triton_backend
+    from logitless.ops import fused, gemm, torch_backend, triton_backend
     from logitless.ops.plan import ChunkPlan, workspace_per_element
     from logitless.ops.transform import LogitTransform
     from logitless.ops.triton_kernels import kernel_config, launch_dlogits, launch_stats
@@ -159,7 +159,7 @@ def timings(h, w, y, quick: bool):
     ROWS.append(("3-GEMM floor (sum)", floor3, "1.000x"))
     print(f"{'3-GEMM floor (sum)':58s} {floor3:9.3f} ms")
     gw = torch.zeros(vocab, hid, device=dev)
-    if not DEV["dry"] and triton_backend._cuda_out_dtype_ok():
+    if not DEV["dry"] and gemm.cuda_out_dtype_ok():
         bench("GEMM d weight fp32 accumulate (addmm out_dtype)",
               lambda: torch.addmm(gw, dy.t(), h, out_dtype=torch.float32, out=gw), t3, "vs bf16 dW GEMM")
     dy = None  # free the 2 GiB before the next section

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..ops import ChunkPlan, LogitTransform, VocabShard, fused_objective, resolve_impl, stat_dtype_for
+from ..ops import ChunkPlan, HeadLoRA, LogitTransform, VocabShard, fused_objective, resolve_impl, stat_dtype_for
 from ..ops.vocab_stats import recompute_stats
 
 Mode = Literal["auto", "fused", "recompute"]
@@ -45,6 +45,7 @@ def run_objective(
     before_loss: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
     extra_stats: tuple[str, ...] = (),
     shard: VocabShard | None = None,
+    lora: HeadLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]:
     """``(loss, logp, entropy, collected)`` of ``objective`` summed over the tokens.
 
@@ -57,11 +58,11 @@ def run_objective(
     if mode == "fused":
         return fused_objective(hidden, weight, bias, targets, transform, objective, cuts=cuts,
                                want_entropy=want_entropy, chunk_bytes=chunk_bytes, backend=backend,
-                               extra_stats=extra_stats, shard=shard)
+                               extra_stats=extra_stats, shard=shard, lora=lora)
     plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype),
                           hidden.dtype, backend.NAME)
     lse, logp, ent, sum_z, top1 = recompute_stats(backend, hidden, weight, bias, targets, transform, plan,
-                                                   want_entropy, "sum_z" in extra_stats, shard)
+                                                   want_entropy, "sum_z" in extra_stats, shard, lora)
     entropy = ent if want_entropy else None
     if before_loss is not None:
         before_loss(logp.detach(), None if entropy is None else entropy.detach())

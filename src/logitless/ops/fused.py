@@ -15,11 +15,12 @@ sequence-level objectives).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..distributed import all_reduce, is_active
+from .lora import HeadLoRA, LowRank
 from .plan import ChunkPlan
 from .shard import VocabShard, reduce_partials
 from .transform import LogitTransform
@@ -52,15 +53,16 @@ def plan_chunks(n_tokens: int, token_chunk: int, cuts: Sequence[int] | None) -> 
 
 
 def _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes, want_entropy, extra_stats, objective,
-               grad_weight, grad_bias, want_grad):
+               grads_out, low, want_grad):
     """Statistics, the objective's term and (``want_grad``) the chunk's gradients."""
     sdt = stat_dtype_for(hidden.dtype)
     h, t = hidden[sl], targets[sl]
+    low = None if low is None else low.rows(sl)
     plan = ChunkPlan.make(h.shape[0], max(head.weight.shape[0], 1), chunk_bytes, sdt, hidden.dtype, backend.NAME)
     with no_autocast(hidden.device):
         partials, kept = backend.chunk_forward(h, head.weight, head.bias, t, transform, plan, sdt, want_entropy,
                                                keep_logits=want_grad and plan.keep_logits,
-                                               want_sum_z="sum_z" in extra_stats)
+                                               want_sum_z="sum_z" in extra_stats, lora=low)
         st = stats_from_partials(reduce_partials(partials, head.group))
     entropy = None if st.sum_pz is None else st.lse - st.sum_pz
     with torch.enable_grad():
@@ -83,65 +85,90 @@ def _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes, want_
     grad_hidden = None
     if want_grad and any(g is not None for g in grads.values()):
         with no_autocast(hidden.device):
-            valid = head.weight.shape[0]
             grad_hidden = backend.chunk_backward(
                 h, head.weight, head.bias, t, transform, plan, st.lse, st.sum_pz, grads["logp"], grads.get("lse"),
-                grads.get("entropy"), kept, None if grad_weight is None else grad_weight[:valid],
-                None if grad_bias is None else grad_bias[:valid], hidden.requires_grad, g_sum_z=grads.get("sum_z"))
+                grads.get("entropy"), kept, grads_out.weight, grads_out.bias, grads_out.hidden is not None,
+                g_sum_z=grads.get("sum_z"), lora=low, grad_lora_x=grads_out.lora_x_rows(sl),
+                grad_lora_b=grads_out.lora_b)
     return loss.detach(), collected, st.logp, entropy, grad_hidden
 
 
+class _Grads(NamedTuple):
+    """Gradient accumulators of a fused pass (``None`` where not needed); ``weight``/``bias``/
+    ``lora_b`` are the local rows, ``hidden`` rows are written chunk by chunk."""
+
+    hidden: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    lora_x: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+
+    def any(self) -> bool:
+        return any(g is not None for g in self)
+
+    def lora_x_rows(self, sl: slice) -> torch.Tensor | None:
+        return None if self.lora_x is None else self.lora_x[sl]
+
+
 def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, want_entropy, extra_stats, objective,
-                collected, grad_weight, grad_bias, grad_hidden):
+                collected, grads_out: _Grads, low: LowRank | None):
     """All chunks in order: ``(total loss, logp [n], entropy [n] | None)``; gradients go into the
-    given accumulators (``grad_hidden`` rows written per chunk) when any is given."""
+    given accumulators (``grads_out.hidden`` rows written per chunk) when any is given."""
     sdt = stat_dtype_for(hidden.dtype)
     n = hidden.shape[0]
-    want_grad = any(g is not None for g in (grad_weight, grad_bias, grad_hidden))
+    want_grad = grads_out.any()
     total = torch.zeros((), dtype=sdt, device=hidden.device)
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see forward_pass).
     logp_all = torch.empty(n, dtype=sdt, device=hidden.device)
     ent_all = torch.empty(n, dtype=sdt, device=hidden.device) if want_entropy else None
     for sl in chunks:
         loss, extra, logp, ent, gh = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
-                                                want_entropy, extra_stats, objective, grad_weight, grad_bias,
-                                                want_grad)
+                                                want_entropy, extra_stats, objective, grads_out, low, want_grad)
         total = total + loss
         collected.append(extra)
         logp_all[sl] = logp
         if ent_all is not None:
             ent_all[sl] = ent
-        if grad_hidden is not None and gh is not None:
-            grad_hidden[sl] = gh
+        if grads_out.hidden is not None and gh is not None:
+            grads_out.hidden[sl] = gh
     return total, logp_all, ent_all
 
 
 class _FusedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, chunks, chunk_bytes, want_entropy, extra_stats,
-                objective, backend, head, collected):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    def forward(ctx, hidden, weight, bias, lora_x, lora_b, targets, transform, chunks, chunk_bytes, want_entropy,
+                extra_stats, objective, backend, head, collected):
+        need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
         sdt = stat_dtype_for(hidden.dtype)
-        grad_weight = torch.zeros(weight.shape, dtype=sdt, device=weight.device) if need_w else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=sdt, device=weight.device) if need_b else None
-        # Vocabulary-parallel partials are summed in the statistics dtype, then cast once.
-        partial = need_h and head.reduce_grad_hidden and is_active(head.group)
-        grad_hidden = torch.zeros_like(hidden, dtype=sdt if partial else None) if need_h else None
+        valid = head.weight.shape[0]
+
+        def zeros(want, shape, dtype=sdt):
+            return torch.zeros(shape, dtype=dtype, device=hidden.device) if want else None
+
+        # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
+        partial = head.reduce_grad_hidden and is_active(head.group)
+        full = _Grads(hidden=zeros(need_h, hidden.shape, sdt if partial else hidden.dtype),
+                      weight=zeros(need_w, weight.shape), bias=zeros(need_b, weight.shape[0]),
+                      lora_x=zeros(need_x, () if lora_x is None else lora_x.shape),
+                      lora_b=zeros(need_lb, () if lora_b is None else lora_b.shape))
+        local = full._replace(**{k: None if g is None else g[:valid]
+                                 for k, g in (("weight", full.weight), ("bias", full.bias), ("lora_b", full.lora_b))})
+        low = None if lora_x is None else LowRank(lora_x, lora_b[:valid])
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
-                                               want_entropy, extra_stats, objective, collected, grad_weight,
-                                               grad_bias, grad_hidden)
-        if partial:
+                                               want_entropy, extra_stats, objective, collected, local, low)
+        grad_hidden, grad_x = full.hidden, full.lora_x
+        if partial and grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, "sum", head.group).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        if partial and grad_x is not None:
+            grad_x = all_reduce(grad_x, "sum", head.group)
+        ctx.save_for_backward(grad_hidden, full.weight, full.bias, grad_x, full.lora_b)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, lora_x, lora_b))
         ent_all = logp_all.new_zeros(0) if ent_all is None else ent_all
         ctx.mark_non_differentiable(logp_all, ent_all)
         return total, logp_all, ent_all
 
     @staticmethod
     def backward(ctx, g_loss, _g_logp, _g_ent):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
         # loss.backward() sends exactly 1: skip scaling a [V, H] fp32 buffer (a full extra pass).
         unit = bool(g_loss == 1)
 
@@ -150,10 +177,8 @@ class _FusedFn(torch.autograd.Function):
                 return None
             return g.to(dtype) if unit else (g * g_loss.to(g.dtype)).to(dtype)
 
-        gh = scaled(grad_hidden, grad_hidden.dtype if grad_hidden is not None else None)
-        gw = scaled(grad_weight, w_dtype)
-        gb = scaled(grad_bias, b_dtype)
-        return gh, gw, gb, None, None, None, None, None, None, None, None, None, None
+        grads = [scaled(g, dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
+        return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 def fused_objective(
@@ -170,13 +195,15 @@ def fused_objective(
     backend,
     extra_stats: tuple[str, ...] = (),
     shard: VocabShard | None = None,
+    lora: HeadLoRA | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]:
     """Run ``objective`` over the vocabulary statistics of ``hidden`` in fused mode.
 
     Inputs are assumed validated (callers go through :func:`check_head_inputs`); ``targets``
     are global ids. ``extra_stats`` (subset of ``"lse"``, ``"sum_z"``, ``"is_top1"``) are passed
     to the objective as keyword arguments (``is_top1`` a bool tensor). Under a vocabulary-parallel
-    ``shard`` every chunk's statistics take one MAX and one SUM all-reduce.
+    ``shard`` every chunk's statistics take one MAX and one SUM all-reduce. ``lora`` adds the
+    adapter's low-rank term inside each block; its gradients reach ``lora.a``/``lora.b``.
 
     Returns:
         ``(loss, logp [n], entropy [n] | None, collected)``: ``loss`` is the sum of the chunk
@@ -190,12 +217,15 @@ def fused_objective(
                           backend.NAME)
     chunks = plan_chunks(hidden.shape[0], plan.token_chunk, cuts)
     collected: list[Any] = []
+    low = None if lora is None else lora.factors(hidden, weight)
+    x, b = (None, None) if low is None else low
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias))
+        t is not None and t.requires_grad for t in (hidden, weight, bias, x, b))
     if not needs_grad:
+        low = None if low is None else LowRank(x, b[:head.weight.shape[0]])
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
-                                               want_entropy, extra_stats, objective, collected, None, None, None)
+                                               want_entropy, extra_stats, objective, collected, _Grads(), low)
         return total, logp_all, ent_all, collected
-    total, logp_all, ent_all = _FusedFn.apply(hidden, weight, bias, targets, transform, chunks, chunk_bytes,
+    total, logp_all, ent_all = _FusedFn.apply(hidden, weight, bias, x, b, targets, transform, chunks, chunk_bytes,
                                               want_entropy, extra_stats, objective, backend, head, collected)
     return total, logp_all, ent_all if want_entropy else None, collected

@@ -18,41 +18,22 @@ from dataclasses import dataclass
 
 import torch
 
+from . import gemm
+from .lora import LowRank, low_rank_grads, low_rank_into
 from .plan import ChunkPlan
 from .transform import LogitTransform
 
 NAME = "torch"  # the plan heuristic to use (ops/plan.py)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-_MM_OUT_FP32: bool | None = None  # torch.mm(..., out_dtype=float32) on CUDA: None = not tried yet
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` with the product returned in ``out_dtype`` (fp32/fp64), without rounding it to
-    a low-precision input dtype first when the device can avoid it."""
-    global _MM_OUT_FP32
-    if a.dtype == b.dtype == out_dtype:
-        return a @ b
-    if a.device.type == "cuda" and a.dtype in _LOW_PRECISION and out_dtype == torch.float32:
-        if _MM_OUT_FP32 is not False:
-            try:
-                out = torch.mm(a, b.to(a.dtype), out_dtype=torch.float32)
-                _MM_OUT_FP32 = True
-                return out
-            except (TypeError, RuntimeError):  # torch < 2.8 has no out_dtype
-                _MM_OUT_FP32 = False
-        # Rounds the product to the input dtype before the fp32 statistics: less accurate.
-        return (a @ b.to(a.dtype)).to(out_dtype)
-    # CPU: low-precision matmuls are slow there and round the product; compute in out_dtype.
-    return a.to(out_dtype) @ b.to(out_dtype)
 
 
 def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 transform: LogitTransform, stat_dtype: torch.dtype) -> torch.Tensor:
-    """Logits ``z`` of ``hidden [n, H]`` against the vocabulary rows ``weight [v, H]``:
-    ``[n, v]`` in ``stat_dtype``."""
-    y = _matmul(hidden, weight.t(), stat_dtype)
+                 transform: LogitTransform, stat_dtype: torch.dtype, lora: LowRank | None = None,
+                 rows: slice | None = None) -> torch.Tensor:
+    """Logits ``z`` of ``hidden [n, H]`` against the vocabulary rows ``weight [v, H]`` (rows
+    ``rows`` of the head, whose ``lora`` term is added): ``[n, v]`` in ``stat_dtype``."""
+    y = gemm.mm(hidden, weight.t(), stat_dtype)
+    if lora is not None:
+        low_rank_into(y, lora, rows.start, rows.stop)
     if bias is not None:
         y = y + bias.to(stat_dtype)
     return transform.apply(y)
@@ -102,7 +83,8 @@ class Partials:
 def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
                   stat_dtype: torch.dtype, want_entropy: bool,
-                  keep_logits: bool, want_sum_z: bool = False) -> tuple[Partials, torch.Tensor | None]:
+                  keep_logits: bool, want_sum_z: bool = False,
+                  lora: LowRank | None = None) -> tuple[Partials, torch.Tensor | None]:
     """Partial statistics of one token chunk over all of ``weight``'s rows.
 
     Args:
@@ -113,6 +95,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             ``[0, V)`` means "not in this range" (the target logit stays 0, ``owned`` False).
         keep_logits: return the chunk's ``[n, V]`` logits (only when ``plan.keep_logits``).
         want_sum_z: also accumulate ``sz = Σ_v z_v``.
+        lora: low-rank factors ``x [n, r]``, ``b [V, r]`` whose product joins the logits.
 
     Returns:
         ``(Partials, z)`` with ``z`` the kept logits or ``None``.
@@ -129,7 +112,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for start in range(0, vocab, plan.vocab_block):
         end = min(start + plan.vocab_block, vocab)
         z = logits_block(hidden, weight[start:end], None if bias is None else bias[start:end],
-                         transform, stat_dtype)
+                         transform, stat_dtype, lora, slice(start, end))
         new_m = torch.maximum(m, z.max(dim=1).values)
         rescale = torch.exp(m - new_m)
         e = torch.exp(z - new_m[:, None])
@@ -153,7 +136,9 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                    g_lse: torch.Tensor | None, g_entropy: torch.Tensor | None,
                    kept_logits: torch.Tensor | None, grad_weight: torch.Tensor | None,
                    grad_bias: torch.Tensor | None, need_grad_hidden: bool,
-                   g_sum_z: torch.Tensor | None = None) -> torch.Tensor | None:
+                   g_sum_z: torch.Tensor | None = None, lora: LowRank | None = None,
+                   grad_lora_x: torch.Tensor | None = None,
+                   grad_lora_b: torch.Tensor | None = None) -> torch.Tensor | None:
     """Gradients of one token chunk from the per-token gradients of its statistics.
 
     With ``p = softmax(z)`` and ``c = Σ p z``, the gradient w.r.t. the logits is
@@ -167,6 +152,9 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         kept_logits: ``[n, V]`` logits from :func:`chunk_forward`, or ``None`` to recompute.
         grad_weight: ``[V, H]`` fp32/fp64 accumulator updated in place, or ``None``.
         grad_bias: ``[V]`` accumulator updated in place, or ``None``.
+        lora: low-rank factors of the forward (see :func:`chunk_forward`).
+        grad_lora_x: ``[n, r]`` accumulator of ``d x``, updated in place, or ``None``.
+        grad_lora_b: ``[V, r]`` accumulator of ``d b``, updated in place, or ``None``.
 
     Returns:
         ``[n, H]`` gradient w.r.t. ``hidden`` in the statistics dtype, or ``None``.
@@ -187,7 +175,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         end = min(start + plan.vocab_block, vocab)
         w = weight[start:end]
         z = kept_logits if kept_logits is not None else logits_block(
-            hidden, w, None if bias is None else bias[start:end], transform, stat_dtype)
+            hidden, w, None if bias is None else bias[start:end], transform, stat_dtype, lora, slice(start, end))
         p = torch.exp(z - lse[:, None])
         if g_entropy is not None:
             dz = p * (coef[:, None] - g_entropy[:, None] * (z - sum_pz[:, None]))
@@ -203,6 +191,8 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         dy = transform.grad_to_raw(dz, z)
         del z, p, dz
         apply_block_grad(dy, w, h_mm, slice(start, end), mm_dtype, grad_hidden, grad_weight, grad_bias)
+        if lora is not None:
+            low_rank_grads(dy.to(mm_dtype), lora, start, end, grad_lora_x, grad_lora_b)
     return grad_hidden
 
 
@@ -215,6 +205,6 @@ def apply_block_grad(dy: torch.Tensor, w: torch.Tensor, h_mm: torch.Tensor, rows
         grad_bias[rows] += dy.sum(dim=0).to(grad_bias.dtype)
     dy_mm = dy.to(mm_dtype)
     if grad_hidden is not None:
-        grad_hidden += _matmul(dy_mm, w.to(mm_dtype), grad_hidden.dtype)
+        gemm.addmm_(grad_hidden, dy_mm, w.to(mm_dtype))
     if grad_weight is not None:
-        grad_weight[rows] += _matmul(dy_mm.t(), h_mm, grad_weight.dtype)
+        gemm.addmm_(grad_weight[rows], dy_mm.t(), h_mm)

@@ -19,11 +19,10 @@ torch backend (no fp64 tensor-core GEMMs to gain from).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from . import torch_backend
+from . import gemm, torch_backend
+from .lora import LowRank, low_rank_grads, low_rank_into
 from .plan import ChunkPlan
 from .torch_backend import Partials
 from .transform import LogitTransform
@@ -35,49 +34,15 @@ __all__ = ["Partials", "chunk_backward", "chunk_forward"]
 NAME = "triton"  # the plan heuristic to use (ops/plan.py)
 
 
-@functools.cache
-def _cuda_out_dtype_ok() -> bool:
-    """Whether ``torch.mm``/``torch.addmm(..., out_dtype=float32, out=acc)`` exist on CUDA and
-    accumulate correctly in place (torch >= 2.8); probed once on a small product."""
-    try:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        a = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16, generator=g)
-        b = torch.randn(48, 80, device="cuda", dtype=torch.bfloat16, generator=g)
-        acc = torch.randn(64, 80, device="cuda", generator=g)
-        want = acc + a.float() @ b.float()
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        prod = torch.mm(a, b, out_dtype=torch.float32)
-        return bool(torch.allclose(acc, want, atol=1e-3, rtol=1e-4)
-                    and torch.allclose(prod, a.float() @ b.float(), atol=1e-3, rtol=1e-4))
-    except (RuntimeError, TypeError):
-        return False
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as fp32, with low-precision inputs multiplied at full rate and never rounded."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.device.type == "cuda" and _cuda_out_dtype_ok():
-        return torch.mm(a, b, out_dtype=torch.float32)
-    # CPU (interpreter tests) has no out_dtype GEMM; upcasting is exact there.
-    return a.float() @ b.float()
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in place, ``acc`` fp32, without a rounded or materialized product on CUDA."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif a.device.type == "cuda" and _cuda_out_dtype_ok():
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += _mm_fp32(a, b)
-
-
-def _tile(hidden: torch.Tensor, w: torch.Tensor, cfg: KernelConfig) -> torch.Tensor:
-    """Raw ``hidden [n, H] @ w[v, H].T`` as a contiguous ``[n, v]`` tile in the configured dtype."""
-    if cfg.tile == "fp32" and hidden.dtype != torch.float32:
-        return _mm_fp32(hidden, w.t())
-    return torch.mm(hidden, w.t())
+def _tile(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int, cfg: KernelConfig,
+          lora: LowRank | None) -> torch.Tensor:
+    """Raw ``hidden [n, H] @ weight[start:end].T`` (+ the low-rank term) as a contiguous
+    ``[n, v]`` tile in the configured dtype."""
+    w = weight[start:end]
+    tile = gemm.mm(hidden, w.t(), torch.float32) if cfg.tile == "fp32" else torch.mm(hidden, w.t())
+    if lora is not None:
+        low_rank_into(tile, lora, start, end)
+    return tile
 
 
 def _delegate(stat_dtype: torch.dtype, hidden: torch.Tensor) -> bool:
@@ -91,7 +56,8 @@ def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
 def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
                   stat_dtype: torch.dtype, want_entropy: bool,
-                  keep_logits: bool, want_sum_z: bool = False) -> tuple[Partials, torch.Tensor | None]:
+                  keep_logits: bool, want_sum_z: bool = False,
+                  lora: LowRank | None = None) -> tuple[Partials, torch.Tensor | None]:
     """Partial statistics of one token chunk over all of ``weight``'s rows.
 
     Args:
@@ -106,6 +72,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         want_entropy: also accumulate ``sez``.
         keep_logits: hand back the chunk's tile (only when one block covers ``V``).
         want_sum_z: also accumulate ``sz = Σ z``.
+        lora: low-rank factors ``x [n, r]``, ``b [V, r]``; ``x @ b.T`` is added to each tile.
 
     Returns:
         ``(Partials, kept)``: fp32 ``[n]`` partials; ``kept`` the ``[n, V]`` raw matmul tile
@@ -114,7 +81,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """
     if _delegate(stat_dtype, hidden):
         return torch_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, stat_dtype,
-                                           want_entropy, keep_logits, want_sum_z)
+                                           want_entropy, keep_logits, want_sum_z, lora)
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     cfg = kernel_config(min(plan.vocab_block, vocab))
@@ -128,7 +95,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     kept = None
     for start in range(0, vocab, plan.vocab_block):
         end = min(start + plan.vocab_block, vocab)
-        tile = _tile(hidden, weight[start:end], cfg)
+        tile = _tile(hidden, weight, start, end, cfg, lora)
         launch_stats(tile, bias, targets, start, transform, m, se, sez, zy, cfg, sz)
         if keep_logits and end - start == vocab:
             kept = tile
@@ -143,7 +110,9 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                    g_lse: torch.Tensor | None, g_entropy: torch.Tensor | None,
                    kept_logits: torch.Tensor | None, grad_weight: torch.Tensor | None,
                    grad_bias: torch.Tensor | None, need_grad_hidden: bool,
-                   g_sum_z: torch.Tensor | None = None) -> torch.Tensor | None:
+                   g_sum_z: torch.Tensor | None = None, lora: LowRank | None = None,
+                   grad_lora_x: torch.Tensor | None = None,
+                   grad_lora_b: torch.Tensor | None = None) -> torch.Tensor | None:
     """Gradients of one token chunk from the per-token gradients of its statistics.
 
     ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - sum_pz)) + g_logp [v == y] + g_sum_z`` with
@@ -159,6 +128,8 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         grad_weight: ``[V, H]`` fp32 accumulator updated in place, or ``None``.
         grad_bias: ``[V]`` fp32 accumulator updated in place, or ``None``.
         need_grad_hidden: whether to return ``d hidden``.
+        lora, grad_lora_x, grad_lora_b: the forward's low-rank factors and fp32 accumulators of
+            their gradients ``[n, r]``/``[V, r]`` (updated in place), as in the torch backend.
 
     Returns:
         ``[n, H]`` fp32 gradient w.r.t. ``hidden``, or ``None``.
@@ -169,7 +140,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if _delegate(lse.dtype, hidden):
         return torch_backend.chunk_backward(hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp,
                                             g_lse, g_entropy, kept_logits, grad_weight, grad_bias,
-                                            need_grad_hidden, g_sum_z)
+                                            need_grad_hidden, g_sum_z, lora, grad_lora_x, grad_lora_b)
     if g_entropy is not None and sum_pz is None:
         raise ValueError("chunk_backward: g_entropy needs sum_pz from a forward with want_entropy=True")
     vocab = weight.shape[0]
@@ -190,7 +161,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     for start in range(0, vocab, block):
         end = min(start + block, vocab)
         w = weight[start:end]
-        tile = kept_logits if kept_logits is not None else _tile(hidden, w, cfg)
+        tile = kept_logits if kept_logits is not None else _tile(hidden, weight, start, end, cfg, lora)
         # dy goes over the tile's own storage; an fp32 tile is reinterpreted as twice as many
         # bf16/fp16 columns and dy fills the first half of each row (see triton_kernels).
         dy = tile if tile.dtype == mm_dtype else tile.view(mm_dtype)[:, :end - start]
@@ -201,10 +172,12 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             grad_bias[start:end] += dy.sum(dim=0, dtype=torch.float32).to(grad_bias.dtype)
         if need_grad_hidden:
             if grad_hidden is None:
-                grad_hidden = _mm_fp32(dy, w)
+                grad_hidden = gemm.mm(dy, w, torch.float32)
             else:
-                _addmm_fp32_(grad_hidden, dy, w)
+                gemm.addmm_(grad_hidden, dy, w)
         if grad_weight is not None:
-            _addmm_fp32_(grad_weight[start:end], dy.t(), hidden)
+            gemm.addmm_(grad_weight[start:end], dy.t(), hidden)
+        if lora is not None:
+            low_rank_grads(dy, lora, start, end, grad_lora_x, grad_lora_b)
         del dy
     return grad_hidden
