@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-Impl = Literal["auto", "torch", "triton"]
+Impl = Literal["auto", "torch", "triton", "flash"]
 
 
 def triton_available() -> bool:
@@ -19,13 +19,14 @@ def triton_available() -> bool:
 def resolve_impl(impl: Impl, device: torch.device) -> ModuleType:
     """Backend module for ``impl`` on ``device``.
 
-    ``"auto"`` picks Triton on CUDA when it imports, the torch backend otherwise.
+    ``"auto"`` picks Triton on CUDA when it imports, the torch backend otherwise. ``"flash"``
+    (opt-in) is the Triton backend whose kernels never write logits (:mod:`.flash_backend`).
 
     Raises:
-        ValueError: unknown ``impl``, or ``"triton"`` requested where it cannot run.
+        ValueError: unknown ``impl``, or ``"triton"``/``"flash"`` requested where it cannot run.
     """
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl not in ("auto", "torch", "triton", "flash"):
+        raise ValueError(f"impl must be 'auto', 'torch', 'triton' or 'flash', got {impl!r}")
     if impl == "auto":
         impl = "triton" if device.type == "cuda" and triton_available() and _triton_backend_ready() else "torch"
     if impl == "torch":
@@ -33,11 +34,15 @@ def resolve_impl(impl: Impl, device: torch.device) -> ModuleType:
 
         return torch_backend
     if not triton_available():
-        raise ValueError("impl='triton' requested but triton is not installed (pip install 'logitless[triton]')")
+        raise ValueError(f"impl={impl!r} requested but triton is not installed (pip install 'logitless[triton]')")
     import os
 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got device {device}")
+        raise ValueError(f"impl={impl!r} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got device {device}")
+    if impl == "flash":
+        from . import flash_backend
+
+        return flash_backend
     from . import triton_backend
 
     return triton_backend
