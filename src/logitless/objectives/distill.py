@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from ..amp import autocast_head_inputs
+from ..compile import graph_break
 from ..ops import LogitTransform, check_head_inputs
 from ..ops.distill import distill_stats
 
@@ -75,6 +77,8 @@ class DistillConfig:
         return self.divergence
 
 
+@graph_break
+@autocast_head_inputs
 def distill_loss(
     hidden: torch.Tensor,  # [B, T, H_s] or [N, H_s]
     weight: torch.Tensor,  # [V_s, H_s]

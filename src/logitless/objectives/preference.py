@@ -29,6 +29,8 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..amp import autocast_head_inputs
+from ..compile import graph_break
 from ..ops import Impl, LogitTransform, vocab_stats
 
 DPOLossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -67,6 +69,8 @@ class SequenceLogps(NamedTuple):
         return self.logps / self.lengths
 
 
+@graph_break
+@autocast_head_inputs
 def sequence_logps(
     hidden: torch.Tensor,  # [S, T, H]
     weight: torch.Tensor,  # [V, H]

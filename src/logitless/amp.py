@@ -1,0 +1,60 @@
+"""Autocast (mixed precision) at the public entry points."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable)
+
+# Arguments that are operands of a head matmul, by name, in every entry point that has them.
+HEAD_OPERANDS = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
+
+
+def autocast_head_inputs(fn: F) -> F:
+    """``fn`` with its head operands (``hidden``, ``weight``, ``bias`` and the teacher's) cast to
+    the autocast dtype when autocast is enabled on their device, as ``nn.Linear`` casts them.
+
+    Why: the vocabulary pass turns autocast off inside (its statistics stay fp32), so without
+    this an fp32 model under ``torch.autocast`` would get an fp32 head from logitless but a bf16
+    (fp16) one from its own ``lm_head``, and a bf16 ``hidden`` from an autocast backbone with the
+    fp32 head weight would be refused as a dtype mismatch. Casting at the entry point makes the
+    head's matmul take the same rounded operands as the model's own head; the casts are
+    differentiable, so fp32 parameters receive fp32 gradients. As autocast does, float64 tensors
+    are left alone, and nothing happens without autocast (disable it around the call for an fp32
+    head, e.g. TRL's ``cast_lm_head_to_fp32``).
+    """
+    params = inspect.signature(fn).parameters
+    positions = {name: i for i, name in enumerate(params)
+                 if params[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    names = tuple(n for n in HEAD_OPERANDS if n in params)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        args = list(args)
+        for name in names:
+            i = positions.get(name)
+            if i is not None and i < len(args):
+                args[i] = _cast(args[i])
+            elif name in kwargs:
+                kwargs[name] = _cast(kwargs[name])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _cast(x):
+    """``x`` in its device's autocast dtype if autocast is on there and ``x`` is eligible under
+    autocast's own rule (a floating tensor other than float64)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == torch.float64:
+        return x
+    device = x.device.type
+    # Devices without autocast (meta, ...) raise in is_autocast_enabled; validation reports them.
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return x
+    dtype = torch.get_autocast_dtype(device)
+    return x if x.dtype == dtype else x.to(dtype)
