@@ -8,6 +8,7 @@ from its modeling code in transformers 5.x. A class not in the list raises
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import LogitTransform
+from ..ops import HeadLoRA, LogitTransform
 
 
 class UnsupportedModelError(ValueError):
@@ -34,12 +35,20 @@ class Head:
         bias: ``[V]`` or ``None``.
         logit_scale: multiplier before soft-capping (1.0 when the model has none).
         softcap: final logit soft-capping or ``None``.
+        lora: the active PEFT LoRA adapter on the head (pass it as ``lora=`` to the losses), or
+            ``None`` (no adapter, adapters disabled, or merged into ``weight``).
+        fsdp: set when an FSDP2 (``fully_shard``) module manages the head's parameters; then
+            ``weight``/``bias`` are whatever FSDP had registered when :func:`find_head` ran
+            (a sharded DTensor outside the owning module's forward) and :func:`head_inputs`
+            gives the unsharded ones.
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     logit_scale: float
     softcap: float | None
+    fsdp: FSDPHeadParams | None = None
+    lora: HeadLoRA | None = None
 
     def transform(self, temperature: float = 1.0) -> LogitTransform:
         return LogitTransform(temperature=temperature, logit_scale=self.logit_scale, softcap=self.softcap)
@@ -96,20 +105,24 @@ def supported_models() -> tuple[str, ...]:
 
 
 def _base(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (adapters stay active)."""
+    """The transformers model inside a ``torch.compile`` wrapper and/or a PEFT wrapper (adapters
+    stay active)."""
+    # torch.compile(model) returns an OptimizedModule whose calls go through the original module's
+    # __call__, so the forward patched on that module is what the compiled wrapper traces.
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) and type(model).__name__.startswith("Peft") else model
+    return get_base() if callable(get_base) and _own_class(model).__name__.startswith("Peft") else model
 
 
 def _family(base: nn.Module) -> _Family:
     """The verified family of ``base``, matched on the exact class (a subclass or a hub
     ``trust_remote_code`` class of the same name may have a different forward)."""
-    name = type(base).__name__
+    name = _own_class(base).__name__
     family = _FAMILIES.get(name)
     if family is not None:
         import transformers
 
-        if getattr(transformers, name, None) is type(base):
+        if getattr(transformers, name, None) is _own_class(base):
             return family
     raise UnsupportedModelError(
         f"{name} ({type(base).__module__}) is not a causal LM class whose head logitless has verified; "
@@ -123,16 +136,22 @@ def find_head(model: nn.Module) -> Head:
 
     Args:
         model: a supported transformers causal LM, optionally wrapped by PEFT (adapters on
-            the backbone are fine; they are in the hidden states).
+            the backbone are in the hidden states; a LoRA adapter on the head comes back as
+            ``Head.lora``, a ``modules_to_save`` copy of the head as ``Head.weight``).
 
     Returns:
         :class:`Head`; ``Head.transform(temperature)`` reproduces ``model(...).logits / temperature``.
 
+    FSDP2 (``fully_shard``) models are accepted, the head sharded with the root, on its own
+    or grouped with tied embeddings: ``Head.fsdp`` then says where FSDP keeps the head's
+    parameters and :func:`head_inputs` unshards them (docs/frameworks.md, FSDP section).
+
     Raises:
         UnsupportedModelError: a class not in the verified list, no output head, a head that
-            is not a plain ``nn.Linear`` (e.g. LoRA-wrapped, ``modules_to_save``, quantized),
-            a DTensor-sharded weight, or a hidden-side scale with a head bias; the message
-            names the model class.
+            is not a plain ``nn.Linear`` once PEFT's ``modules_to_save`` / LoRA wrapper is
+            opened (quantized heads; several active adapters; DoRA and other LoRA variants),
+            a DTensor weight that no FSDP2 module manages (tensor parallelism), or a
+            hidden-side scale with a head bias; the message names the model class.
     """
     base = _base(model)
     name = type(base).__name__
@@ -143,16 +162,54 @@ def find_head(model: nn.Module) -> Head:
     head = getattr(base, family.head, None)
     if head is None and family.head == "lm_head":
         head = getattr(base, "embed_out", None)  # GPT-NeoX before transformers 5
-    if type(head) is not nn.Linear:
-        raise UnsupportedModelError(f"{name}'s output head is a {type(head).__name__}, not an nn.Linear; "
-                                    "LoRA/modules_to_save/quantized heads are not supported yet")
-    if type(head.weight).__name__ == "DTensor":
-        raise UnsupportedModelError(f"{name}'s head weight is a sharded DTensor; gather it (FSDP2) before use")
+    head, lora = _unwrap_adapters(head, name)
+    if _own_class(head) is not nn.Linear:
+        raise UnsupportedModelError(f"{name}'s output head is a {type(head).__name__}, not an nn.Linear "
+                                    "(quantized or otherwise wrapped heads are not supported)")
+    fsdp = _fsdp_head_params(model, head)
+    if fsdp is None and _is_dtensor(head.weight):
+        raise UnsupportedModelError(f"{name}'s head weight is a DTensor that no FSDP2 (fully_shard) module "
+                                    "manages (tensor parallel?); pass the local vocabulary rows with "
+                                    "logitless.VocabShard instead")
     if family.scale_on_hidden and head.bias is not None:
         raise UnsupportedModelError(f"{name} scales hidden states before a biased head; not reproducible as a "
                                     "logit scale")
     return Head(weight=head.weight, bias=head.bias, logit_scale=family.logit_scale(base),
-                softcap=family.softcap(base))
+                softcap=family.softcap(base), fsdp=fsdp, lora=lora)
+
+
+def _unwrap_adapters(head: nn.Module, name: str) -> tuple[nn.Module, HeadLoRA | None]:
+    """The linear layer a PEFT-wrapped head runs and its active LoRA adapter, read the way
+    PEFT 0.x's ``ModulesToSaveWrapper.forward`` and ``lora.Linear.forward`` choose them."""
+    cls = type(head).__name__
+    if cls == "ModulesToSaveWrapper":  # a trainable copy of the head per adapter
+        active = list(head.active_adapters)
+        if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
+            return head.original_module, None
+        return head.modules_to_save[active[0]], None
+    if not (hasattr(head, "base_layer") and hasattr(head, "lora_A") and hasattr(head, "lora_B")):
+        return head, None
+    base = head.get_base_layer() if hasattr(head, "get_base_layer") else head.base_layer
+    if head.disable_adapters or head.merged:  # the base layer alone computes the head (merged: W + sBA)
+        return base, None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    if not active:
+        return base, None
+    if len(active) > 1:
+        raise UnsupportedModelError(f"{name}'s head has {len(active)} active LoRA adapters {active}; "
+                                    "logitless supports one")
+    a = active[0]
+    if a in getattr(head, "lora_variant", {}) or getattr(head, "use_dora", {}).get(a, False):
+        raise UnsupportedModelError(f"{name}'s head adapter {a!r} is a LoRA variant (DoRA, ...); only plain "
+                                    "LoRA is supported")
+    lora_a, lora_b = head.lora_A[a], head.lora_B[a]
+    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_a.bias is not None \
+            or lora_b.bias is not None:
+        raise UnsupportedModelError(f"{name}'s head adapter {a!r} is not a bias-free linear LoRA pair "
+                                    f"({type(lora_a).__name__}, {type(lora_b).__name__})")
+    dropout = head.lora_dropout[a]
+    return base, HeadLoRA(a=lora_a.weight, b=lora_b.weight, scaling=float(head.scaling[a]),
+                          dropout=None if isinstance(dropout, nn.Identity) else dropout)
 
 
 def backbone(model: nn.Module) -> nn.Module:
@@ -204,11 +261,128 @@ def add_hidden_states_forward(model: nn.Module) -> None:
     base._logitless_patched = True
 
 
+# ---- FSDP2 (torch.distributed.fsdp.fully_shard) ---------------------------------------------
+# Looked up in sys.modules: a model cannot hold an FSDPModule or a DTensor unless the module
+# defining it was imported, and importing torch.distributed here would cost every other user.
+
+def _fsdp_module_class() -> type | None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None)
+
+
+def _is_dtensor(t: torch.Tensor | None) -> bool:
+    tensor_mod = sys.modules.get("torch.distributed.tensor")
+    return tensor_mod is not None and isinstance(t, tensor_mod.DTensor)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The class ``module`` was built as. ``fully_shard`` swaps in a generated
+    ``FSDP<Name>(FSDPModule, <Name>)`` that adds hooks and methods but keeps ``forward``
+    (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, ``_apply_to_module``), so the verified
+    family of the original class still describes what the model computes."""
+    cls = type(module)
+    fsdp_cls = _fsdp_module_class()
+    if fsdp_cls is not None and isinstance(module, fsdp_cls):
+        bases = [b for b in cls.__bases__ if b is not fsdp_cls]
+        if len(bases) == 1 and cls.__name__ == "FSDP" + bases[0].__name__:
+            return bases[0]
+    return cls
+
+
+@dataclass(frozen=True)
+class FSDPHeadParams:
+    """Where FSDP2 keeps a head's parameters: ``module`` is the ``fully_shard``-ed module whose
+    parameter group holds them (the head itself when sharded on its own or grouped with tied
+    embeddings, else the nearest such ancestor, usually the root), ``weight``/``bias`` their
+    names in it. FSDP re-registers a different tensor under these names as it shards and
+    unshards, so they are read at use, not kept."""
+
+    module: nn.Module
+    weight: str
+    bias: str | None
+
+    def _registered(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        m = self.module
+        return m.get_parameter(self.weight), None if self.bias is None else m.get_parameter(self.bias)
+
+    def unsharded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The unsharded ``(weight, bias)``, gathered through FSDP so that the gradient gets
+        FSDP's own reduction. See :func:`head_inputs`."""
+        weight, bias = self._registered()
+        if not _is_dtensor(weight):
+            # Already unsharded by FSDP (the root's group stays so after its forward): its
+            # post-backward reduce-scatters what accumulates in .grad, as for the model's own head.
+            return weight, bias
+        trains = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+        self.module.unshard()
+        weight, bias = self._registered()
+        if _is_dtensor(weight):
+            self.module.reshard()
+            raise UnsupportedModelError("the head's FSDP2-unsharded weight is still a DTensor (FSDP with tensor "
+                                        "parallelism); not supported yet")
+        if trains:
+            # Left unsharded for the backward. The root's post-backward callback runs
+            # post_backward() on every group that did not run it itself
+            # (_fsdp_state.py, _root_post_backward_final_callback), which reduce-scatters
+            # .grad with FSDP's own divide factor, reduce dtype and no-sync setting, then reshards.
+            return weight, bias
+        # Nothing will reduce or reshard it: keep a private copy and give FSDP its shards back.
+        weight, bias = weight.detach().clone(), None if bias is None else bias.detach().clone()
+        self.module.reshard()
+        return weight, bias
+
+
+def _fsdp_head_params(model: nn.Module, head: nn.Module) -> FSDPHeadParams | None:
+    """The nearest ``fully_shard``-ed module at or above ``head`` in ``model`` (the one whose
+    parameter group holds the head's parameters: ``fully_shard`` takes a module's parameters
+    except those of nested ``fully_shard`` modules), or ``None`` without FSDP2."""
+    fsdp_cls = _fsdp_module_class()
+    if fsdp_cls is None:
+        return None
+    path = next((name for name, m in model.named_modules() if m is head), None)
+    if path is None:
+        return None
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        owner = model.get_submodule(".".join(parts[:i]))
+        if isinstance(owner, fsdp_cls):
+            prefix = "".join(p + "." for p in parts[i:])
+            return FSDPHeadParams(owner, prefix + "weight", None if head.bias is None else prefix + "bias")
+    return None
+
+
 def head_inputs(hidden: torch.Tensor, head: Head) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(hidden, weight, bias)`` in one dtype: the autocast dtype when autocast is on (as the
-    model's own head would run), else the weight's dtype."""
+    model's own head would run), else the weight's dtype.
+
+    Call it after the model's forward. With FSDP2 (``head.fsdp`` set) the weight and bias are
+    the unsharded parameters, in FSDP's ``param_dtype``. When FSDP holds them sharded (the head
+    is ``fully_shard``-ed apart from the root, or the root reshards after forward), they are
+    all-gathered with ``FSDPModule.unshard()``. With gradients enabled they stay unsharded
+    until the backward, whose FSDP post-backward reduce-scatters their gradient exactly as
+    for the model's own head (averaged over the data-parallel ranks by default), then
+    reshards; the backward must reach the model's output, i.e. ``hidden`` must require
+    grad. Without gradients a copy is returned and FSDP reshards at once.
+
+    Raises:
+        UnsupportedModelError: ``head.weight`` is a DTensor without ``head.fsdp`` (a
+            :class:`Head` not from :func:`find_head`), FSDP combined with tensor parallelism,
+            or an FSDP-managed trainable head with gradients on but ``hidden`` not requiring
+            grad (FSDP's post-backward, which reduces the head's gradient, would not run).
+    """
     dev = hidden.device.type
     weight, bias = head.weight, head.bias
+    if head.fsdp is not None:
+        registered = [t for t in head.fsdp._registered() if t is not None]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in registered) and not hidden.requires_grad:
+            # FSDP queues its post-backward callback from hooks on module outputs; without a
+            # path from the loss to the model's output the head's gradient would stay unreduced.
+            raise UnsupportedModelError("FSDP2 head: gradients are on but the hidden states do not require grad, "
+                                        "so FSDP's post-backward would not reduce the head's gradient")
+        weight, bias = head.fsdp.unsharded()
+    elif _is_dtensor(weight):
+        raise UnsupportedModelError("the head weight is a DTensor but the Head does not say which FSDP2 module "
+                                    "holds it; get the Head from find_head(model)")
     hidden = hidden.to(weight.device)
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)

@@ -1,0 +1,221 @@
+"""FSDP2 (``fully_shard``) models through find_head / head_inputs, 2 gloo ranks on CPU: one GRPO
+step's loss and every parameter's gradient (after FSDP's reduce-scatter) equal a single-process
+materialized-logits oracle on both ranks' data, whether FSDP holds the head unsharded (root
+group), sharded (``lm_head`` sharded on its own, or the root resharding after forward) or tied
+to the embeddings in one group."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_mod
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import this module by name
+
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
+
+WORLD = 2
+B, PROMPT, COMPLETION, V = 4, 4, 6, 64
+# How the head is sharded (see _shard). FSDP holds it sharded when the loss runs in the
+# SHARDED ones: their head group does not run forward, or reshards after it.
+VARIANTS = ("root", "tail", "tied_tail", "head", "root_reshard", "tied", "mixed")
+TIED = ("tied_tail", "tied")
+SHARDED = ("head", "root_reshard", "tied", "mixed")
+CFG = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+
+
+def _tiny_llama(tie: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).to(torch.float64)
+    with torch.no_grad():  # an untrained head is near uniform; make the softmax matter
+        model.lm_head.weight.normal_(0.0, 1.0)
+    return model
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (B, PROMPT + COMPLETION), generator=gen)
+    mask = (torch.rand(B, COMPLETION, generator=gen) > 0.2).to(torch.float64)
+    mask[:, 0] = 1.0
+    return dict(ids=ids, mask=mask, advantages=torch.randn(B, generator=gen, dtype=torch.float64),
+                old_shift=0.3 * torch.randn(B, COMPLETION, generator=gen, dtype=torch.float64),
+                ref_shift=0.3 * torch.randn(B, COMPLETION, generator=gen, dtype=torch.float64))
+
+
+def _oracle(tie: bool, data: dict):
+    """Materialized logits, TRL's dapo formula, one process, the whole batch."""
+    model = _tiny_llama(tie)
+    logits = model(input_ids=data["ids"]).logits[:, PROMPT - 1:-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, data["ids"][:, PROMPT:, None]).squeeze(-1)
+    old, ref = logp.detach() + data["old_shift"], logp.detach() + data["ref_shift"]
+    coef_1 = torch.exp(logp - old)
+    coef_2 = coef_1.clamp(1 - 0.2, 1 + 0.28)
+    adv = data["advantages"][:, None]
+    d = ref - logp
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv) + CFG["beta"] * (torch.exp(d) - d - 1) * coef_1
+    mask = data["mask"]
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    return (loss.detach(), logp.detach(), old, ref,
+            {n: p.grad for n, p in model.named_parameters()})
+
+
+def _shard(model, variant: str, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # fp32 gathers, compute and gradient reduce-scatter over fp64 shards
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32) if variant == "mixed" else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    if variant in ("head", "mixed"):
+        fully_shard(model.lm_head, mesh=mesh, mp_policy=mp_policy)
+    elif variant == "tied":
+        # FSDP2 needs a tied weight's modules in one group (its duplicate-parameter check)
+        fully_shard([model.model.embed_tokens, model.lm_head], mesh=mesh)
+    elif variant in ("tail", "tied_tail"):
+        # accelerate 1.15's FSDP2 layout (utils/fsdp_utils.py): final norm + head (+ tied
+        # embeddings) in one group that stays unsharded after forward
+        tail = [model.model.norm, model.model.embed_tokens, model.lm_head] if variant == "tied_tail" else \
+            [model.model.norm, model.lm_head]
+        fully_shard(tail, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if variant == "root_reshard" else None,
+                mp_policy=mp_policy)
+
+
+def _rank_step(rank: int, world: int, case: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from logitless import PolicyConfig, policy_loss, token_logprobs
+    from logitless.integrations.hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
+
+    mesh = init_device_mesh("cpu", (world,))
+    per = B // world
+    sl = slice(rank * per, (rank + 1) * per)
+    ids = case["data"]["ids"][sl]
+    mask = case["data"]["mask"][sl]
+    out = {}
+    for variant in VARIANTS:
+        model = _tiny_llama(tie=variant in TIED)
+        if variant == "head":
+            add_hidden_states_forward(model)  # patched before sharding here, after it below
+        _shard(model, variant, mesh)
+        add_hidden_states_forward(model)
+        o = case["oracle"][variant in TIED]
+        # Rollout side (no grad): a copy of the gathered head, FSDP's registration left as found.
+        with torch.no_grad():
+            hidden = model(input_ids=ids, logitless_hidden_states=True)[:, PROMPT - 1:-1]
+            before = type(model.lm_head.weight)
+            h, w, b = head_inputs(hidden, find_head(model))
+            rollout_logp = token_logprobs(h, w, ids[:, PROMPT:], bias=b, impl="torch")
+            assert type(model.lm_head.weight) is before, variant
+        # Training step.
+        hidden = model(input_ids=ids, logitless_hidden_states=True)[:, PROMPT - 1:-1]
+        head = find_head(model)
+        sharded_at_loss = isinstance(head.weight, DTensor)
+        if variant == "head":
+            with pytest.raises(UnsupportedModelError, match="do not require grad"):
+                head_inputs(hidden.detach(), head)
+        h, w, b = head_inputs(hidden, head)
+        assert not isinstance(w, DTensor)
+        assert w.dtype == (torch.float32 if variant == "mixed" else torch.float64)  # FSDP's param_dtype
+        cfg = PolicyConfig(**CFG, num_processes=world)
+        loss, _ = policy_loss(h, w, ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
+                              o["ref"][sl], config=cfg, bias=b, num_items_in_batch=case["data"]["mask"].sum(),
+                              group=dist.group.WORLD, impl="torch")
+        loss.backward()
+        out[variant] = dict(
+            loss=loss.detach(), rollout_logp=rollout_logp, sharded_at_loss=sharded_at_loss,
+            resharded_after=isinstance(model.lm_head.weight, DTensor),
+            grads={n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()})
+    # A DTensor head no FSDP module manages (tensor parallel) is refused, not gathered.
+    model = _tiny_llama(tie=False)
+    model.lm_head.weight = torch.nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(UnsupportedModelError, match="no FSDP2"):
+        find_head(model)
+    return out
+
+
+def _entry(rank, world, port, case, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        buf = io.BytesIO()
+        torch.save(_rank_step(rank, world, case), buf)
+        queue.put((rank, buf.getvalue()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(case: dict) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, WORLD, port, case, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        deadline = time.monotonic() + 240
+        while len(results) < WORLD:
+            assert time.monotonic() < deadline, "the ranks did not finish in 240 s"
+            try:
+                r, b = queue.get(timeout=1)
+                results[r] = torch.load(io.BytesIO(b))
+            except queue_mod.Empty:  # a rank that died sends nothing: fail now, not at a long timeout
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead, f"a rank exited with {dead[0]} (its traceback is in the captured stderr)"
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:  # a rank left waiting on a dead peer's collective
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(WORLD)]
+
+
+def test_fsdp2_grpo_step_matches_single_process():
+    pytest.importorskip("transformers")
+    data = _batch()
+    oracle = {}
+    for tie in (False, True):
+        loss, logp, old, ref, grads = _oracle(tie, data)
+        oracle[tie] = dict(loss=loss, logp=logp, old=old, ref=ref, grads=grads)
+    outs = _spawn(dict(data=data, oracle={t: {k: oracle[t][k] for k in ("old", "ref")} for t in oracle}))
+    per = B // WORLD
+    for variant in VARIANTS:
+        o = oracle[variant in TIED]
+        res = [r[variant] for r in outs]
+        tol = dict(rtol=1e-3, atol=5e-5) if variant == "mixed" else dict(rtol=1e-9, atol=1e-11)  # fp32 compute
+        assert all(r["sharded_at_loss"] == (variant in SHARDED) for r in res), variant
+        assert all(r["resharded_after"] for r in res), variant  # nothing left unsharded after the step
+        for rank, r in enumerate(res):
+            torch.testing.assert_close(r["rollout_logp"].double(), o["logp"][rank * per:(rank + 1) * per], **tol)
+        # Each rank's dapo loss is its masked sum over (all ranks' tokens / world): the ranks' losses
+        # average to the whole-batch loss, and FSDP2 averages gradients over the ranks (reduce-scatter
+        # with divide factor = world), so the reduced gradient is the whole-batch loss's, unscaled.
+        torch.testing.assert_close(sum(r["loss"].double() for r in res) / WORLD, o["loss"], **tol)
+        assert set(res[0]["grads"]) == set(o["grads"]), variant
+        for name, g in o["grads"].items():
+            for r in res:
+                assert r["grads"][name] is not None, (variant, name)
+                torch.testing.assert_close(r["grads"][name], g, **tol, msg=lambda m, v=variant, n=name: f"{v} {n}: {m}")
