@@ -10,7 +10,7 @@
 # (--time-budget), minus a margin for writing its report.
 #
 # Knobs (environment): BENCH_ARGS (default: the full grid), TOTAL_S (default 530), PYTEST_S (default 150),
-# SKIP_PYTEST=1, SKIP_TRITON_CHECK=1.
+# SKIP_PYTEST=1, SKIP_CORRECTNESS=1, SKIP_TRITON_CHECK=1, SKIP_EXTRA=1 (the LoRA and flash checks).
 set -uo pipefail
 
 START=$(date +%s)
@@ -69,6 +69,14 @@ if [ "${SKIP_TRITON_CHECK:-0}" != "1" ] && [ -f scripts/gpu_triton_check.py ]; t
     timeout 90 python3 scripts/gpu_triton_check.py
     rc=$?; echo "gpu_triton_check exit status $rc"; [ "$rc" = 0 ] || status=1
 fi
+
+for extra in gpu_lora_check gpu_flash_check; do
+    if [ "${SKIP_EXTRA:-0}" != "1" ] && [ -f "scripts/$extra.py" ]; then
+        step "3c. scripts/$extra.py (limit 150s)"
+        timeout 150 python3 "scripts/$extra.py"
+        rc=$?; echo "$extra exit status $rc"; [ "$rc" = 0 ] || status=1
+    fi
+done
 
 step "4. logitless bench"
 left=$(( TOTAL_S - $(elapsed) ))

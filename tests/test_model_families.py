@@ -186,16 +186,6 @@ def test_peft_lora_on_backbone(cls, cfg_cls, kwargs, tie):
     torch.testing.assert_close(ent, ref_ent, **TOL)
 
 
-@pytest.mark.parametrize("lora_kw", [dict(target_modules=["q_proj", "lm_head"]),
-                                     dict(target_modules=["q_proj"], modules_to_save=["lm_head"])],
-                         ids=["lora-head", "modules_to_save-head"])
-def test_peft_wrapped_head_raises(lora_kw):
-    peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(_build("LlamaForCausalLM", "LlamaConfig", {}, False), peft.LoraConfig(r=4, **lora_kw))
-    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM's output head"):
-        find_head(model)
-
-
 def test_unrecognized_model_class_raises_with_its_name():
     class MyLlamaForCausalLM(transformers.LlamaForCausalLM):  # a subclass may change forward
         pass
@@ -213,3 +203,18 @@ def test_unrecognized_model_class_raises_with_its_name():
         lru_width=32, attention_window_size=8))
     with pytest.raises(UnsupportedModelError, match="RecurrentGemmaForCausalLM"):
         find_head(rg)
+
+
+def test_compiled_model_gives_hidden_states_and_its_head():
+    # torch.compile(model) wraps the model in an OptimizedModule; the head is found through it and
+    # the compiled call returns the same final hidden states as the eager model (no logits formed).
+    model = _build("LlamaForCausalLM", "LlamaConfig", {}, False)
+    ids = _inputs(seed=4)
+    compiled = torch.compile(model, backend="eager")
+    add_hidden_states_forward(compiled)
+    assert find_head(compiled).weight is model.lm_head.weight
+    with torch.no_grad():
+        want = model.model(input_ids=ids).last_hidden_state
+        got = compiled(input_ids=ids, logitless_hidden_states=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch._dynamo.reset()

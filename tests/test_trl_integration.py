@@ -6,13 +6,14 @@ import pytest
 import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
 
+from logitless.integrations.config import LogitlessConfig
 from logitless.integrations.hf import UnsupportedModelError, find_head
 from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigError, patch_grpo_trainer, trl_own_path
 
 V = 64
 
 
-def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, **config):
+def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, logitless_config=None, **config):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -21,6 +22,8 @@ def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, **co
                 max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, max_steps=2, bf16=False)
     opts.update(config)
     extra = {} if ref_cache is None else {"ref_cache": ref_cache}
+    if logitless_config is not None:
+        extra["logitless_config"] = logitless_config
     return cls(**extra, model=str(tmp_path / "m"),
                reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                args=GRPOConfig(**opts), train_dataset=Dataset.from_dict({"prompt": ["t1 t2", "t3 t4 t5"] * 8}),
@@ -113,8 +116,9 @@ def test_patch_existing_trainer(tmp_path):
     from trl import GRPOTrainer
 
     tr = _trainer(tmp_path, cls=GRPOTrainer)
-    patched = patch_grpo_trainer(tr, logitless_mode="recompute")
-    assert isinstance(patched, LogitlessGRPOTrainer) and patched.logitless_mode == "recompute"
+    patched = patch_grpo_trainer(tr, LogitlessConfig(mode="recompute"))
+    assert isinstance(patched, LogitlessGRPOTrainer) and patched.logitless.config.mode == "recompute"
+    assert patched.logitless.fused_loss and patched.logitless.fused_logprobs
     inputs = _inputs(patched, seed=7)
     patched.model.train()
     patched.current_gradient_accumulation_steps = 1
@@ -123,9 +127,84 @@ def test_patch_existing_trainer(tmp_path):
     assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
 
 
-def test_refuses_unsupported_config(tmp_path):
-    with pytest.raises(UnsupportedConfigError, match="use_adaptive_entropy"):
-        _trainer(tmp_path, use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1.0)
+class _PassCalls:
+    """Counts logitless passes the trainer starts (its ``vocab_stats`` / ``token_logprobs``)."""
+
+    def __init__(self, monkeypatch):
+        import logitless.integrations.trl as trl_mod
+
+        self.n = 0
+        for name in ("vocab_stats", "token_logprobs"):
+            monkeypatch.setattr(trl_mod, name, self._counted(getattr(trl_mod, name)))
+
+    def _counted(self, fn):
+        def wrapper(*args, **kwargs):
+            self.n += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+@pytest.mark.parametrize("switches", [dict(fused_loss=False), dict(fused_loss=False, fused_logprobs=False)],
+                         ids=["trl_loss_on_logitless_logprobs", "all_off"])
+def test_switches_off_run_trls_own_code(tmp_path, monkeypatch, switches):
+    tr = _trainer(tmp_path, beta=0.04, logitless_config=LogitlessConfig(**switches))
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 1
+    assert not tr.logitless.fused_loss and tr.logitless.fused_logprobs == switches.get("fused_logprobs", True)
+    assert tr.logitless.why_not["fused_loss"] == "set to False"
+    inputs = _inputs(tr, seed=11)
+    calls = _PassCalls(monkeypatch)
+    ours = _loss_and_grads(tr, inputs)
+    # TRL's _compute_loss runs either way; with fused_logprobs its log-probs and entropies come
+    # from logitless (vocab_stats, differentiable), else from TRL's own head.
+    assert (calls.n > 0) == tr.logitless.fused_logprobs
+    theirs = _loss_and_grads(tr, inputs, trl_own=True)
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
+    assert (ours[1] - theirs[1]).norm() <= 1e-5 * theirs[1].norm()
+    assert ours[2] == pytest.approx(theirs[2], rel=1e-5, abs=1e-7)
+
+
+def test_option_not_reproduced_falls_back_to_trls_loss(tmp_path):
+    adaptive = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1.0)
+    tr = _trainer(tmp_path, **adaptive)  # auto: resolves off without a warning
+    assert not tr.logitless.fused_loss and tr.logitless.fused_logprobs
+    assert "use_adaptive_entropy" in tr.logitless.why_not["fused_loss"]
+    with pytest.warns(UserWarning, match=r"fused_loss=True cannot be honoured .*use_adaptive_entropy"):
+        explicit = _trainer(tmp_path / "b", logitless_config=LogitlessConfig(fused_loss=True), **adaptive)
+    assert not explicit.logitless.fused_loss
+
+
+def test_explicit_logprobs_switch_warns_once_per_reason(tmp_path):
+    tr = _trainer(tmp_path, logitless_config=LogitlessConfig(fused_logprobs=True))
+    ids = torch.randint(0, V - 3, (2, 7), generator=torch.Generator().manual_seed(2))
+    # A multimodal-style extra input (Qwen2 ignores token_type_ids) sends the call to TRL's own path.
+    extra = dict(token_type_ids=torch.zeros_like(ids))
+    with pytest.warns(UserWarning, match=r"fused_logprobs=True cannot be honoured .*token_type_ids"):
+        with torch.no_grad():
+            a, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, torch.ones_like(ids), 4, **extra)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call must not warn again
+        with torch.no_grad():
+            b, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, torch.ones_like(ids), 4, **extra)
+            c, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, torch.ones_like(ids), 4)
+    assert torch.equal(a, b) and torch.allclose(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_unrecognized_head_resolves_to_trls_path(tmp_path, monkeypatch):
+    import logitless.integrations.trl as trl_mod
+
+    def refuse(model):
+        raise UnsupportedModelError(f"{type(model).__name__} is not verified")
+
+    monkeypatch.setattr(trl_mod, "find_head", refuse)
+    with pytest.warns(UserWarning, match="fused_loss=True cannot be honoured .*not verified"):
+        tr = _trainer(tmp_path, logitless_config=LogitlessConfig(fused_loss=True))
+    assert not tr.logitless.fused_loss and not tr.logitless.fused_logprobs
+    with pytest.raises(TypeError, match="fused_loss must be True, False or None"):
+        LogitlessConfig(fused_loss="yes")
 
 
 def test_refuses_unknown_head():

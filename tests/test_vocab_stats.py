@@ -294,3 +294,32 @@ def test_frozen_head_skips_the_weight_gradient(mode, monkeypatch):
     trained = run(weight.clone().requires_grad_())
     assert seen and all(gw is not None for gw in seen)
     torch.testing.assert_close(frozen, trained, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["recompute", "fused"])
+def test_fp32_logits_false_rounds_the_matmul_output_like_the_plain_path(impl, mode):
+    # Oracle: the plain bf16 path's logits (the fp32 product rounded once to bf16), then a float64
+    # softmax. With fp32_logits=False ours must equal it to fp32 accuracy; with the default fp32
+    # logits ours differs from it by the bf16 rounding of O(10) logits (checked to be > 1e-3), so
+    # the comparison can tell the two apart.
+    g = torch.Generator().manual_seed(11)
+    hidden = (torch.randn(N, H, generator=g) * 2).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, generator=g)).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    y = (hidden.double() @ weight.double().t()).float().bfloat16().double() / 0.7
+    want = torch.log_softmax(y, -1).gather(1, targets[:, None])[:, 0]
+    if mode == "recompute":
+        rounded = vocab_stats(hidden, weight, targets, temperature=0.7, fp32_logits=False, impl=impl).logp
+        exact = vocab_stats(hidden, weight, targets, temperature=0.7, impl=impl).logp
+    else:
+        def obj(sl, logp, entropy):
+            return -logp.sum(), logp.detach()
+
+        backend = resolve_impl(impl, hidden.device)
+        rounded = torch.cat(fused_objective(hidden, weight, None, targets, LogitTransform(0.7), obj, cuts=None,
+                                            want_entropy=False, chunk_bytes=None, backend=backend,
+                                            fp32_logits=False)[3])
+        exact = token_logprobs(hidden, weight, targets, temperature=0.7, impl=impl)
+    torch.testing.assert_close(rounded.double(), want, rtol=0, atol=2e-5)
+    assert (exact.double() - want).abs().max() > 1e-3

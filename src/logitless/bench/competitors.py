@@ -109,14 +109,16 @@ def _import(module: str, package: str):
 # ---------------------------------------------------------------- GRPO
 
 
-def grpo_logitless(x: Inputs, impl: str, mode: str) -> Prepared:
+def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) -> Prepared:
     """logitless ``policy_loss`` (dapo, beta, all metrics, entropy) in one vocabulary pass;
     ``fused``: gradients computed inside the forward (3 GEMMs), ``recompute``: logits
-    recomputed in the backward (4 GEMMs), O(N) saved state."""
+    recomputed in the backward (4 GEMMs), O(N) saved state. ``fp32_logits=False``: the GEMM's
+    output rounded to bf16 as the plain path's (statistics still fp32)."""
 
     def step() -> Outputs:
         loss, metrics = logitless.policy_loss(x.hidden, x.weight, x.targets, x.mask, x.advantages, x.old_logp,
-                                              x.ref_logp, config=GRPO_CONFIG, mode=mode, impl=impl)
+                                              x.ref_logp, config=GRPO_CONFIG, mode=mode, impl=impl,
+                                              fp32_logits=fp32_logits)
         return _train_outputs(loss, metrics)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -195,45 +197,14 @@ def grpo_liger(x: Inputs, impl: str) -> Prepared:
 # ---------------------------------------------------------------- cross-entropy
 
 
-def _logitless_ce(mode: str) -> Callable[..., torch.Tensor]:
-    """CE through ``logitless.cross_entropy`` when it exists; until then, an adapter:
-    fused = ``policy_loss`` with ``loss_type="reinforce"`` and unit advantages (its loss is the
-    token-mean ``-logp``), recompute = ``-vocab_stats(...).logp.mean()``."""
-    fn = getattr(logitless, "cross_entropy", None)
-    if fn is not None:
-        takes_mode = "mode" in inspect.signature(fn).parameters
-
-        def ce(h, w, y, impl):
-            out = fn(h, w, y, impl=impl, **({"mode": mode} if takes_mode else {}))
-            return out[0] if isinstance(out, tuple) else out
-
-        return ce
-    if mode == "fused":
-        cfg = logitless.PolicyConfig(loss_type="reinforce")
-
-        def ce(h, w, y, impl):
-            ones = torch.ones(y.shape[0], 1, dtype=torch.int64, device=y.device)
-            adv = torch.ones(y.shape[0], dtype=torch.float32, device=y.device)
-            loss, _ = logitless.policy_loss(h[:, None], w, y[:, None], ones, adv, config=cfg, mode="fused",
-                                            impl=impl)
-            return loss
-
-        return ce
-
-    def ce(h, w, y, impl):
-        return -logitless.vocab_stats(h, w, y, entropy=False, impl=impl).logp.mean()
-
-    return ce
-
-
-def ce_logitless(x: Inputs, impl: str, mode: str) -> Prepared:
-    """logitless cross-entropy (token mean) in one vocabulary pass, ``fused`` or ``recompute``
-    (``logitless.cross_entropy``, or the adapter in ``_logitless_ce`` while it does not exist)."""
-    ce = _logitless_ce(mode)
+def ce_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) -> Prepared:
+    """``logitless.cross_entropy`` (token mean) in one vocabulary pass, ``fused`` or ``recompute``;
+    ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
     h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
 
     def step() -> Outputs:
-        return _train_outputs(ce(h2, x.weight, y, impl))
+        loss, _ = logitless.cross_entropy(h2, x.weight, y, impl=impl, mode=mode, fp32_logits=fp32_logits)
+        return _train_outputs(loss)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
 
@@ -303,13 +274,14 @@ def ce_cce(x: Inputs, impl: str) -> Prepared:
 # ---------------------------------------------------------------- rollout (no grad)
 
 
-def rollout_logitless(x: Inputs, impl: str) -> Prepared:
-    """logitless ``token_logprobs(..., return_entropy=True)``: no-grad log-probs + entropy."""
+def rollout_logitless(x: Inputs, impl: str, fp32_logits: bool = True) -> Prepared:
+    """logitless ``token_logprobs(..., return_entropy=True)``: no-grad log-probs + entropy;
+    ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
     h2, y = x.hidden.detach().reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
     w = x.weight.detach()
 
     def step() -> Outputs:
-        logp, ent = logitless.token_logprobs(h2, w, y, return_entropy=True, impl=impl)
+        logp, ent = logitless.token_logprobs(h2, w, y, return_entropy=True, impl=impl, fp32_logits=fp32_logits)
         return {"logp": logp, "entropy": ent}
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -480,6 +452,7 @@ ROWS: tuple[Row, ...] = (
     Row("floor", "grpo", floor_three_gemms, role="floor"),
     Row("logitless-fused", "grpo", partial(grpo_logitless, mode="fused"), role="reference"),
     Row("logitless-recompute", "grpo", partial(grpo_logitless, mode="recompute")),
+    Row("logitless-fused-bf16", "grpo", partial(grpo_logitless, mode="fused", fp32_logits=False)),
     Row("trl-chunked", "grpo", grpo_trl_chunked),
     Row("liger", "grpo", grpo_liger),
     Row("torch-plain", "grpo", grpo_torch_plain, logit_bytes=_BYTES["grpo-plain"]),
@@ -487,6 +460,7 @@ ROWS: tuple[Row, ...] = (
     Row("floor", "ce", floor_three_gemms, role="floor"),
     Row("logitless-fused", "ce", partial(ce_logitless, mode="fused"), role="reference"),
     Row("logitless-recompute", "ce", partial(ce_logitless, mode="recompute")),
+    Row("logitless-fused-bf16", "ce", partial(ce_logitless, mode="fused", fp32_logits=False)),
     Row("trl-chunked", "ce", ce_trl_chunked),
     Row("liger", "ce", ce_liger),
     Row("cce", "ce", ce_cce),
@@ -494,6 +468,7 @@ ROWS: tuple[Row, ...] = (
     Row("torch-compile", "ce", ce_torch_compile, logit_bytes=_BYTES["ce-compile"]),
     Row("floor", "rollout", floor_one_gemm, role="floor"),
     Row("logitless", "rollout", rollout_logitless, role="reference"),
+    Row("logitless-bf16", "rollout", partial(rollout_logitless, fp32_logits=False)),
     Row("trl-chunked", "rollout", rollout_trl_chunked),
     Row("torch-plain", "rollout", rollout_torch_plain, logit_bytes=_BYTES["rollout-plain"]),
     Row("floor", "distill", floor_four_gemms, role="floor"),

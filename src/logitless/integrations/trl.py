@@ -4,9 +4,10 @@ logitless from the model's final hidden states and its head, never asking for lo
     from logitless.integrations.trl import LogitlessGRPOTrainer as GRPOTrainer
 
 Everything else (generation, rewards, advantages, logging, checkpoints) is TRL's own code.
-Matches TRL 1.16 ``GRPOTrainer._compute_loss`` for every option it accepts; options it does
-not handle yet raise :class:`UnsupportedConfigError` at construction instead of computing
-something different.
+Matches TRL 1.16 ``GRPOTrainer._compute_loss`` for every option it accepts. What runs through
+logitless is set by a :class:`~logitless.integrations.config.LogitlessConfig`; a part logitless
+cannot take (an unrecognized head, an option not reproduced yet) runs TRL's own code instead of
+computing something different, with a warning when it was asked for explicitly.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from trl import GRPOTrainer
 
 from ..objectives import PolicyConfig, policy_loss
 from ..ops import token_logprobs, vocab_stats
-from .hf import add_hidden_states_forward, find_head, head_inputs
+from .config import LogitlessConfig, Switches
+from .hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
 
 
 class UnsupportedConfigError(ValueError):
-    """A TRL option logitless does not reproduce yet."""
+    """A TRL option that cannot be combined with what was asked of logitless."""
 
 
 class _CachedReference(torch.nn.Module):
@@ -51,23 +53,24 @@ class LogitlessGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with the head computed by logitless.
 
     Extra keyword arguments (all optional):
-        logitless_mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
-        logitless_impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
-        logitless_chunk_bytes: workspace budget of the vocabulary pass.
+        logitless_config: :class:`LogitlessConfig` (what runs through logitless: the training
+            loss, the log-probs, fp32 logits; mode, backend, workspace). Default: everything
+            that can, in fp32; resolved at construction into ``trainer.logitless``
+            (:class:`~logitless.integrations.config.Switches`).
         ref_cache: a :class:`logitless.refcache.RefCache` (or its directory) of the reference
             model's log-probs over a fixed dataset (``beta > 0``): reference log-probs are
             served from it and the reference model TRL loaded is freed. Opened against the
             policy's initial weights, tokenizer and temperature (a mismatch is refused).
 
     Raises:
-        UnsupportedConfigError: a ``GRPOConfig`` option not reproduced yet (named in the message).
-        logitless.integrations.hf.UnsupportedModelError: a model whose head is not recognized.
+        UnsupportedConfigError: ``ref_cache`` with ``beta == 0`` or ``sync_ref_model``.
+        TypeError, ValueError: an invalid :class:`LogitlessConfig`.
     """
 
-    def __init__(self, *args: Any, logitless_mode: str = "auto", logitless_impl: str = "auto",
-                 logitless_chunk_bytes: int | None = None, ref_cache: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, ref_cache: Any = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _attach(self, logitless_mode, logitless_impl, logitless_chunk_bytes)
+        _attach(self, logitless_config)
         self.logitless_ref_cache = None
         if ref_cache is not None:
             self._use_ref_cache(ref_cache)
@@ -96,19 +99,24 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             logps = self.logitless_ref_cache.ref_logps_for(input_ids[:, :-k], attention_mask[:, :-k],
                                                           input_ids[:, -k:], attention_mask[:, -k:])
             return logps, None, None
-        given = [k for k, v in extra.items() if v is not None]
-        if given or compute_aux_loss:
-            raise UnsupportedConfigError(f"logitless does not support multimodal / aux-loss inputs yet: "
-                                         f"{given or ['compute_aux_loss']}")
+        given = [k for k, v in extra.items() if v is not None] + (["compute_aux_loss"] if compute_aux_loss else [])
+        if given or not self.logitless.fused_logprobs:
+            if given and self.logitless.config.fused_logprobs:
+                self.logitless.warn_once("fused_logprobs", f"multimodal / aux-loss inputs {given}")
+            return GRPOTrainer._get_per_token_logps_and_entropies(
+                self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
+        sw = self.logitless
         batch_size = batch_size or input_ids.size(0)
         logps, ents = [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
             am = attention_mask[start:start + batch_size]
-            hidden, weight, bias, transform = self._head_pass(model, ids, am, logits_to_keep)
+            hidden, weight, bias, transform, lora = self._head_pass(model, ids, am, logits_to_keep)
             targets = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
-            kw = dict(bias=bias, temperature=transform.temperature, logit_scale=transform.logit_scale,
-                      softcap=transform.softcap, impl=self.logitless_impl, chunk_bytes=self.logitless_chunk_bytes)
+            kw = dict(bias=bias, lora=lora, temperature=transform.temperature, logit_scale=transform.logit_scale,
+                      softcap=transform.softcap, impl=sw.config.impl, chunk_bytes=sw.config.chunk_bytes,
+                      fp32_logits=sw.fp32_logits)
             if torch.is_grad_enabled():
                 st = vocab_stats(hidden, weight, targets, entropy=compute_entropy, **kw)
                 lp, en = st.logp, st.entropy
@@ -121,17 +129,20 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         return torch.cat(logps), torch.cat(ents) if compute_entropy else None, None
 
     def _head_pass(self, model, input_ids, attention_mask, logits_to_keep):
-        """Final hidden states of the completion positions and the head, in one dtype."""
+        """Final hidden states of the completion positions and the head (weight, bias, transform
+        and LoRA adapter), in one dtype."""
         with self.accelerator.autocast():
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, logitless_hidden_states=True)
         hidden = hidden[:, -logits_to_keep - 1:-1]
         head = find_head(self.accelerator.unwrap_model(model))
+        # head_inputs: the autocast dtype, and the unsharded weight under FSDP2.
         if getattr(self.args, "cast_lm_head_to_fp32", False):
-            hidden, weight, bias = hidden.float(), head.weight.float(), None if head.bias is None else head.bias.float()
+            hidden, weight, bias = head_inputs(hidden, head)  # outside autocast: no rounding first
+            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
         else:
             with self.accelerator.autocast():
                 hidden, weight, bias = head_inputs(hidden, head)
-        return hidden, weight, bias, head.transform(self.temperature)
+        return hidden, weight, bias, head.transform(self.temperature), head.lora
 
     # ---- training loss --------------------------------------------------------------------
     def policy_config(self) -> PolicyConfig:
@@ -150,44 +161,51 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             max_completion_length=self.max_completion_length, training=self.model.training)
 
     def _compute_loss(self, model, inputs):
+        sw = self.logitless
+        if not sw.fused_loss:
+            return GRPOTrainer._compute_loss(self, model, inputs)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = inputs["completion_ids"].size(1)
-        hidden, weight, bias, transform = self._head_pass(model, ids, am, t)
+        hidden, weight, bias, transform, lora = self._head_pass(model, ids, am, t)
         use_is = self.use_vllm and self.vllm_importance_sampling_correction
         group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
         loss, metrics = policy_loss(
             hidden, weight, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
             inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"), config=self.policy_config(),
-            num_items_in_batch=inputs.get("num_items_in_batch"), bias=bias, transform=transform,
+            num_items_in_batch=inputs.get("num_items_in_batch"), bias=bias, lora=lora, transform=transform,
             tool_mask=inputs.get("tool_mask"), sampling_logp=inputs.get("sampling_per_token_logps"),
             importance_sampling_ratio=inputs.get("importance_sampling_ratio") if use_is else None,
-            mode=self.logitless_mode, impl=self.logitless_impl, chunk_bytes=self.logitless_chunk_bytes, group=group)
+            mode=sw.config.mode, impl=sw.config.impl, chunk_bytes=sw.config.chunk_bytes, fp32_logits=sw.fp32_logits,
+            group=group)
         mode = "train" if self.model.training else "eval"
         for k, v in metrics.items():
             self._metrics[mode][k].append(v.item())
         return loss
 
 
-def patch_grpo_trainer(trainer: GRPOTrainer, **options: Any) -> LogitlessGRPOTrainer:
-    """Turn an existing ``GRPOTrainer`` into a :class:`LogitlessGRPOTrainer` in place
-    (same state, logitless head). ``options`` as the class's extra keyword arguments."""
-    _attach(trainer, options.get("logitless_mode", "auto"), options.get("logitless_impl", "auto"),
-            options.get("logitless_chunk_bytes"))
+def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessGRPOTrainer:
+    """Turn an existing ``GRPOTrainer`` into a :class:`LogitlessGRPOTrainer` in place (same
+    state, logitless head), configured by ``logitless_config``."""
+    _attach(trainer, logitless_config)
     trainer.__class__ = LogitlessGRPOTrainer
     return trainer
 
 
-def _attach(trainer: GRPOTrainer, mode: str, impl: str, chunk_bytes: int | None) -> None:
-    bad = _unsupported(trainer.args, trainer)
-    if bad:
-        raise UnsupportedConfigError("logitless does not support yet: " + "; ".join(bad))
-    trainer.logitless_mode = mode
-    trainer.logitless_impl = impl
-    trainer.logitless_chunk_bytes = chunk_bytes
-    for m in (trainer.model, trainer.ref_model):
-        if m is not None and not isinstance(m, _CachedReference):
-            find_head(m)  # refuse unknown heads now, not mid-training
+def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
+    config = LogitlessConfig() if config is None else config
+    if not isinstance(config, LogitlessConfig):
+        raise TypeError(f"logitless_config must be a LogitlessConfig, got {type(config).__name__}")
+    models = [m for m in (trainer.model, trainer.ref_model) if m is not None and not isinstance(m, _CachedReference)]
+    head_problem = None
+    try:
+        for m in models:
+            find_head(m)  # decide now, not mid-training
+    except UnsupportedModelError as e:
+        head_problem = str(e)
+    trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer.args, trainer))
+    if trainer.logitless.fused_loss or trainer.logitless.fused_logprobs:
+        for m in models:
             add_hidden_states_forward(m)
 
 

@@ -7,13 +7,17 @@ from typing import Literal
 
 import torch
 
-from ..ops import Impl, LogitTransform, VocabShard, vocab_stats
+from ..amp import autocast_head_inputs
+from ..compile import graph_break
+from ..ops import HeadLoRA, Impl, LogitTransform, VocabShard, vocab_stats
 from .head_loss import TokenStats, head_loss
 from .run import Mode
 
 Reduction = Literal["mean", "sum", "none"]
 
 
+@graph_break
+@autocast_head_inputs
 def cross_entropy(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     weight: torch.Tensor,  # [V, H]
@@ -27,9 +31,11 @@ def cross_entropy(
     z_loss: float = 0.0,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     shard: VocabShard | None = None,
+    lora: HeadLoRA | None = None,
     mode: Mode = "auto",
     impl: Impl = "auto",
     chunk_bytes: int | None = None,
+    fp32_logits: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of ``targets`` under the head's softmax, with label smoothing and z-loss,
     from one vocabulary pass.
@@ -39,7 +45,7 @@ def cross_entropy(
     the z-loss of PaLM (Chowdhery et al. 2022, §5) on the log-partition ``lse``; nats.
 
     Args:
-        hidden, weight, targets, bias, transform, shard, impl, chunk_bytes: as
+        hidden, weight, targets, bias, transform, shard, lora, impl, chunk_bytes, fp32_logits: as
             :func:`logitless.vocab_stats` (``transform`` carries temperature/scale/soft-cap).
         ignore_index: targets not counted.
         reduction: ``"mean"`` (over counted tokens, or ``num_items_in_batch`` when given: the
@@ -71,7 +77,8 @@ def cross_entropy(
     if reduction == "none":
         st = vocab_stats(hidden, weight, targets, bias=bias, temperature=transform.temperature,
                          logit_scale=transform.logit_scale, softcap=transform.softcap, ignore_index=ignore_index,
-                         entropy=False, mean_logit=eps > 0, shard=shard, chunk_bytes=chunk_bytes, impl=impl)
+                         entropy=False, mean_logit=eps > 0, shard=shard, lora=lora, chunk_bytes=chunk_bytes,
+                         fp32_logits=fp32_logits, impl=impl)
         ce = -st.logp if eps == 0 else (1 - eps) * -st.logp + eps * (st.lse - st.mean_logit)
         valid = targets != ignore_index
         ce = torch.where(valid, ce, torch.zeros_like(ce))
@@ -98,8 +105,8 @@ def cross_entropy(
     metrics = {"accuracy": lambda s: s.is_top1.to(s.logp.dtype).sum() / (s.count or float("nan"))}
     stats = ("logp", "lse", "is_top1", *(("mean_logit",) if eps else ()))
     loss, values = head_loss(hidden, weight, targets, terms, metrics=metrics, bias=bias, transform=transform,
-                             ignore_index=ignore_index, stats=stats, shard=shard, mode=mode, impl=impl,
-                             chunk_bytes=chunk_bytes)
+                             ignore_index=ignore_index, stats=stats, shard=shard, lora=lora, mode=mode, impl=impl,
+                             chunk_bytes=chunk_bytes, fp32_logits=fp32_logits)
     if "z_loss" not in values:
         values["z_loss"] = torch.zeros_like(values["ce"])
     return loss, values

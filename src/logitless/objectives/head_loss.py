@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
+from ..amp import autocast_head_inputs
+from ..compile import graph_break
+from ..ops import HeadLoRA, Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
 from ..ops.vocab_stats import LocalHead
 from .run import Mode, resolve_mode, run_objective
 
@@ -38,6 +40,8 @@ class TokenStats:
 Term = Callable[[TokenStats], torch.Tensor]
 
 
+@graph_break
+@autocast_head_inputs
 def head_loss(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     weight: torch.Tensor,  # [V, H]
@@ -50,9 +54,11 @@ def head_loss(
     ignore_index: int = -100,
     stats: tuple[str, ...] = STATS,
     shard: VocabShard | None = None,
+    lora: HeadLoRA | None = None,
     mode: Mode = "auto",
     impl: Impl = "auto",
     chunk_bytes: int | None = None,
+    fp32_logits: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum of ``terms`` over the counted tokens, all from one pass over the vocabulary.
 
@@ -62,7 +68,8 @@ def head_loss(
     softmax is computed once however many terms there are.
 
     Args:
-        hidden, weight, targets, bias, transform, shard: as :func:`logitless.vocab_stats`.
+        hidden, weight, targets, bias, transform, shard, lora, chunk_bytes, fp32_logits, impl: as
+            :func:`logitless.vocab_stats`.
         terms: ``{name: term}``; e.g. ``{"ce": lambda s: -s.logp.sum() / s.count,
             "z_loss": lambda s: 1e-4 * (s.lse ** 2).sum() / s.count}``.
         metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.
@@ -86,6 +93,8 @@ def head_loss(
     transform = LogitTransform() if transform is None else transform
     vocab_size = LocalHead.make(weight, bias, shard).vocab_size
     check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=vocab_size)
+    if lora is not None:
+        lora.check(hidden, weight)
     flat = targets.reshape(-1)
     positions = (flat != ignore_index).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1])[positions]
@@ -107,8 +116,8 @@ def head_loss(
 
     loss, _logp, _ent, collected = run_objective(
         h, weight, bias, t, transform, objective, mode=resolve_mode(mode, False), cuts=None,
-        want_entropy="entropy" in stats, impl=impl, chunk_bytes=chunk_bytes,
-        extra_stats=extra, shard=shard)
+        want_entropy="entropy" in stats, impl=impl, chunk_bytes=chunk_bytes, fp32_logits=fp32_logits,
+        extra_stats=extra, shard=shard, lora=lora)
     values = {name: sum((c[name] for c in collected), torch.zeros((), dtype=sdt, device=hidden.device))
               for name in (*terms, *(metrics or {}))}
     return loss, values

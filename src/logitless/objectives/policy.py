@@ -6,8 +6,10 @@ from functools import partial
 
 import torch
 
+from ..amp import autocast_head_inputs
+from ..compile import graph_break
 from ..distributed import all_reduce, gather_varlen
-from ..ops import Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
+from ..ops import HeadLoRA, Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
 from ..ops.vocab_stats import LocalHead
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
@@ -17,6 +19,8 @@ from .run import Mode, resolve_mode, run_objective
 _LOG_1E8 = -18.420680743952367  # log(1e-8), TRL's VESPO floor
 
 
+@graph_break
+@autocast_head_inputs
 def policy_loss(
     hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
     weight: torch.Tensor,  # [V, H]
@@ -35,10 +39,12 @@ def policy_loss(
     importance_sampling_ratio: torch.Tensor | None = None,  # [B, T] or [B, 1]
     segment_ids: torch.Tensor | None = None,  # [N] for packed inputs
     shard: VocabShard | None = None,
+    lora: HeadLoRA | None = None,
     sequence_group=None,
     mode: Mode = "auto",
     impl: Impl = "auto",
     chunk_bytes: int | None = None,
+    fp32_logits: bool | None = None,
     group=None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss (GRPO family) and TRL's metrics from one vocabulary pass.
@@ -69,6 +75,8 @@ def policy_loss(
         segment_ids: packed layout: non-decreasing ``[N]`` sequence index per token.
         shard: :class:`logitless.VocabShard` when ``weight`` holds a vocabulary-parallel shard
             (or a padded vocabulary).
+        lora: :class:`logitless.HeadLoRA` adapter on the head (gradients reach its ``a``/``b``;
+            a frozen ``weight`` gets none and its ``d weight`` GEMM is skipped).
         sequence_group: sequence/context-parallel process group whose ranks hold pieces of the
             same packed sequences (``segment_ids`` global); sequence-level quantities (GSPO
             ratio, per-sequence means, off-policy KL, VESPO weight) and token counts are then
@@ -79,6 +87,10 @@ def policy_loss(
             entropies first: ``top_entropy_quantile < 1``).
         impl: backend, ``"auto"``/``"torch"``/``"triton"``.
         chunk_bytes: workspace budget of the vocabulary pass.
+        fp32_logits: keep the head's matmul output in fp32 (default, env
+            ``LOGITLESS_TRITON_LOGITS=input`` flips it); ``False`` rounds it to the input dtype
+            first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
+            still accumulate in fp32).
         group: data-parallel ``torch.distributed`` process group (ranks holding different
             sequences) over which metrics are reduced (sums and counts, min/max) and the entropy
             quantile is taken, as TRL does across processes; ``None``: this process only. The loss itself stays
@@ -106,6 +118,8 @@ def policy_loss(
     tok, h_flat, t_flat = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp,
                                    ref_logp, cfg, num_items_in_batch, tool_mask, sampling_logp,
                                    importance_sampling_ratio, segment_ids, shard, sequence_group)
+    if lora is not None:
+        lora.check(h_flat, weight)
     # Under sequence parallelism a sequence-level objective takes collectives inside the
     # objective; ranks must make the same calls, so the objective runs once (recompute).
     split_sequences = tok.layout.distributed and cfg.needs_whole_sequences
@@ -122,7 +136,8 @@ def policy_loss(
     loss, logp, entropy, _ = run_objective(
         h_flat, weight, bias, t_flat, transform, partial(chunk_terms, cfg, tok, metrics=False), mode=run_mode,
         cuts=tok.layout.cuts if cfg.needs_whole_sequences else None, want_entropy=True, impl=impl,
-        chunk_bytes=chunk_bytes, before_loss=set_entropy_mask if cfg.needs_global_entropy else None, shard=shard)
+        chunk_bytes=chunk_bytes, fp32_logits=fp32_logits, shard=shard, lora=lora,
+        before_loss=set_entropy_mask if cfg.needs_global_entropy else None)
     with torch.no_grad():
         _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), logp, entropy)
     return loss, _finalize_metrics(cfg, tok, sums, group)

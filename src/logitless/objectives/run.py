@@ -46,6 +46,7 @@ def run_objective(
     extra_stats: tuple[str, ...] = (),
     shard: VocabShard | None = None,
     lora: HeadLoRA | None = None,
+    fp32_logits: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]:
     """``(loss, logp, entropy, collected)`` of ``objective`` summed over the tokens.
 
@@ -58,9 +59,10 @@ def run_objective(
     if mode == "fused":
         return fused_objective(hidden, weight, bias, targets, transform, objective, cuts=cuts,
                                want_entropy=want_entropy, chunk_bytes=chunk_bytes, backend=backend,
-                               extra_stats=extra_stats, shard=shard, lora=lora)
+                               extra_stats=extra_stats, shard=shard, lora=lora,
+                               fp32_logits=fp32_logits)
     plan = ChunkPlan.make(hidden.shape[0], weight.shape[0], chunk_bytes, stat_dtype_for(hidden.dtype),
-                          hidden.dtype, backend.NAME)
+                          hidden.dtype, backend.NAME, fp32_logits)
     lse, logp, ent, sum_z, top1 = recompute_stats(backend, hidden, weight, bias, targets, transform, plan,
                                                    want_entropy, "sum_z" in extra_stats, shard, lora)
     entropy = ent if want_entropy else None

@@ -3,6 +3,7 @@ Knows nothing about RL; the objectives layer sits on top."""
 
 from .backend import Impl, resolve_impl
 from .fused import fused_objective
+from .lora import HeadLoRA
 from .plan import ChunkPlan, default_chunk_bytes
 from .shard import VocabShard
 from .transform import LogitTransform
@@ -11,6 +12,7 @@ from .vocab_stats import VocabStats, stat_dtype_for, token_logprobs, vocab_stats
 
 __all__ = [
     "ChunkPlan",
+    "HeadLoRA",
     "Impl",
     "LogitTransform",
     "VocabShard",

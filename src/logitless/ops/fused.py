@@ -52,13 +52,14 @@ def plan_chunks(n_tokens: int, token_chunk: int, cuts: Sequence[int] | None) -> 
     return chunks
 
 
-def _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes, want_entropy, extra_stats, objective,
-               grads_out, low, want_grad):
+def _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes, fp32_logits, want_entropy, extra_stats,
+               objective, grads_out, low, want_grad):
     """Statistics, the objective's term and (``want_grad``) the chunk's gradients."""
     sdt = stat_dtype_for(hidden.dtype)
     h, t = hidden[sl], targets[sl]
     low = None if low is None else low.rows(sl)
-    plan = ChunkPlan.make(h.shape[0], max(head.weight.shape[0], 1), chunk_bytes, sdt, hidden.dtype, backend.NAME)
+    plan = ChunkPlan.make(h.shape[0], max(head.weight.shape[0], 1), chunk_bytes, sdt, hidden.dtype, backend.NAME,
+                          fp32_logits)
     with no_autocast(hidden.device):
         partials, kept = backend.chunk_forward(h, head.weight, head.bias, t, transform, plan, sdt, want_entropy,
                                                keep_logits=want_grad and plan.keep_logits,
@@ -110,8 +111,8 @@ class _Grads(NamedTuple):
         return None if self.lora_x is None else self.lora_x[sl]
 
 
-def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, want_entropy, extra_stats, objective,
-                collected, grads_out: _Grads, low: LowRank | None):
+def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, fp32_logits, want_entropy,
+                extra_stats, objective, collected, grads_out: _Grads, low: LowRank | None):
     """All chunks in order: ``(total loss, logp [n], entropy [n] | None)``; gradients go into the
     given accumulators (``grads_out.hidden`` rows written per chunk) when any is given."""
     sdt = stat_dtype_for(hidden.dtype)
@@ -123,7 +124,8 @@ def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, 
     ent_all = torch.empty(n, dtype=sdt, device=hidden.device) if want_entropy else None
     for sl in chunks:
         loss, extra, logp, ent, gh = _run_chunk(backend, hidden, head, targets, transform, sl, chunk_bytes,
-                                                want_entropy, extra_stats, objective, grads_out, low, want_grad)
+                                                fp32_logits, want_entropy, extra_stats, objective, grads_out, low,
+                                                want_grad)
         total = total + loss
         collected.append(extra)
         logp_all[sl] = logp
@@ -136,7 +138,8 @@ def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, 
 
 class _FusedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, lora_x, lora_b, targets, transform, chunks, chunk_bytes, want_entropy,
+    def forward(ctx, hidden, weight, bias, lora_x, lora_b, targets, transform, chunks, chunk_bytes, fp32_logits,
+                want_entropy,
                 extra_stats, objective, backend, head, collected):
         need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
         sdt = stat_dtype_for(hidden.dtype)
@@ -155,7 +158,8 @@ class _FusedFn(torch.autograd.Function):
                                  for k, g in (("weight", full.weight), ("bias", full.bias), ("lora_b", full.lora_b))})
         low = None if lora_x is None else LowRank(lora_x, lora_b[:valid])
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
-                                               want_entropy, extra_stats, objective, collected, local, low)
+                                               fp32_logits, want_entropy, extra_stats, objective, collected, local,
+                                               low)
         grad_hidden, grad_x = full.hidden, full.lora_x
         if partial and grad_hidden is not None:
             grad_hidden = all_reduce(grad_hidden, "sum", head.group).to(hidden.dtype)
@@ -178,7 +182,7 @@ class _FusedFn(torch.autograd.Function):
             return g.to(dtype) if unit else (g * g_loss.to(g.dtype)).to(dtype)
 
         grads = [scaled(g, dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
-        return (*grads, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def fused_objective(
@@ -193,6 +197,7 @@ def fused_objective(
     want_entropy: bool,
     chunk_bytes: int | None,
     backend,
+    fp32_logits: bool | None = None,
     extra_stats: tuple[str, ...] = (),
     shard: VocabShard | None = None,
     lora: HeadLoRA | None = None,
@@ -202,7 +207,8 @@ def fused_objective(
     Inputs are assumed validated (callers go through :func:`check_head_inputs`); ``targets``
     are global ids. ``extra_stats`` (subset of ``"lse"``, ``"sum_z"``, ``"is_top1"``) are passed
     to the objective as keyword arguments (``is_top1`` a bool tensor). Under a vocabulary-parallel
-    ``shard`` every chunk's statistics take one MAX and one SUM all-reduce. ``lora`` adds the
+    ``shard`` every chunk's statistics take one MAX and one SUM all-reduce. ``fp32_logits``: see
+    :class:`ChunkPlan` (``None``: its default). ``lora`` adds the
     adapter's low-rank term inside each block; its gradients reach ``lora.a``/``lora.b``.
 
     Returns:
@@ -214,7 +220,7 @@ def fused_objective(
     head = LocalHead.make(weight, bias, shard)
     targets = head.local_targets(targets)
     plan = ChunkPlan.make(hidden.shape[0], max(head.weight.shape[0], 1), chunk_bytes, sdt, hidden.dtype,
-                          backend.NAME)
+                          backend.NAME, fp32_logits)
     chunks = plan_chunks(hidden.shape[0], plan.token_chunk, cuts)
     collected: list[Any] = []
     low = None if lora is None else lora.factors(hidden, weight)
@@ -224,8 +230,10 @@ def fused_objective(
     if not needs_grad:
         low = None if low is None else LowRank(x, b[:head.weight.shape[0]])
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
-                                               want_entropy, extra_stats, objective, collected, _Grads(), low)
+                                               plan.fp32_logits, want_entropy, extra_stats, objective, collected,
+                                               _Grads(), low)
         return total, logp_all, ent_all, collected
     total, logp_all, ent_all = _FusedFn.apply(hidden, weight, bias, x, b, targets, transform, chunks, chunk_bytes,
-                                              want_entropy, extra_stats, objective, backend, head, collected)
+                                              plan.fp32_logits, want_entropy, extra_stats, objective, backend, head,
+                                              collected)
     return total, logp_all, ent_all if want_entropy else None, collected

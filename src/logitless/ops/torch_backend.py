@@ -28,12 +28,15 @@ NAME = "torch"  # the plan heuristic to use (ops/plan.py)
 
 def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  transform: LogitTransform, stat_dtype: torch.dtype, lora: LowRank | None = None,
-                 rows: slice | None = None) -> torch.Tensor:
+                 rows: slice | None = None, fp32_logits: bool = True) -> torch.Tensor:
     """Logits ``z`` of ``hidden [n, H]`` against the vocabulary rows ``weight [v, H]`` (rows
-    ``rows`` of the head, whose ``lora`` term is added): ``[n, v]`` in ``stat_dtype``."""
+    ``rows`` of the head, whose ``lora`` term is added): ``[n, v]`` in ``stat_dtype``; without
+    ``fp32_logits`` the matmul output is first rounded to the input dtype, as the plain path's."""
     y = gemm.mm(hidden, weight.t(), stat_dtype)
     if lora is not None:
         low_rank_into(y, lora, rows.start, rows.stop)
+    if not fp32_logits and hidden.dtype != y.dtype:
+        y = y.to(hidden.dtype).to(stat_dtype)
     if bias is not None:
         y = y + bias.to(stat_dtype)
     return transform.apply(y)
@@ -112,7 +115,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for start in range(0, vocab, plan.vocab_block):
         end = min(start + plan.vocab_block, vocab)
         z = logits_block(hidden, weight[start:end], None if bias is None else bias[start:end],
-                         transform, stat_dtype, lora, slice(start, end))
+                         transform, stat_dtype, lora, slice(start, end), plan.fp32_logits)
         new_m = torch.maximum(m, z.max(dim=1).values)
         rescale = torch.exp(m - new_m)
         e = torch.exp(z - new_m[:, None])
@@ -175,7 +178,8 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         end = min(start + plan.vocab_block, vocab)
         w = weight[start:end]
         z = kept_logits if kept_logits is not None else logits_block(
-            hidden, w, None if bias is None else bias[start:end], transform, stat_dtype, lora, slice(start, end))
+            hidden, w, None if bias is None else bias[start:end], transform, stat_dtype, lora, slice(start, end),
+            plan.fp32_logits)
         p = torch.exp(z - lse[:, None])
         if g_entropy is not None:
             dz = p * (coef[:, None] - g_entropy[:, None] * (z - sum_pz[:, None]))

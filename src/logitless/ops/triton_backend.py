@@ -84,7 +84,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                                            want_entropy, keep_logits, want_sum_z, lora)
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    cfg = kernel_config(min(plan.vocab_block, vocab))
+    cfg = kernel_config(min(plan.vocab_block, vocab), plan.fp32_logits)
     targets = targets.to(torch.int64).contiguous()
     bias = None if bias is None else bias.contiguous()
     m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
@@ -144,7 +144,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if g_entropy is not None and sum_pz is None:
         raise ValueError("chunk_backward: g_entropy needs sum_pz from a forward with want_entropy=True")
     vocab = weight.shape[0]
-    cfg = kernel_config(vocab if kept_logits is not None else min(plan.vocab_block, vocab))
+    cfg = kernel_config(vocab if kept_logits is not None else min(plan.vocab_block, vocab), plan.fp32_logits)
     mm_dtype = hidden.dtype
     targets = targets.to(torch.int64).contiguous()
     bias = None if bias is None else bias.contiguous()

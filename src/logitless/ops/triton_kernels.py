@@ -66,19 +66,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def kernel_config(vocab_block: int) -> KernelConfig:
-    """Config for rows of ``vocab_block`` entries.
-
-    ``LOGITLESS_TRITON_LOGITS`` (``fp32`` default, or ``input``) picks the tile dtype. Under the interpreter
-    blocks are 64 wide and the statistics kernel takes 4 rows per program, so small test
-    shapes exercise several loop steps, a masked vocabulary tail and masked rows.
-
-    Raises:
-        ValueError: unknown ``LOGITLESS_TRITON_LOGITS``.
+def kernel_config(vocab_block: int, fp32_logits: bool = True) -> KernelConfig:
+    """Config for rows of ``vocab_block`` entries; the tile is fp32 with ``fp32_logits``, else in
+    the GEMM's dtype (:class:`~logitless.ops.plan.ChunkPlan`). Under the interpreter blocks are
+    64 wide and the statistics kernel takes 4 rows per program, so small test shapes exercise
+    several loop steps, a masked vocabulary tail and masked rows.
     """
-    tile = os.environ.get("LOGITLESS_TRITON_LOGITS", "fp32")
-    if tile not in ("input", "fp32"):
-        raise ValueError(f"LOGITLESS_TRITON_LOGITS must be 'input' or 'fp32', got {tile!r}")
+    tile = "fp32" if fp32_logits else "input"
     if interpreting():
         return KernelConfig(stats_rows=4, stats_block_v=64, stats_warps=1, grad_block_v=64, grad_warps=1,
                             tile=tile, autotune=False)  # type: ignore[arg-type]

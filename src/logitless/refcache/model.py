@@ -52,11 +52,15 @@ class ReferenceModel:
         """Wrap a Hugging Face causal LM (PEFT-wrapped ones included).
 
         Raises:
-            UnsupportedModelError: see ``logitless.integrations.hf.find_head``/``backbone``.
+            UnsupportedModelError: see ``logitless.integrations.hf.find_head``/``backbone``; an
+                active LoRA adapter on the head (merge it first).
         """
-        from ..integrations.hf import backbone, find_head
+        from ..integrations.hf import UnsupportedModelError, backbone, find_head
 
         head = find_head(model)
+        if head.lora is not None:
+            raise UnsupportedModelError(f"{type(model).__name__} has an active LoRA adapter on its head; merge it "
+                                        "(peft merge_and_unload) before caching reference log-probs")
         bb = backbone(model)
 
         def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""The switches of a trainer integration and how each resolves for a given model and config."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+from ..objectives.run import Mode
+from ..ops import Impl
+
+logger = logging.getLogger("logitless")
+
+@dataclass(frozen=True)
+class LogitlessConfig:
+    """What a trainer integration runs through logitless (``None`` = decide automatically).
+
+    Attributes:
+        fused_loss: the training loss from hidden states and the head in one vocabulary pass
+            (``logitless.policy_loss``). Auto: on when the head is discoverable and the
+            trainer's options are all reproduced; else the trainer's own loss.
+        fused_logprobs: per-token log-probs/entropies without logits: the rollout's old and
+            reference log-probs (``token_logprobs``) and, when the trainer's own loss runs, the
+            differentiable log-probs it consumes (``vocab_stats``). Auto: on when the head is
+            discoverable; per call, the trainer's own path for inputs logitless does not take
+            (multimodal, MoE aux loss).
+        fp32_stats: keep the head's matmul output in fp32 before the softmax statistics (which
+            accumulate in fp32 either way). ``False`` rounds it to the model dtype first, as the
+            plain bf16 path does: the plain path's numbers, half the workspace traffic. Auto: on.
+        mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
+        impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
+        chunk_bytes: workspace budget of a vocabulary pass (default 1 GiB).
+
+    Explicit ``False`` forces the trainer's own path (A/B checks); an explicit ``True`` that
+    cannot be honoured warns once, saying why, and runs the trainer's own path.
+    """
+
+    fused_loss: bool | None = None
+    fused_logprobs: bool | None = None
+    fp32_stats: bool | None = None
+    mode: Mode = "auto"
+    impl: Impl = "auto"
+    chunk_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fused_loss", "fused_logprobs", "fp32_stats"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"LogitlessConfig.{name} must be True, False or None, got {v!r}")
+        if self.mode not in ("auto", "fused", "recompute"):
+            raise ValueError(f"LogitlessConfig.mode must be 'auto', 'fused' or 'recompute', got {self.mode!r}")
+        if self.chunk_bytes is not None and int(self.chunk_bytes) <= 0:
+            raise ValueError(f"LogitlessConfig.chunk_bytes must be > 0, got {self.chunk_bytes!r}")
+
+
+@dataclass
+class Switches:
+    """A :class:`LogitlessConfig` resolved for one trainer: what runs, and why not where off."""
+
+    config: LogitlessConfig
+    fused_loss: bool
+    fused_logprobs: bool
+    fp32_logits: bool
+    why_not: dict[str, str] = field(default_factory=dict)
+    _warned: set[str] = field(default_factory=set)
+
+    @classmethod
+    def resolve(cls, config: LogitlessConfig, head_problem: str | None, loss_problems: list[str]) -> Switches:
+        """Resolve ``config`` given why the head cannot be used (``None``: it can) and which
+        trainer options the fused loss does not reproduce; warns for explicit ``True`` switches
+        that resolve off."""
+        why: dict[str, str] = {}
+        if head_problem is not None:
+            why["fused_logprobs"] = why["fused_loss"] = head_problem
+        elif loss_problems:
+            why["fused_loss"] = "not reproduced yet: " + "; ".join(loss_problems)
+        for name in ("fused_loss", "fused_logprobs"):
+            if getattr(config, name) is False:
+                why[name] = "set to False"
+        out = cls(config=config, fused_loss="fused_loss" not in why, fused_logprobs="fused_logprobs" not in why,
+                  fp32_logits=config.fp32_stats is not False, why_not=why)
+        for name in ("fused_loss", "fused_logprobs"):
+            if getattr(config, name) is True and name in why:
+                out.warn_once(name, why[name])
+            elif getattr(config, name) is None and name in why:
+                logger.info("logitless: %s resolved off (%s); the trainer's own path runs", name, why[name])
+        if config.fp32_stats is True and not (out.fused_loss or out.fused_logprobs):
+            out.warn_once("fp32_stats", "no logitless pass runs (fused_loss and fused_logprobs are off)")
+        return out
+
+    def warn_once(self, switch: str, reason: str) -> None:
+        """One warning per switch and reason for this trainer."""
+        key = f"{switch}: {reason}"
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"logitless: {switch}=True cannot be honoured ({reason}); running the trainer's own path",
+                          UserWarning, stacklevel=3)
