@@ -2,6 +2,7 @@
 (torch.profiler): wall time, GPU busy time, kernel count, top kernels.
 
     python3 scripts/gpu_profile.py [N] [H] [V]
+    LOGITLESS_TRITON_LOGITS=input python3 scripts/gpu_profile.py   # bf16 logits (fp32_logits=False)
 """
 
 from __future__ import annotations
@@ -45,7 +46,16 @@ def main() -> None:
     def rollout():
         logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True)
 
-    for name, fn in (("grpo", grpo), ("ce", ce), ("rollout", rollout)):
+    h2, w2 = hid.detach().reshape(n, h), w.detach()
+    dy = torch.randn(n, v, device=dev, dtype=torch.bfloat16)
+
+    def floor():  # the three bare GEMMs (logits, d hidden, d weight)
+        y = h2 @ w2.t()
+        dh = dy @ w2
+        dw = dy.t() @ h2
+        del y, dh, dw
+
+    for name, fn in (("floor", floor), ("grpo", grpo), ("ce", ce), ("rollout", rollout)):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()

@@ -448,11 +448,21 @@ def floor_four_gemms(x: Inputs, impl: str) -> Prepared:
 _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
           "distill-plain": 26.0}
 
+def _on_flash(prepare: Callable[[Inputs, str], Prepared]) -> Callable[[Inputs, str], Prepared]:
+    """The same logitless row on the flash backend (Triton tile-GEMM kernels, logits never in
+    memory); needs CUDA."""
+    def run(x: Inputs, impl: str) -> Prepared:
+        _need_cuda(x, "the flash backend")
+        return prepare(x, "flash")
+    return run
+
+
 ROWS: tuple[Row, ...] = (
     Row("floor", "grpo", floor_three_gemms, role="floor"),
     Row("logitless-fused", "grpo", partial(grpo_logitless, mode="fused"), role="reference"),
     Row("logitless-recompute", "grpo", partial(grpo_logitless, mode="recompute")),
     Row("logitless-fused-bf16", "grpo", partial(grpo_logitless, mode="fused", fp32_logits=False)),
+    Row("logitless-flash", "grpo", _on_flash(partial(grpo_logitless, mode="recompute"))),
     Row("trl-chunked", "grpo", grpo_trl_chunked),
     Row("liger", "grpo", grpo_liger),
     Row("torch-plain", "grpo", grpo_torch_plain, logit_bytes=_BYTES["grpo-plain"]),
@@ -469,6 +479,7 @@ ROWS: tuple[Row, ...] = (
     Row("floor", "rollout", floor_one_gemm, role="floor"),
     Row("logitless", "rollout", rollout_logitless, role="reference"),
     Row("logitless-bf16", "rollout", partial(rollout_logitless, fp32_logits=False)),
+    Row("logitless-flash", "rollout", _on_flash(rollout_logitless)),
     Row("trl-chunked", "rollout", rollout_trl_chunked),
     Row("torch-plain", "rollout", rollout_torch_plain, logit_bytes=_BYTES["rollout-plain"]),
     Row("floor", "distill", floor_four_gemms, role="floor"),

@@ -3,6 +3,7 @@ budget into token-chunk and vocabulary-block sizes."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -17,6 +18,7 @@ DEFAULT_CHUNK_BYTES = 2**30
 _MIN_TOKENS = {"torch": 32, "triton": 1024}
 
 PlanBackend = Literal["torch", "triton"]
+_ALIGN = 128  # token chunks are multiples of this (when a chunk is not the whole input)
 
 
 def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, backend: PlanBackend = "torch",
@@ -84,6 +86,14 @@ class ChunkPlan:
         n = max(1, n_tokens)
         rows = budget // (vocab * per)
         token_chunk = min(n, max(rows, _MIN_TOKENS[backend]))
+        if token_chunk < n and token_chunk >= _ALIGN:
+            # A token count that is not a multiple of 8 is a misaligned GEMM dimension for
+            # bf16 (the inner one of d weight = dyᵀ h): cuBLAS then falls back to slow kernels
+            # (measured on H100: Qwen2.5 8k fused 65 ms at 1766-token chunks vs 46 ms aligned).
+            # Round down to a multiple of _ALIGN, then even the chunks out.
+            token_chunk -= token_chunk % _ALIGN
+            count = math.ceil(n / token_chunk)
+            token_chunk = min(token_chunk, math.ceil(math.ceil(n / count) / _ALIGN) * _ALIGN)
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
                    fp32_logits=fp32_logits)
