@@ -13,18 +13,20 @@ from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigEr
 V = 64
 
 
-def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, logitless_config=None, **config):
+def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, logitless_config=None, model=None,
+             **config):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    save_tiny_qwen2(tmp_path / "m", vocab_size=V, tie=tie, seed=1)
+    if model is None:
+        save_tiny_qwen2(tmp_path / "m", vocab_size=V, tie=tie, seed=1)
     opts = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                 max_completion_length=6, report_to=[], use_cpu=True, logging_steps=1, max_steps=2, bf16=False)
     opts.update(config)
     extra = {} if ref_cache is None else {"ref_cache": ref_cache}
     if logitless_config is not None:
         extra["logitless_config"] = logitless_config
-    return cls(**extra, model=str(tmp_path / "m"),
+    return cls(**extra, model=model if model is not None else str(tmp_path / "m"),
                reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                args=GRPOConfig(**opts), train_dataset=Dataset.from_dict({"prompt": ["t1 t2", "t3 t4 t5"] * 8}),
                processing_class=word_tokenizer(V))
@@ -251,3 +253,37 @@ def test_reference_cache_replaces_the_reference_model(tmp_path):
 def test_reference_cache_refuses_moving_reference(tmp_path):
     with pytest.raises(UnsupportedConfigError, match="sync_ref_model"):
         _trainer(tmp_path, beta=0.04, sync_ref_model=True, ref_cache=tmp_path / "nope")
+
+
+def test_peft_lora_on_the_head_trains_the_adapter(tmp_path):
+    # TRL refuses peft_config with lm_head in target_modules (its head reads lm_head.weight, so the
+    # adapter would never train). Given a PeftModel with a LoRA head, the logitless trainer computes
+    # the loss of the adapted head (equal to TRL's own loss on the merged model) and the head's
+    # adapter gets its gradient.
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_qwen2(tmp_path / "m", vocab_size=V, seed=1)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "m"), cfg)
+    merged = copy.deepcopy(model).merge_and_unload()
+    tr = _trainer(tmp_path / "a", beta=0.04, model=model)
+    ref = _trainer(tmp_path / "b", beta=0.04, model=merged)
+    assert find_head(tr.model).lora is not None
+    for t in (tr, ref):
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+    inputs = _inputs(ref, seed=13)
+    ours = _loss_and_grads(tr, inputs)
+    with trl_own_path(ref):
+        theirs = ref._compute_loss(ref.model, inputs)
+    assert torch.allclose(ours[0], theirs.detach(), rtol=1e-5, atol=1e-7)
+    grads = {n: p.grad for n, p in tr.model.named_parameters() if p.grad is not None}
+    head_b = [g for n, g in grads.items() if "lm_head.lora_B" in n]
+    assert head_b and head_b[0].abs().max() > 0
+    # TRL's own head would ignore the adapter: a configuration that would run it is refused.
+    lora_model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "m"), cfg)
+    with pytest.raises(UnsupportedConfigError, match="LoRA adapter on lm_head"):
+        _trainer(tmp_path / "c", model=lora_model, logitless_config=LogitlessConfig(fused_loss=False))

@@ -62,14 +62,19 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             served from it and the reference model TRL loaded is freed. Opened against the
             policy's initial weights, tokenizer and temperature (a mismatch is refused).
 
+    A PEFT model with a LoRA adapter on ``lm_head`` (which TRL's own trainer refuses: its head
+    would ignore the adapter) is accepted; the adapter's term is computed inside the pass.
+
     Raises:
-        UnsupportedConfigError: ``ref_cache`` with ``beta == 0`` or ``sync_ref_model``.
+        UnsupportedConfigError: ``ref_cache`` with ``beta == 0`` or ``sync_ref_model``; a LoRA
+            adapter on the head with ``fused_loss`` or ``fused_logprobs`` off.
         TypeError, ValueError: an invalid :class:`LogitlessConfig`.
     """
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, ref_cache: Any = None,
                  **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        with _lora_head_admitted(kwargs.get("model", args[0] if args else None)):
+            super().__init__(*args, **kwargs)
         _attach(self, logitless_config)
         self.logitless_ref_cache = None
         if ref_cache is not None:
@@ -192,18 +197,42 @@ def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig |
     return trainer
 
 
+@contextlib.contextmanager
+def _lora_head_admitted(model: Any) -> Iterator[None]:
+    """While ``GRPOTrainer.__init__`` runs, answer its ``get_output_embeddings()`` check with the
+    base layer of a LoRA-adapted head. TRL refuses such models because its own head reads
+    ``lm_head.weight`` and would ignore the adapter; logitless adds the adapter's term in every
+    block (and :func:`_attach` refuses configurations where TRL's head would run instead). The
+    model itself is not changed."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    base = getattr(head, "base_layer", None)
+    if base is None or not hasattr(head, "lora_A"):
+        yield
+        return
+    model.get_output_embeddings = lambda: base
+    try:
+        yield
+    finally:
+        del model.get_output_embeddings
+
+
 def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
     config = LogitlessConfig() if config is None else config
     if not isinstance(config, LogitlessConfig):
         raise TypeError(f"logitless_config must be a LogitlessConfig, got {type(config).__name__}")
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None and not isinstance(m, _CachedReference)]
-    head_problem = None
+    head_problem, lora_head = None, False
     try:
         for m in models:
-            find_head(m)  # decide now, not mid-training
+            lora_head |= find_head(m).lora is not None  # decide now, not mid-training
     except UnsupportedModelError as e:
         head_problem = str(e)
     trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer.args, trainer))
+    if lora_head and not (trainer.logitless.fused_loss and trainer.logitless.fused_logprobs):
+        why = "; ".join(f"{k}: {v}" for k, v in trainer.logitless.why_not.items())
+        raise UnsupportedConfigError(f"the model has a LoRA adapter on lm_head, which TRL's own head ignores; it "
+                                     f"needs fused_loss and fused_logprobs on ({why})")
     if trainer.logitless.fused_loss or trainer.logitless.fused_logprobs:
         for m in models:
             add_hidden_states_forward(m)
