@@ -38,10 +38,6 @@ def _delegate(stat_dtype: torch.dtype, hidden: torch.Tensor) -> bool:
     return stat_dtype == torch.float64 or hidden.dtype == torch.float64
 
 
-def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.to(torch.float32).contiguous()
-
-
 def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor):
     """Unit stride along ``H`` (what the kernels index), contiguous bias, int64 targets."""
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
@@ -167,14 +163,8 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if n == 0 or weight.shape[0] == 0 or (grad_hidden is None and grad_weight is None and grad_bias is None):
         return grad_hidden
     hidden, weight, bias, targets = _operands(hidden, weight, bias, targets)
-    lse = _f32(lse)
-    coef = torch.zeros_like(lse)
-    if g_lse is not None:
-        coef += g_lse
-    if g_logp is not None:
-        coef -= g_logp
-    g_logp, g_entropy, g_sum_z = _f32(g_logp), _f32(g_entropy), _f32(g_sum_z)
-    sum_pz = None if g_entropy is None else _f32(sum_pz)
+    lse, sum_pz, coef, g_logp, g_entropy, g_sum_z = triton_backend.row_coefficients(lse, sum_pz, g_logp, g_lse,
+                                                                                    g_entropy, g_sum_z)
 
     def fp32_acc(acc: torch.Tensor | None) -> torch.Tensor | None:
         if acc is None or (acc.dtype == torch.float32 and acc.stride(-1) == 1):

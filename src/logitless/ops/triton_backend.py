@@ -53,6 +53,20 @@ def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.to(torch.float32).contiguous()
 
 
+def row_coefficients(lse, sum_pz, g_logp, g_lse, g_entropy, g_sum_z):
+    """The per-token inputs of the gradient kernels, fp32 and contiguous: ``(lse, sum_pz, coef,
+    g_logp, g_entropy, g_sum_z)`` with ``coef = g_lse - g_logp`` (zeros for absent gradients) and
+    ``sum_pz`` kept only when ``g_entropy`` is given."""
+    lse = _f32(lse)
+    coef = torch.zeros_like(lse)
+    if g_lse is not None:
+        coef += g_lse
+    if g_logp is not None:
+        coef -= g_logp
+    g_logp, g_entropy, g_sum_z = _f32(g_logp), _f32(g_entropy), _f32(g_sum_z)
+    return lse, None if g_entropy is None else _f32(sum_pz), coef, g_logp, g_entropy, g_sum_z
+
+
 def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   targets: torch.Tensor, transform: LogitTransform, plan: ChunkPlan,
                   stat_dtype: torch.dtype, want_entropy: bool,
@@ -148,14 +162,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     mm_dtype = hidden.dtype
     targets = targets.to(torch.int64).contiguous()
     bias = None if bias is None else bias.contiguous()
-    lse = _f32(lse)
-    coef = torch.zeros_like(lse)
-    if g_lse is not None:
-        coef += g_lse
-    if g_logp is not None:
-        coef -= g_logp
-    g_logp, g_entropy, g_sum_z = _f32(g_logp), _f32(g_entropy), _f32(g_sum_z)
-    sum_pz = None if g_entropy is None else _f32(sum_pz)
+    lse, sum_pz, coef, g_logp, g_entropy, g_sum_z = row_coefficients(lse, sum_pz, g_logp, g_lse, g_entropy, g_sum_z)
     grad_hidden = None
     block = vocab if kept_logits is not None else plan.vocab_block
     for start in range(0, vocab, block):
