@@ -218,3 +218,24 @@ def test_compiled_model_gives_hidden_states_and_its_head():
         got = compiled(input_ids=ids, logitless_hidden_states=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     torch._dynamo.reset()
+
+
+def test_value_head_wrapper_is_looked_through():
+    # The layout of TRL's AutoModelForCausalLMWithValueHead: the causal LM as `pretrained_model`
+    # next to a scalar `v_head`. The logits head found is the LM's, and the LM's own forward gives
+    # the hidden states that both the head and the value head read.
+    class WithValueHead(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.pretrained_model = lm
+            self.v_head = torch.nn.Linear(lm.config.hidden_size, 1, dtype=torch.float64)
+
+    lm = _build("Qwen2ForCausalLM", "Qwen2Config", {}, False)
+    wrapper = WithValueHead(lm)
+    assert find_head(wrapper).weight is lm.lm_head.weight
+    add_hidden_states_forward(wrapper)
+    ids = _inputs(seed=6)
+    ref_logp, ref_ent = _reference(lm, ids)
+    logp, ent = _ours(wrapper.pretrained_model, ids)
+    torch.testing.assert_close(logp, ref_logp, **TOL)
+    torch.testing.assert_close(ent, ref_ent, **TOL)

@@ -105,11 +105,15 @@ def supported_models() -> tuple[str, ...]:
 
 
 def _base(model: nn.Module) -> nn.Module:
-    """The transformers model inside a ``torch.compile`` wrapper and/or a PEFT wrapper (adapters
-    stay active)."""
+    """The transformers model inside a ``torch.compile`` wrapper, a value-head wrapper and/or a PEFT
+    wrapper (adapters stay active)."""
     # torch.compile(model) returns an OptimizedModule whose calls go through the original module's
     # __call__, so the forward patched on that module is what the compiled wrapper traces.
     model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+    # Value-head wrappers (TRL's AutoModelForCausalLMWithValueHead and its look-alikes) hold the
+    # causal LM as `pretrained_model` next to a `v_head`; the head that makes logits is the LM's.
+    if isinstance(getattr(model, "pretrained_model", None), nn.Module) and hasattr(model, "v_head"):
+        model = model.pretrained_model
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) and _own_class(model).__name__.startswith("Peft") else model
 
