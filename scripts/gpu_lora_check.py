@@ -16,23 +16,10 @@ import sys
 
 import torch
 import triton.testing
+from gpu_correctness import FAILED, check, rel  # scripts/ is on sys.path when run as a script
 
 import logitless
 from logitless import HeadLoRA, PolicyConfig
-
-FAILED: list[str] = []
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-def check(name: str, err: float, tol: float) -> None:
-    ok = err <= tol and err == err
-    print(f"{'ok  ' if ok else 'FAIL'} {name:60s} rel err {err:.2e} (tol {tol:.0e})")
-    if not ok:
-        FAILED.append(name)
 
 
 def main() -> int:

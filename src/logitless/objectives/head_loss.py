@@ -92,9 +92,7 @@ def head_loss(
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
     transform = LogitTransform() if transform is None else transform
     vocab_size = LocalHead.make(weight, bias, shard).vocab_size
-    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=vocab_size)
-    if lora is not None:
-        lora.check(hidden, weight)
+    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=vocab_size, lora=lora)
     flat = targets.reshape(-1)
     positions = (flat != ignore_index).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1])[positions]

@@ -117,9 +117,7 @@ def policy_loss(
         raise ValueError("sequence_group needs packed inputs with global segment_ids")
     tok, h_flat, t_flat = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp,
                                    ref_logp, cfg, num_items_in_batch, tool_mask, sampling_logp,
-                                   importance_sampling_ratio, segment_ids, shard, sequence_group)
-    if lora is not None:
-        lora.check(h_flat, weight)
+                                   importance_sampling_ratio, segment_ids, shard, sequence_group, lora)
     # Under sequence parallelism a sequence-level objective takes collectives inside the
     # objective; ranks must make the same calls, so the objective runs once (recompute).
     split_sequences = tok.layout.distributed and cfg.needs_whole_sequences
@@ -179,7 +177,7 @@ class _FiniteChecks:
 
 def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp, ref_logp, cfg,
              num_items_in_batch, tool_mask, sampling_logp, importance_sampling_ratio, segment_ids, shard,
-             sequence_group):
+             sequence_group, lora):
     if not isinstance(hidden, torch.Tensor) or not isinstance(completion_mask, torch.Tensor):
         raise TypeError("hidden and completion_mask must be torch.Tensors")
     packed = segment_ids is not None
@@ -217,7 +215,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     h_flat = hidden.reshape(-1, hidden.shape[-1])[lay.index]
     t_flat = lay.gather(completion_ids).long()
     check_head_inputs(h_flat, weight, bias, t_flat, ignore_index=None,
-                      vocab_size=LocalHead.make(weight, bias, shard).vocab_size)
+                      vocab_size=LocalHead.make(weight, bias, shard).vocab_size, lora=lora)
 
     checks = _FiniteChecks()
 

@@ -34,21 +34,11 @@ __all__ = ["Partials", "chunk_backward", "chunk_forward"]
 NAME = "triton"  # the plan heuristic to use (ops/plan.py)
 
 
-def _delegate(stat_dtype: torch.dtype, hidden: torch.Tensor) -> bool:
-    return stat_dtype == torch.float64 or hidden.dtype == torch.float64
-
-
 def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor):
     """Unit stride along ``H`` (what the kernels index), contiguous bias, int64 targets."""
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     return hidden, weight, None if bias is None else bias.contiguous(), targets.to(torch.int64).contiguous()
-
-
-def _fp32_logits(plan: ChunkPlan) -> bool:
-    """``plan.fp32_logits`` (the matmul output is not rounded to the input dtype); plans made
-    before that field existed mean fp32."""
-    return getattr(plan, "fp32_logits", True)
 
 
 def _combine(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,7 +83,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if lora is not None:
         return triton_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, stat_dtype,
                                             want_entropy, keep_logits, want_sum_z, lora=lora)
-    if _delegate(stat_dtype, hidden):
+    if triton_backend.delegates_to_torch(stat_dtype, hidden):
         partials, _ = torch_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, stat_dtype,
                                                   want_entropy, False, want_sum_z)
         return partials, None
@@ -105,7 +95,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return torch_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, torch.float32,
                                            want_entropy, False, want_sum_z)[0], None
     parts = _combine(launch_stats(hidden, weight, bias, targets, transform, want_entropy, want_sum_z,
-                                  _fp32_logits(plan), flash_config()))
+                                  plan.fp32_logits, flash_config()))
     return Partials(m=parts["m"], se=parts["se"], sez=parts.get("sez"), zy=parts["zy"], owned=owned,
                     sz=parts.get("sz")), None
 
@@ -149,7 +139,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                                              g_lse, g_entropy, kept_logits, grad_weight, grad_bias,
                                              need_grad_hidden, g_sum_z, lora=lora, grad_lora_x=grad_lora_x,
                                              grad_lora_b=grad_lora_b)
-    if _delegate(lse.dtype, hidden):
+    if triton_backend.delegates_to_torch(lse.dtype, hidden):
         return torch_backend.chunk_backward(hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp,
                                             g_lse, g_entropy, kept_logits, grad_weight, grad_bias,
                                             need_grad_hidden, g_sum_z)
@@ -173,7 +163,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
     gw, gb = fp32_acc(grad_weight), fp32_acc(grad_bias)
     launch_grad(hidden, weight, bias, targets, transform, lse, sum_pz, coef, g_logp, g_entropy, g_sum_z,
-                grad_hidden, gw, gb, _fp32_logits(plan), flash_config())
+                grad_hidden, gw, gb, plan.fp32_logits, flash_config())
     for acc, tmp in ((grad_weight, gw), (grad_bias, gb)):
         if acc is not None and tmp is not acc:
             acc += tmp.to(acc.dtype)

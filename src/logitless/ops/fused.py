@@ -139,8 +139,7 @@ def _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes, 
 class _FusedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, lora_x, lora_b, targets, transform, chunks, chunk_bytes, fp32_logits,
-                want_entropy,
-                extra_stats, objective, backend, head, collected):
+                want_entropy, extra_stats, objective, backend, head, collected):
         need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
         sdt = stat_dtype_for(hidden.dtype)
         valid = head.weight.shape[0]
@@ -156,7 +155,7 @@ class _FusedFn(torch.autograd.Function):
                       lora_b=zeros(need_lb, () if lora_b is None else lora_b.shape))
         local = full._replace(**{k: None if g is None else g[:valid]
                                  for k, g in (("weight", full.weight), ("bias", full.bias), ("lora_b", full.lora_b))})
-        low = None if lora_x is None else LowRank(lora_x, lora_b[:valid])
+        low = head.low_rank(lora_x, lora_b)
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
                                                fp32_logits, want_entropy, extra_stats, objective, collected, local,
                                                low)
@@ -223,15 +222,13 @@ def fused_objective(
                           backend.NAME, fp32_logits)
     chunks = plan_chunks(hidden.shape[0], plan.token_chunk, cuts)
     collected: list[Any] = []
-    low = None if lora is None else lora.factors(hidden, weight)
-    x, b = (None, None) if low is None else low
+    x, b = (None, None) if lora is None else lora.factors(hidden, weight)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias, x, b))
     if not needs_grad:
-        low = None if low is None else LowRank(x, b[:head.weight.shape[0]])
         total, logp_all, ent_all = _run_chunks(backend, hidden, head, targets, transform, chunks, chunk_bytes,
                                                plan.fp32_logits, want_entropy, extra_stats, objective, collected,
-                                               _Grads(), low)
+                                               _Grads(), head.low_rank(x, b))
         return total, logp_all, ent_all, collected
     total, logp_all, ent_all = _FusedFn.apply(hidden, weight, bias, x, b, targets, transform, chunks, chunk_bytes,
                                               plan.fp32_logits, want_entropy, extra_stats, objective, backend, head,

@@ -39,11 +39,13 @@ class HeadLoRA:
     dropout: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def check(self, hidden: torch.Tensor, weight: torch.Tensor) -> None:
-        """Validate against ``hidden [..., H]`` and the head ``weight [V, H]``.
+        """Validate the structure against ``hidden [..., H]`` and the head ``weight [V, H]``
+        (NaN/inf values are checked with the other inputs' in
+        :func:`~logitless.ops.validate.check_head_inputs`, in one host sync).
 
         Raises:
             TypeError: ``a``/``b`` not floating tensors.
-            ValueError: shapes (``a [r, H]``, ``b [V, r]``), device, or NaN/inf in ``a``/``b``.
+            ValueError: shapes (``a [r, H]``, ``b [V, r]``) or device.
         """
         for name, t in (("a", self.a), ("b", self.b)):
             if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
@@ -57,8 +59,6 @@ class HeadLoRA:
             raise ValueError(f"HeadLoRA.a must be [r, H] with H = {hidden.shape[-1]}, got {tuple(self.a.shape)}")
         if tuple(self.b.shape) != (weight.shape[0], r):
             raise ValueError(f"HeadLoRA.b must be [V, r] = [{weight.shape[0]}, {r}], got {tuple(self.b.shape)}")
-        if not bool(torch.isfinite(self.a).all() & torch.isfinite(self.b).all()):
-            raise ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")
 
     def factors(self, hidden: torch.Tensor, weight: torch.Tensor) -> LowRank:
         """``x = scaling · dropout(hidden) @ a.T`` (``[n, r]``, differentiable; computed in ``a``'s

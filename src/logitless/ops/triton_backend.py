@@ -45,7 +45,8 @@ def _tile(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int, cfg:
     return tile
 
 
-def _delegate(stat_dtype: torch.dtype, hidden: torch.Tensor) -> bool:
+def delegates_to_torch(stat_dtype: torch.dtype, hidden: torch.Tensor) -> bool:
+    """fp64 runs on the torch backend (no fp64 tensor-core GEMMs to gain from)."""
     return stat_dtype == torch.float64 or hidden.dtype == torch.float64
 
 
@@ -93,7 +94,7 @@ def chunk_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         (fp32, or the GEMM dtype with ``LOGITLESS_TRITON_LOGITS=input``; bias and transform *not*
         applied), opaque to callers and only meant for :func:`chunk_backward`, else ``None``.
     """
-    if _delegate(stat_dtype, hidden):
+    if delegates_to_torch(stat_dtype, hidden):
         return torch_backend.chunk_forward(hidden, weight, bias, targets, transform, plan, stat_dtype,
                                            want_entropy, keep_logits, want_sum_z, lora)
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -151,7 +152,7 @@ def chunk_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     Raises:
         ValueError: ``g_entropy`` given without ``sum_pz``.
     """
-    if _delegate(lse.dtype, hidden):
+    if delegates_to_torch(lse.dtype, hidden):
         return torch_backend.chunk_backward(hidden, weight, bias, targets, transform, plan, lse, sum_pz, g_logp,
                                             g_lse, g_entropy, kept_logits, grad_weight, grad_bias,
                                             need_grad_hidden, g_sum_z, lora, grad_lora_x, grad_lora_b)

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .lora import HeadLoRA
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      targets: torch.Tensor, ignore_index: int | None, vocab_size: int | None = None) -> None:
-    """Validate ``hidden [..., H]``, ``weight [V, H]``, ``bias [V]``, ``targets [...]``.
+                      targets: torch.Tensor, ignore_index: int | None, vocab_size: int | None = None,
+                      lora: HeadLoRA | None = None) -> None:
+    """Validate ``hidden [..., H]``, ``weight [V, H]``, ``bias [V]``, ``targets [...]`` and a head
+    adapter (:meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values).
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
             dtype mismatch between hidden, weight and bias.
         ValueError: wrong ranks or shapes, device mismatch, empty vocabulary, a target outside
-            ``[0, vocab_size)`` other than ``ignore_index``, NaN/inf in hidden, weight or bias.
+            ``[0, vocab_size)`` other than ``ignore_index``, NaN/inf in hidden, weight, bias or
+            the adapter's factors.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
@@ -48,6 +56,8 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                          f"{tuple(hidden.shape[:-1])}")
     if targets.device != hidden.device:
         raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    if lora is not None:
+        lora.check(hidden, weight)
     vocab = weight.shape[0] if vocab_size is None else vocab_size
     # One host sync for every value check.
     t = targets.reshape(-1)
@@ -55,19 +65,20 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if ignore_index is not None:
         out_of_range = out_of_range & (t != ignore_index)
     bad_target = out_of_range.any()
-    flags = torch.stack([bad_target, _nonfinite(hidden), _nonfinite(weight),
-                         torch.zeros((), dtype=torch.bool, device=hidden.device) if bias is None
-                         else _nonfinite(bias)]).tolist()
+    none = torch.zeros((), dtype=torch.bool, device=hidden.device)
+    flags = torch.stack([bad_target, any_nonfinite(hidden), any_nonfinite(weight),
+                         none if bias is None else any_nonfinite(bias),
+                         none if lora is None else any_nonfinite(lora.a) | any_nonfinite(lora.b)]).tolist()
     if flags[0]:
         bad = t[out_of_range][:5].tolist()
         extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
         raise ValueError(f"targets must lie in [0, {vocab}){extra}; found {bad}")
-    for flag, name in zip(flags[1:], ("hidden", "weight", "bias"), strict=True):
+    for flag, name in zip(flags[1:], ("hidden", "weight", "bias", "HeadLoRA.a or HeadLoRA.b"), strict=True):
         if flag:
             raise ValueError(f"{name} contains NaN or inf")
 
 
-def _nonfinite(x: torch.Tensor) -> torch.Tensor:
+def any_nonfinite(x: torch.Tensor) -> torch.Tensor:
     """NaN/inf anywhere in ``x``, in one read-only reduction: the inf-norm (max |x|) propagates
     NaN and inf, unlike ``isfinite(x).all()`` which first writes a bool tensor the size of ``x``."""
     if x.numel() == 0:

@@ -71,6 +71,10 @@ class LocalHead:
         rows = self.weight.shape[0]
         return dataclasses.replace(self, weight=weight[:rows], bias=None if bias is None else bias[:rows])
 
+    def low_rank(self, x: torch.Tensor | None, b: torch.Tensor | None) -> LowRank | None:
+        """An adapter's factors over this head's rows (``b`` cut like ``weight``), or ``None``."""
+        return None if x is None else LowRank(x, b[:self.weight.shape[0]])
+
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """Global ids → local rows; ids owned by another rank fall outside ``[0, V_local)``."""
         return targets - self.vocab_start if self.vocab_start else targets
@@ -155,8 +159,8 @@ class _RecomputeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, lora_x, lora_b, targets, transform, plan, want_entropy, want_sum_z,
                 backend, head):
-        low = None if lora_x is None else LowRank(lora_x, lora_b[:head.weight.shape[0]])
-        st = forward_pass(backend, hidden, head, targets, transform, plan, want_entropy, want_sum_z, low)
+        st = forward_pass(backend, hidden, head, targets, transform, plan, want_entropy, want_sum_z,
+                          head.low_rank(lora_x, lora_b))
         ctx.save_for_backward(hidden, weight, bias, lora_x, lora_b, targets, st.lse, st.sum_pz)
         ctx.cfg = (transform, plan, backend, head)
         zeros = torch.zeros_like(st.lse)
@@ -180,9 +184,9 @@ class _RecomputeFn(torch.autograd.Function):
         grad_weight, grad_bias = zeros(need_w, weight), zeros(need_b, bias)
         grad_x, grad_lb = zeros(need_x, lora_x), zeros(need_lb, lora_b)
         local = head.rows_of(weight, bias)
-        low = None if lora_x is None else LowRank(lora_x, lora_b[:local.weight.shape[0]])
         grad_hidden = backward_pass(backend, hidden, local, targets, transform, plan, lse, sum_pz, g_logp, g_lse,
-                                    g_entropy, g_sum_z, grad_weight, grad_bias, need_h, low, grad_x, grad_lb)
+                                    g_entropy, g_sum_z, grad_weight, grad_bias, need_h,
+                                    local.low_rank(lora_x, lora_b), grad_x, grad_lb)
 
         def cast(g, like):
             return None if g is None else g.to(like.dtype)
@@ -205,9 +209,7 @@ def recompute_stats(backend, hidden, weight, bias, targets, transform, plan, wan
 
 def _prepare(hidden, weight, bias, targets, transform, ignore_index, chunk_bytes, impl, shard, lora, fp32_logits):
     head = LocalHead.make(weight, bias, shard)
-    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=head.vocab_size)
-    if lora is not None:
-        lora.check(hidden, weight)
+    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=head.vocab_size, lora=lora)
     backend = resolve_impl(impl, hidden.device)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1).long()
@@ -326,10 +328,7 @@ def token_logprobs(
     transform = LogitTransform(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     backend, h2, t1, valid, plan, head = _prepare(hidden, weight, bias, targets, transform, ignore_index,
                                                   chunk_bytes, impl, shard, lora, fp32_logits)
-    low = None
-    if lora is not None:
-        x, b = lora.factors(h2, weight)
-        low = LowRank(x, b[:head.weight.shape[0]])
+    low = None if lora is None else head.low_rank(*lora.factors(h2, weight))
     st = forward_pass(backend, h2, head, head.local_targets(t1), transform, plan, return_entropy, low=low)
     logp = _expand(st.logp, valid, targets.shape)
     if return_entropy:
