@@ -104,14 +104,14 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             logps = self.logitless_ref_cache.ref_logps_for(input_ids[:, :-k], attention_mask[:, :-k],
                                                           input_ids[:, -k:], attention_mask[:, -k:])
             return logps, None, None
+        sw = self.logitless
         given = [k for k, v in extra.items() if v is not None] + (["compute_aux_loss"] if compute_aux_loss else [])
-        if given or not self.logitless.fused_logprobs:
-            if given and self.logitless.config.fused_logprobs:
-                self.logitless.warn_once("fused_logprobs", f"multimodal / aux-loss inputs {given}")
+        if given or not sw.fused_logprobs:
+            if given and sw.config.fused_logprobs:
+                sw.warn_once("fused_logprobs", f"multimodal / aux-loss inputs {given}")
             return GRPOTrainer._get_per_token_logps_and_entropies(
                 self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **extra)
-        sw = self.logitless
         batch_size = batch_size or input_ids.size(0)
         logps, ents = [], []
         for start in range(0, input_ids.size(0), batch_size):
