@@ -34,12 +34,22 @@ from .objectives import (
     sequence_logps,
     simpo_loss,
 )
-from .ops import HeadLoRA, LogitTransform, VocabShard, VocabStats, token_logprobs, vocab_stats
+from .ops import (
+    Head,
+    HeadLoRA,
+    LogitTransform,
+    PassOptions,
+    VocabShard,
+    VocabStats,
+    token_logprobs,
+    vocab_stats,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CPOLossConfig", "DPOLossConfig", "DistillConfig", "HeadLoRA", "KTOLossConfig", "LogitTransform", "PolicyConfig",
+    "CPOLossConfig", "DPOLossConfig", "DistillConfig", "Head", "HeadLoRA", "KTOLossConfig", "LogitTransform",
+    "PassOptions", "PolicyConfig",
     "SequenceLogps", "TokenStats", "VocabShard", "VocabStats", "__version__", "cpo_loss", "cross_entropy",
     "distill_loss", "dpo_loss", "head_loss", "kto_loss", "orpo_loss", "policy_loss", "sampling_correction",
     "sequence_logps", "simpo_loss", "token_logprobs", "vocab_stats",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -11,12 +12,13 @@ import torch
 
 F = TypeVar("F", bound=Callable)
 
-# Arguments that are operands of a head matmul, by name, in every entry point that has them.
-HEAD_OPERANDS = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
+# Arguments that are operands of a head matmul, by name, in every entry point that has them:
+# hidden states, and heads (a Head's weight and bias, or a bare weight tensor).
+HEAD_OPERANDS = ("hidden", "head", "teacher_hidden", "teacher")
 
 
 def autocast_head_inputs(fn: F) -> F:
-    """``fn`` with its head operands (``hidden``, ``weight``, ``bias`` and the teacher's) cast to
+    """``fn`` with its head operands (``hidden``, the head's weight and bias, and the teacher's) cast to
     the autocast dtype when autocast is enabled on their device, as ``nn.Linear`` casts them.
 
     Why: the vocabulary pass turns autocast off inside (its statistics stay fp32), so without
@@ -49,7 +51,15 @@ def autocast_head_inputs(fn: F) -> F:
 
 def _cast(x):
     """``x`` in its device's autocast dtype if autocast is on there and ``x`` is eligible under
-    autocast's own rule (a floating tensor other than float64)."""
+    autocast's own rule (a floating tensor other than float64); a :class:`~logitless.ops.Head`
+    with its weight and bias cast."""
+    from .ops.head import Head
+
+    if isinstance(x, Head):
+        weight, bias = _cast(x.weight), _cast(x.bias)
+        if weight is x.weight and bias is x.bias:
+            return x
+        return dataclasses.replace(x, weight=weight, bias=bias)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == torch.float64:
         return x
     device = x.device.type

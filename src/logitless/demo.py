@@ -22,7 +22,7 @@ import torch
 
 _MEMORY_SNIPPET = r"""
 import json, os, sys, threading, time, torch
-from logitless import policy_loss, PolicyConfig
+from logitless import PassOptions, PolicyConfig, policy_loss
 mode, n, v, h, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 torch.manual_seed(0)
 b = 8
@@ -53,7 +53,7 @@ if mode == "plain":
     loss = (-torch.min(c1 * adv[:, None], c2 * adv[:, None]) * mask).sum() / mask.sum()
 else:
     loss, _ = policy_loss(hid, w, ids, mask, adv, old, config=PolicyConfig(loss_type="dapo"),
-                          chunk_bytes=256 * 2**20)
+                          options=PassOptions(chunk_bytes=256 * 2**20))
 loss.backward()
 if device == "cuda":
     torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated() - base

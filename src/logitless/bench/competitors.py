@@ -27,7 +27,7 @@ import torch
 
 import logitless
 
-from ..ops import resolve_impl
+from ..ops import PassOptions, resolve_backend
 from .cases import Inputs
 from .plain import GRPO_CONFIG, grpo_args, grpo_from_logp, plain_ce, plain_grpo, plain_logp_entropy
 
@@ -91,7 +91,7 @@ def _train_outputs(loss: torch.Tensor, metrics: dict[str, torch.Tensor] | None =
 
 
 def _impl_name(impl: str, device: torch.device) -> str:
-    return resolve_impl(impl, device).__name__.rsplit(".", 1)[-1].removesuffix("_backend")
+    return resolve_backend(impl, torch.empty(0, device=device, dtype=torch.bfloat16)).NAME
 
 
 def _need_cuda(x: Inputs, what: str) -> None:
@@ -109,6 +109,10 @@ def _import(module: str, package: str):
 # ---------------------------------------------------------------- GRPO
 
 
+def _options(mode: str, impl: str, fp32_logits: bool) -> PassOptions:
+    return PassOptions(mode=mode, impl=impl, logits_precision="fp32" if fp32_logits else "input")
+
+
 def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) -> Prepared:
     """logitless ``policy_loss`` (dapo, beta, all metrics, entropy) in one vocabulary pass;
     ``fused``: gradients computed inside the forward (3 GEMMs), ``recompute``: logits
@@ -117,8 +121,7 @@ def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) ->
 
     def step() -> Outputs:
         loss, metrics = logitless.policy_loss(x.hidden, x.weight, x.targets, x.mask, x.advantages, x.old_logp,
-                                              x.ref_logp, config=GRPO_CONFIG, mode=mode, impl=impl,
-                                              fp32_logits=fp32_logits)
+                                              x.ref_logp, config=GRPO_CONFIG, options=_options(mode, impl, fp32_logits))
         return _train_outputs(loss, metrics)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -203,7 +206,7 @@ def ce_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) -> P
     h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
 
     def step() -> Outputs:
-        loss, _ = logitless.cross_entropy(h2, x.weight, y, impl=impl, mode=mode, fp32_logits=fp32_logits)
+        loss, _ = logitless.cross_entropy(h2, x.weight, y, options=_options(mode, impl, fp32_logits))
         return _train_outputs(loss)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -281,7 +284,8 @@ def rollout_logitless(x: Inputs, impl: str, fp32_logits: bool = True) -> Prepare
     w = x.weight.detach()
 
     def step() -> Outputs:
-        logp, ent = logitless.token_logprobs(h2, w, y, return_entropy=True, impl=impl, fp32_logits=fp32_logits)
+        logp, ent = logitless.token_logprobs(h2, w, y, return_entropy=True,
+                                             options=_options("auto", impl, fp32_logits))
         return {"logp": logp, "entropy": ent}
 
     return Prepared(step, _impl_name(impl, x.hidden.device))

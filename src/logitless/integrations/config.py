@@ -6,8 +6,8 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 
-from ..objectives.run import Mode
-from ..ops import Impl
+from ..ops import Impl, Mode, PassOptions
+from ..ops.settings import LogitsPrecision
 
 logger = logging.getLogger("logitless")
 
@@ -24,9 +24,11 @@ class LogitlessConfig:
             differentiable log-probs it consumes (``vocab_stats``). Auto: on when the head is
             discoverable; per call, the trainer's own path for inputs logitless does not take
             (multimodal, MoE aux loss).
-        fp32_stats: keep the head's matmul output in fp32 before the softmax statistics (which
-            accumulate in fp32 either way). ``False`` rounds it to the model dtype first, as the
-            plain bf16 path does: the plain path's numbers, half the workspace traffic. Auto: on.
+        logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 before the softmax
+            statistics (which accumulate in fp32 either way); ``"input"`` rounds it to the model
+            dtype first, as the plain bf16 path does: the plain path's numbers, half the workspace
+            traffic. ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``
+            (:class:`logitless.PassOptions`).
         mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
         impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
         chunk_bytes: workspace budget of a vocabulary pass (default 1 GiB).
@@ -37,32 +39,39 @@ class LogitlessConfig:
 
     fused_loss: bool | None = None
     fused_logprobs: bool | None = None
-    fp32_stats: bool | None = None
+    logits_precision: LogitsPrecision | None = None
     mode: Mode = "auto"
     impl: Impl = "auto"
     chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("fused_loss", "fused_logprobs", "fp32_stats"):
+        for name in ("fused_loss", "fused_logprobs"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise TypeError(f"LogitlessConfig.{name} must be True, False or None, got {v!r}")
-        if self.mode not in ("auto", "fused", "recompute"):
-            raise ValueError(f"LogitlessConfig.mode must be 'auto', 'fused' or 'recompute', got {self.mode!r}")
-        if self.chunk_bytes is not None and int(self.chunk_bytes) <= 0:
-            raise ValueError(f"LogitlessConfig.chunk_bytes must be > 0, got {self.chunk_bytes!r}")
+        try:
+            _ = self.options
+        except ValueError as e:
+            raise ValueError(f"LogitlessConfig: {e}") from None
+
+    @property
+    def options(self) -> PassOptions:
+        """The vocabulary passes' :class:`logitless.PassOptions`."""
+        return PassOptions(mode=self.mode, impl=self.impl, chunk_bytes=self.chunk_bytes,
+                           logits_precision=self.logits_precision)
 
 
 @dataclass
 class Switches:
-    """A :class:`LogitlessConfig` resolved for one trainer: what runs, and why not where off."""
+    """A :class:`LogitlessConfig` resolved for one trainer: what runs (``options``: how the
+    passes run), and why not where off."""
 
     config: LogitlessConfig
     fused_loss: bool
     fused_logprobs: bool
-    fp32_logits: bool
+    options: PassOptions
     why_not: dict[str, str] = field(default_factory=dict)
-    _warned: set[str] = field(default_factory=set)
+    _warned: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
     def resolve(cls, config: LogitlessConfig, head_problem: str | None, loss_problems: list[str]) -> Switches:
@@ -78,14 +87,14 @@ class Switches:
             if getattr(config, name) is False:
                 why[name] = "set to False"
         out = cls(config=config, fused_loss="fused_loss" not in why, fused_logprobs="fused_logprobs" not in why,
-                  fp32_logits=config.fp32_stats is not False, why_not=why)
+                  options=config.options, why_not=why)
         for name in ("fused_loss", "fused_logprobs"):
             if getattr(config, name) is True and name in why:
                 out.warn_once(name, why[name])
             elif getattr(config, name) is None and name in why:
                 logger.info("logitless: %s resolved off (%s); the trainer's own path runs", name, why[name])
-        if config.fp32_stats is True and not (out.fused_loss or out.fused_logprobs):
-            out.warn_once("fp32_stats", "no logitless pass runs (fused_loss and fused_logprobs are off)")
+        if config.logits_precision is not None and not (out.fused_loss or out.fused_logprobs):
+            out.warn_once("logits_precision", "no logitless pass runs (fused_loss and fused_logprobs are off)")
         return out
 
     def warn_once(self, switch: str, reason: str) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import HeadLoRA, LogitTransform
+from ..ops import Head, HeadLoRA, LogitTransform
 
 
 class UnsupportedModelError(ValueError):
@@ -24,34 +24,26 @@ class UnsupportedModelError(ValueError):
     could differ from what the model itself computes."""
 
 
-@dataclass
-class Head:
-    """The output projection of a causal LM and the elementwise map after it.
+@dataclass(frozen=True, repr=False)
+class ModelHead(Head):
+    """A model's output head as :func:`find_head` finds it: a :class:`logitless.Head` (weight,
+    bias, the model's logit scale and soft-cap as its transform at temperature 1, its PEFT
+    LoRA adapter) plus where FSDP2 keeps it.
 
     Attributes:
         weight: ``[V, H]`` head weight (the tied input embedding where tied). ``V`` is the
             head's row count, padding rows included: the model's softmax runs over every row,
             so logitless's does too.
-        bias: ``[V]`` or ``None``.
-        logit_scale: multiplier before soft-capping (1.0 when the model has none).
-        softcap: final logit soft-capping or ``None``.
-        lora: the active PEFT LoRA adapter on the head (pass it as ``lora=`` to the losses), or
-            ``None`` (no adapter, adapters disabled, or merged into ``weight``).
         fsdp: set when an FSDP2 (``fully_shard``) module manages the head's parameters; then
             ``weight``/``bias`` are whatever FSDP had registered when :func:`find_head` ran
             (a sharded DTensor outside the owning module's forward) and :func:`head_inputs`
             gives the unsharded ones.
+
+    Pass it to the losses after :func:`head_inputs` (which gives the tensors to compute with),
+    with the sampling temperature set by :meth:`~logitless.Head.at_temperature`.
     """
 
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    logit_scale: float
-    softcap: float | None
     fsdp: FSDPHeadParams | None = None
-    lora: HeadLoRA | None = None
-
-    def transform(self, temperature: float = 1.0) -> LogitTransform:
-        return LogitTransform(temperature=temperature, logit_scale=self.logit_scale, softcap=self.softcap)
 
 
 @dataclass(frozen=True)
@@ -134,7 +126,7 @@ def _family(base: nn.Module) -> _Family:
         f"Supported: {', '.join(supported_models())}")
 
 
-def find_head(model: nn.Module) -> Head:
+def find_head(model: nn.Module) -> ModelHead:
     """Head of a Hugging Face causal LM (``lm_head`` / ``embed_out`` / tied embeddings) and
     the scaling / soft-capping its forward applies to the logits.
 
@@ -144,7 +136,8 @@ def find_head(model: nn.Module) -> Head:
             ``Head.lora``, a ``modules_to_save`` copy of the head as ``Head.weight``).
 
     Returns:
-        :class:`Head`; ``Head.transform(temperature)`` reproduces ``model(...).logits / temperature``.
+        :class:`ModelHead`; with the tensors of :func:`head_inputs`,
+        ``head.at_temperature(t)`` reproduces ``model(...).logits / t``.
 
     FSDP2 (``fully_shard``) models are accepted, the head sharded with the root, on its own
     or grouped with tied embeddings: ``Head.fsdp`` then says where FSDP keeps the head's
@@ -178,8 +171,8 @@ def find_head(model: nn.Module) -> Head:
     if family.scale_on_hidden and head.bias is not None:
         raise UnsupportedModelError(f"{name} scales hidden states before a biased head; not reproducible as a "
                                     "logit scale")
-    return Head(weight=head.weight, bias=head.bias, logit_scale=family.logit_scale(base),
-                softcap=family.softcap(base), fsdp=fsdp, lora=lora)
+    transform = LogitTransform(logit_scale=family.logit_scale(base), softcap=family.softcap(base))
+    return ModelHead(weight=head.weight, bias=head.bias, transform=transform, lora=lora, fsdp=fsdp)
 
 
 def _unwrap_adapters(head: nn.Module, name: str) -> tuple[nn.Module, HeadLoRA | None]:
@@ -355,9 +348,10 @@ def _fsdp_head_params(model: nn.Module, head: nn.Module) -> FSDPHeadParams | Non
     return None
 
 
-def head_inputs(hidden: torch.Tensor, head: Head) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(hidden, weight, bias)`` in one dtype: the autocast dtype when autocast is on (as the
-    model's own head would run), else the weight's dtype.
+def head_inputs(hidden: torch.Tensor, head: ModelHead) -> tuple[torch.Tensor, Head]:
+    """``(hidden, head)`` ready for the losses: hidden, weight and bias in one dtype — the
+    autocast dtype when autocast is on (as the model's own head would run), else the weight's
+    dtype — as a plain :class:`logitless.Head` (transform and adapter kept).
 
     Call it after the model's forward. With FSDP2 (``head.fsdp`` set) the weight and bias are
     the unsharded parameters, in FSDP's ``param_dtype``. When FSDP holds them sharded (the head
@@ -394,4 +388,4 @@ def head_inputs(hidden: torch.Tensor, head: Head) -> tuple[torch.Tensor, torch.T
         dtype = weight.dtype
     def cast(t):
         return (t if t is None or t.dtype == dtype else t.to(dtype))
-    return cast(hidden), cast(weight), cast(bias)
+    return cast(hidden), Head(cast(weight), cast(bias), head.transform, head.lora, head.shard)

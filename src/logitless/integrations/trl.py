@@ -13,6 +13,7 @@ computing something different, with a warning when it was asked for explicitly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -117,16 +118,13 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             ids = input_ids[start:start + batch_size]
             am = attention_mask[start:start + batch_size]
-            hidden, weight, bias, transform, lora = self._head_pass(model, ids, am, logits_to_keep)
+            hidden, head = self._head_pass(model, ids, am, logits_to_keep)
             targets = ids[:, -logits_to_keep:].masked_fill(am[:, -logits_to_keep:] == 0, -100)
-            kw = dict(bias=bias, lora=lora, temperature=transform.temperature, logit_scale=transform.logit_scale,
-                      softcap=transform.softcap, impl=sw.config.impl, chunk_bytes=sw.config.chunk_bytes,
-                      fp32_logits=sw.fp32_logits)
             if torch.is_grad_enabled():
-                st = vocab_stats(hidden, weight, targets, entropy=compute_entropy, **kw)
+                st = vocab_stats(hidden, head, targets, entropy=compute_entropy, options=sw.options)
                 lp, en = st.logp, st.entropy
             else:
-                out = token_logprobs(hidden, weight, targets, return_entropy=compute_entropy, **kw)
+                out = token_logprobs(hidden, head, targets, return_entropy=compute_entropy, options=sw.options)
                 lp, en = out if compute_entropy else (out, None)
             logps.append(lp)
             if compute_entropy:
@@ -134,20 +132,22 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         return torch.cat(logps), torch.cat(ents) if compute_entropy else None, None
 
     def _head_pass(self, model, input_ids, attention_mask, logits_to_keep):
-        """Final hidden states of the completion positions and the head (weight, bias, transform
-        and LoRA adapter), in one dtype."""
+        """Final hidden states of the completion positions and the :class:`logitless.Head` at the
+        trainer's temperature, in one dtype."""
         with self.accelerator.autocast():
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, logitless_hidden_states=True)
         hidden = hidden[:, -logits_to_keep - 1:-1]
         head = find_head(self.accelerator.unwrap_model(model))
         # head_inputs: the autocast dtype, and the unsharded weight under FSDP2.
         if getattr(self.args, "cast_lm_head_to_fp32", False):
-            hidden, weight, bias = head_inputs(hidden, head)  # outside autocast: no rounding first
-            hidden, weight, bias = hidden.float(), weight.float(), None if bias is None else bias.float()
+            hidden, ready = head_inputs(hidden, head)  # outside autocast: no rounding first
+            hidden = hidden.float()
+            ready = dataclasses.replace(ready, weight=ready.weight.float(),
+                                        bias=None if ready.bias is None else ready.bias.float())
         else:
             with self.accelerator.autocast():
-                hidden, weight, bias = head_inputs(hidden, head)
-        return hidden, weight, bias, head.transform(self.temperature), head.lora
+                hidden, ready = head_inputs(hidden, head)
+        return hidden, ready.at_temperature(self.temperature)
 
     # ---- training loss --------------------------------------------------------------------
     def policy_config(self) -> PolicyConfig:
@@ -172,17 +172,16 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = inputs["completion_ids"].size(1)
-        hidden, weight, bias, transform, lora = self._head_pass(model, ids, am, t)
+        hidden, head = self._head_pass(model, ids, am, t)
         use_is = self.use_vllm and self.vllm_importance_sampling_correction
         group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
         loss, metrics = policy_loss(
-            hidden, weight, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+            hidden, head, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
             inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps"), config=self.policy_config(),
-            num_items_in_batch=inputs.get("num_items_in_batch"), bias=bias, lora=lora, transform=transform,
-            tool_mask=inputs.get("tool_mask"), sampling_logp=inputs.get("sampling_per_token_logps"),
+            num_items_in_batch=inputs.get("num_items_in_batch"), tool_mask=inputs.get("tool_mask"),
+            sampling_logp=inputs.get("sampling_per_token_logps"),
             importance_sampling_ratio=inputs.get("importance_sampling_ratio") if use_is else None,
-            mode=sw.config.mode, impl=sw.config.impl, chunk_bytes=sw.config.chunk_bytes, fp32_logits=sw.fp32_logits,
-            group=group)
+            group=group, options=sw.options)
         mode = "train" if self.model.training else "eval"
         for k, v in metrics.items():
             self._metrics[mode][k].append(v.item())

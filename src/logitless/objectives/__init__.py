@@ -19,10 +19,9 @@ from .preference import (
     sequence_logps,
     simpo_loss,
 )
-from .run import Mode
 from .sampling import sampling_correction
 
-__all__ = ["Mode", "PolicyConfig", "TokenLayout", "TokenStats", "cross_entropy", "head_loss", "policy_loss",
+__all__ = ["PolicyConfig", "TokenLayout", "TokenStats", "cross_entropy", "head_loss", "policy_loss",
            "sampling_correction"]
 __all__ += ["CPOLossConfig", "DPOLossConfig", "DistillConfig", "KTOLossConfig", "SequenceLogps", "cpo_loss",
             "distill_loss", "dpo_loss", "kto_loss", "orpo_loss", "sequence_logps", "simpo_loss"]

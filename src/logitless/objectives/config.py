@@ -17,7 +17,7 @@ CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "ppo")
 @dataclass(frozen=True)
 class PolicyConfig:
     """Options of :func:`logitless.policy_loss`. Field names and defaults are TRL 1.16
-    ``GRPOConfig``'s (``trl/trainer/grpo_config.py``); see ``shared/spec/policy-objectives.md``.
+    ``GRPOConfig``'s (``trl/trainer/grpo_config.py``); see ``docs/policy-objectives.md``.
 
     Attributes:
         loss_type: aggregation / surrogate (``"dapo"`` default, as TRL). ``"reinforce"``: plain
@@ -27,17 +27,19 @@ class PolicyConfig:
             (GSPO-token, TRL experimental).
         epsilon: lower clip ``ε`` (ratio floor ``1-ε``).
         epsilon_high: upper clip ``ε_high`` (``None`` → ``epsilon``); CISPO's ``ε_max``.
-        delta: two-sided clipping bound on the un-clipped ratio (INTELLECT-2), or ``None``.
+        delta: two-sided clipping bound on the un-clipped ratio (INTELLECT-2), or ``None``;
+            as in TRL, it applies to the clipped surrogates (grpo, bnpo, dr_grpo, dapo, luspo, ppo)
+            and is ignored by the other loss types.
         beta: coefficient of the k3 KL to ``ref_logp``.
         use_bias_correction_kl: multiply the KL by the (un-clamped) ratio (TRL default True).
         sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures.
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO gamma weight.
         off_policy_mask_threshold: DeepSeek-V3.2 off-policy sequence mask threshold, or ``None``.
-        top_entropy_quantile: keep only tokens at or above this entropy quantile (1.0: off).
+        top_entropy_quantile: keep only tokens at or above the ``1 - q`` quantile of the entropies
+            (1.0: off; 0.0: only the highest-entropy tokens), TRL's ``get_high_entropy_mask``.
+        (The sampler's importance-sampling correction is an input, not an option: build it with
+        :func:`logitless.sampling_correction` and pass ``importance_sampling_ratio``.)
         entropy_coef: entropy bonus coefficient (``loss -= entropy_coef · mean entropy``).
-        vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
-        vllm_importance_sampling_clip_max: sampler correction from ``sampling_logp``
-            (applied only when ``sampling_logp`` is passed; not for vespo's loss).
         gradient_accumulation_steps: ``G``, TRL's ``current_gradient_accumulation_steps``.
         num_processes: ``P``, data-parallel processes (dapo/cispo/vespo normalizer).
         steps_per_generation: TRL's ``steps_per_generation`` (``None`` → ``G``).
@@ -64,9 +66,6 @@ class PolicyConfig:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
-    vllm_importance_sampling_mode: SamplingCorrectionMode = "sequence_mask"
-    vllm_importance_sampling_clip_min: float | None = None
-    vllm_importance_sampling_clip_max: float | None = 3.0
     gradient_accumulation_steps: int = 1
     num_processes: int = 1
     steps_per_generation: int | None = None
@@ -79,25 +78,21 @@ class PolicyConfig:
         if self.importance_sampling_level not in ("token", "sequence", "sequence_token"):
             raise ValueError("importance_sampling_level must be 'token', 'sequence' or 'sequence_token', "
                              f"got {self.importance_sampling_level!r}")
-        if self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask", "sequence_truncate",
-                                                      "sequence_mask"):
-            raise ValueError(f"unknown vllm_importance_sampling_mode {self.vllm_importance_sampling_mode!r}")
         for name in ("epsilon", "beta", "entropy_coef"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.epsilon_high is not None and not (math.isfinite(self.epsilon_high) and self.epsilon_high >= 0):
             raise ValueError(f"epsilon_high must be a finite number >= 0 or None, got {self.epsilon_high!r}")
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile!r}")
         for name in ("gradient_accumulation_steps", "num_processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.steps_per_generation is not None and self.steps_per_generation < 1:
             raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation!r}")
-        if self.loss_type in ("cispo", "vespo", "reinforce") and self.delta is not None:
-            raise ValueError(f"delta (two-sided clipping) has no effect with loss_type={self.loss_type!r}; "
-                             "leave it None")
+        if self.delta is not None and not (math.isfinite(self.delta) and self.delta > 0):
+            raise ValueError(f"delta must be a finite number > 0 or None, got {self.delta!r}")
 
     @property
     def eps_high(self) -> float:

@@ -9,9 +9,8 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import HeadLoRA, Impl, LogitTransform, VocabShard, vocab_stats
+from ..ops import Head, PassOptions, as_head, vocab_stats
 from .head_loss import TokenStats, head_loss
-from .run import Mode
 
 Reduction = Literal["mean", "sum", "none"]
 
@@ -20,22 +19,15 @@ Reduction = Literal["mean", "sum", "none"]
 @autocast_head_inputs
 def cross_entropy(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
-    weight: torch.Tensor,  # [V, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
     targets: torch.Tensor,  # [N] or [B, T]
     *,
-    bias: torch.Tensor | None = None,
-    transform: LogitTransform | None = None,
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     num_items_in_batch: int | float | torch.Tensor | None = None,
-    shard: VocabShard | None = None,
-    lora: HeadLoRA | None = None,
-    mode: Mode = "auto",
-    impl: Impl = "auto",
-    chunk_bytes: int | None = None,
-    fp32_logits: bool | None = None,
+    options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of ``targets`` under the head's softmax, with label smoothing and z-loss,
     from one vocabulary pass.
@@ -45,21 +37,24 @@ def cross_entropy(
     the z-loss of PaLM (Chowdhery et al. 2022, §5) on the log-partition ``lse``; nats.
 
     Args:
-        hidden, weight, targets, bias, transform, shard, lora, impl, chunk_bytes, fp32_logits: as
-            :func:`logitless.vocab_stats` (``transform`` carries temperature/scale/soft-cap).
+        hidden, head, targets: as :func:`logitless.vocab_stats` (the head's ``transform`` carries
+            temperature/scale/soft-cap).
         ignore_index: targets not counted.
         reduction: ``"mean"`` (over counted tokens, or ``num_items_in_batch`` when given: the
             Hugging Face gradient-accumulation convention), ``"sum"``, or ``"none"`` (per-token
             losses shaped like ``targets``, 0 at ignored tokens; recompute mode).
         label_smoothing: ``ε`` in ``[0, 1]``.
         z_loss: coefficient of ``lse²``.
-        mode: ``"auto"``/``"fused"``/``"recompute"`` (see :func:`logitless.policy_loss`).
+        num_items_in_batch: the denominator of ``"mean"`` (counted tokens of the whole
+            accumulated batch; > 0).
+        options: :class:`logitless.PassOptions` (``mode``: see :func:`logitless.policy_loss`).
 
     Returns:
         ``(loss, metrics)``; metrics (detached, over counted tokens): ``ce`` (the smoothed CE
         without z-loss, reduced like the loss), ``z_loss`` (the added term, reduced like the
         loss), ``accuracy`` (top-1 rate; ties count as correct).
-        With ``reduction="mean"`` and no counted token the loss is NaN, as in PyTorch.
+        With ``reduction="mean"`` and no counted token the loss is NaN, as in PyTorch, in every
+        mode.
 
     Raises:
         ValueError: bad ``reduction``/``label_smoothing``/``z_loss``, and everything
@@ -71,14 +66,15 @@ def cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if not (math.isfinite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
-    transform = LogitTransform() if transform is None else transform
+    if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) \
+            and not num_items_in_batch > 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch!r}")
+    head = as_head(head)
     eps = float(label_smoothing)
 
     if reduction == "none":
-        st = vocab_stats(hidden, weight, targets, bias=bias, temperature=transform.temperature,
-                         logit_scale=transform.logit_scale, softcap=transform.softcap, ignore_index=ignore_index,
-                         entropy=False, mean_logit=eps > 0, shard=shard, lora=lora, chunk_bytes=chunk_bytes,
-                         fp32_logits=fp32_logits, impl=impl)
+        st = vocab_stats(hidden, head, targets, ignore_index=ignore_index, entropy=False, mean_logit=eps > 0,
+                         options=options)
         ce = -st.logp if eps == 0 else (1 - eps) * -st.logp + eps * (st.lse - st.mean_logit)
         valid = targets != ignore_index
         ce = torch.where(valid, ce, torch.zeros_like(ce))
@@ -104,9 +100,11 @@ def cross_entropy(
         terms["z_loss"] = lambda s: z_loss * (s.lse**2).sum() / denominator(s)
     metrics = {"accuracy": lambda s: s.is_top1.to(s.logp.dtype).sum() / (s.count or float("nan"))}
     stats = ("logp", "lse", "is_top1", *(("mean_logit",) if eps else ()))
-    loss, values = head_loss(hidden, weight, targets, terms, metrics=metrics, bias=bias, transform=transform,
-                             ignore_index=ignore_index, stats=stats, shard=shard, lora=lora, mode=mode, impl=impl,
-                             chunk_bytes=chunk_bytes, fp32_logits=fp32_logits)
+    loss, values = head_loss(hidden, head, targets, terms, metrics=metrics, ignore_index=ignore_index, stats=stats,
+                             options=options)
     if "z_loss" not in values:
         values["z_loss"] = torch.zeros_like(values["ce"])
+    if reduction == "mean" and num_items_in_batch is None and not bool((targets != ignore_index).any()):
+        # No counted token: the fused pass ran no chunk, so its sum is 0; the mean is 0/0.
+        loss = loss * float("nan")
     return loss, values

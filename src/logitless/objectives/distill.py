@@ -18,7 +18,7 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import LogitTransform, check_head_inputs
+from ..ops import Head, PassOptions, as_head, as_options, check_head_inputs
 from ..ops.distill import distill_stats
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
@@ -81,25 +81,21 @@ class DistillConfig:
 @autocast_head_inputs
 def distill_loss(
     hidden: torch.Tensor,  # [B, T, H_s] or [N, H_s]
-    weight: torch.Tensor,  # [V_s, H_s]
+    head: Head | torch.Tensor,  # Head, or a [V_s, H_s] weight
     teacher_hidden: torch.Tensor | None = None,  # [B, T, H_t] or [N, H_t]
-    teacher_weight: torch.Tensor | None = None,  # [V_t, H_t]
+    teacher: Head | torch.Tensor | None = None,  # Head, or a [V_t, H_t] weight
     *,
     mask: torch.Tensor | None = None,  # [B, T] or [N]
     labels: torch.Tensor | None = None,  # [B, T] or [N]
     teacher_topk_ids: torch.Tensor | None = None,  # [B, T, k] or [N, k]
     teacher_topk_logprobs: torch.Tensor | None = None,  # [B, T, k] or [N, k]
     config: DistillConfig | None = None,
-    bias: torch.Tensor | None = None,  # [V_s]
-    teacher_bias: torch.Tensor | None = None,  # [V_t]
-    transform: LogitTransform | None = None,
-    teacher_transform: LogitTransform | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
-    chunk_bytes: int | None = None,
+    options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Distillation loss (and metrics) of a student head against a teacher, in one vocabulary pass.
 
-    The teacher is either **dense** (``teacher_hidden`` + ``teacher_weight``: its full softmax
+    The teacher is either **dense** (``teacher_hidden`` + ``teacher``: its full softmax
     is folded into the same blocked pass as the student's) or **sparse** (``teacher_topk_ids``
     + ``teacher_topk_logprobs``, what inference servers return; entries with ``-inf`` log-prob
     are padding). With a sparse teacher the divergence is TRL's server forward KL over the top-k
@@ -108,24 +104,25 @@ def distill_loss(
     both renormalized over the top-k; only the forward KL exists there (as in TRL).
 
     Log-probs are of the transformed logits: TRL's ``temperature`` is the ``temperature`` of
-    ``transform``, and ``teacher_transform`` defaults to the student's (TRL applies one
-    temperature to both); give the teacher its own to differ. Gradients flow to the student's
-    ``hidden``, ``weight`` and ``bias`` only; the teacher is detached.
+    the student head's ``transform``; a bare teacher weight takes the student's transform (TRL
+    applies one temperature to both); give the teacher a :class:`Head` of its own to differ.
+    Gradients flow to the student's ``hidden``, weight and bias only; the teacher is detached.
 
     Args:
-        hidden, weight, bias: the student's final hidden states (each predicting the token at
-            its position), head weight ``[V_s, H_s]`` and optional bias.
-        teacher_hidden, teacher_weight, teacher_bias: the teacher's, same leading shape as
-            ``hidden``; its hidden size may differ.
+        hidden: the student's final hidden states (each predicting the token at its position).
+        head: the student's :class:`logitless.Head` (weight ``[V_s, H_s]``, bias, transform) or
+            a bare weight.
+        teacher_hidden, teacher: the teacher's hidden states (same leading shape as ``hidden``;
+            its hidden size may differ) and head (:class:`logitless.Head` or a bare weight).
         mask: counted tokens (completion mask); ``None``: all.
         labels: hard labels, TRL's convention: ``-100`` marks a token not counted. Needed for
             ``config.ce_weight > 0``; the cross-entropy is a column of the same pass.
         teacher_topk_ids, teacher_topk_logprobs: sparse teacher, ``[..., k]``.
         config: :class:`DistillConfig`.
-        transform, teacher_transform: the heads' :class:`LogitTransform` (temperature, scale, cap).
         num_items_in_batch: global count of counted tokens (gradient accumulation); ``None``:
             this call's count (clamped to >= 1).
-        chunk_bytes: workspace budget of the pass (default 1 GiB, env ``LOGITLESS_CHUNK_BYTES``).
+        options: :class:`logitless.PassOptions` (workspace budget; the pass runs on the torch
+            backend in recompute mode).
 
     Returns:
         ``(loss, metrics)``: a scalar loss (or per-token ``[B, T]`` / ``[N]`` with
@@ -140,14 +137,21 @@ def distill_loss(
             ``config.vocab_size``, ``ce_weight > 0`` without labels.
     """
     cfg = DistillConfig() if config is None else config
-    transform = LogitTransform() if transform is None else transform
+    head, options = as_head(head), as_options(options)
+    if head.lora is not None or head.shard is not None:
+        raise ValueError("distill_loss: the student head cannot carry a LoRA adapter or a vocabulary shard yet")
+    weight, bias, transform = head.weight, head.bias, head.transform
+    teacher_weight = teacher_bias = teacher_transform = None
+    if teacher is not None:
+        teacher = teacher if isinstance(teacher, Head) else Head(as_head(teacher).weight, transform=head.transform)
+        teacher_weight, teacher_bias, teacher_transform = teacher.weight, teacher.bias, teacher.transform
     dense = teacher_hidden is not None or teacher_weight is not None
     sparse = teacher_topk_ids is not None or teacher_topk_logprobs is not None
     if dense == sparse:
-        raise ValueError("give exactly one teacher: teacher_hidden + teacher_weight (dense) or "
+        raise ValueError("give exactly one teacher: teacher_hidden + teacher (dense) or "
                          "teacher_topk_ids + teacher_topk_logprobs (sparse)")
     if dense and (teacher_hidden is None or teacher_weight is None):
-        raise ValueError("a dense teacher needs both teacher_hidden and teacher_weight")
+        raise ValueError("a dense teacher needs both teacher_hidden and teacher")
     if sparse and (teacher_topk_ids is None or teacher_topk_logprobs is None):
         raise ValueError("a sparse teacher needs both teacher_topk_ids and teacher_topk_logprobs")
     if sparse and cfg.kind != "forward_kl":
@@ -159,14 +163,14 @@ def distill_loss(
     vocab = _common_vocab(weight, teacher_weight if dense else None, cfg.vocab_size)
     weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
     shape = hidden.shape[:-1]
-    check_head_inputs(hidden, weight, bias, torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
+    check_head_inputs(hidden, Head(weight, bias), torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
     if dense:
         teacher_weight = teacher_weight[:vocab]
         teacher_bias = None if teacher_bias is None else teacher_bias[:vocab]
         if teacher_hidden.shape[:-1] != shape:
             raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} differs from "
                              f"hidden's {tuple(shape)}")
-        check_head_inputs(teacher_hidden, teacher_weight, teacher_bias,
+        check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias),
                           torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
 
     counted = _counted(shape, mask, labels, hidden.device)
@@ -191,7 +195,7 @@ def distill_loss(
         teacher_hidden=teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if dense else None,
         teacher_weight=teacher_weight if dense else None, teacher_bias=teacher_bias if dense else None,
         teacher_transform=teacher_transform, jsd_beta=cfg.beta if dense and cfg.kind == "jsd" else None,
-        chunk_bytes=chunk_bytes)
+        chunk_bytes=options.chunk_bytes)
 
     metrics: dict[str, torch.Tensor] = {}
     if dense:

@@ -10,9 +10,18 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import HeadLoRA, Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
-from ..ops.vocab_stats import LocalHead
-from .run import Mode, resolve_mode, run_objective
+from ..ops import (
+    ChunkStats,
+    Head,
+    ObjectiveSpec,
+    PassOptions,
+    StatRequest,
+    as_head,
+    as_options,
+    check_head_inputs,
+    run_objective,
+    stat_dtype_for,
+)
 
 STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
 
@@ -44,21 +53,14 @@ Term = Callable[[TokenStats], torch.Tensor]
 @autocast_head_inputs
 def head_loss(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
-    weight: torch.Tensor,  # [V, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
     targets: torch.Tensor,  # [N] or [B, T]
     terms: Mapping[str, Term],
     *,
     metrics: Mapping[str, Term] | None = None,
-    bias: torch.Tensor | None = None,
-    transform: LogitTransform | None = None,
     ignore_index: int = -100,
     stats: tuple[str, ...] = STATS,
-    shard: VocabShard | None = None,
-    lora: HeadLoRA | None = None,
-    mode: Mode = "auto",
-    impl: Impl = "auto",
-    chunk_bytes: int | None = None,
-    fp32_logits: bool | None = None,
+    options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum of ``terms`` over the counted tokens, all from one pass over the vocabulary.
 
@@ -68,18 +70,18 @@ def head_loss(
     softmax is computed once however many terms there are.
 
     Args:
-        hidden, weight, targets, bias, transform, shard, lora, chunk_bytes, fp32_logits, impl: as
-            :func:`logitless.vocab_stats`.
+        hidden, head, targets: as :func:`logitless.vocab_stats`.
         terms: ``{name: term}``; e.g. ``{"ce": lambda s: -s.logp.sum() / s.count,
             "z_loss": lambda s: 1e-4 * (s.lse ** 2).sum() / s.count}``.
         metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.
             ``{"entropy": lambda s: s.entropy.sum() / s.count}``.
         ignore_index: target value of tokens that are not counted.
         stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1``).
-        mode: ``"auto"``/``"fused"`` (gradient in the forward) or ``"recompute"``.
+        options: :class:`logitless.PassOptions` (``mode`` ``"auto"``/``"fused"``: gradient in the
+            forward; ``"recompute"``).
 
     Returns:
-        ``(loss, values)``: the summed loss (differentiable w.r.t. ``hidden``/``weight``/``bias``)
+        ``(loss, values)``: the summed loss (differentiable w.r.t. ``hidden`` and the head)
         and each term's and metric's value (detached 0-dim tensors).
 
     Raises:
@@ -90,21 +92,20 @@ def head_loss(
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
-    transform = LogitTransform() if transform is None else transform
-    vocab_size = LocalHead.make(weight, bias, shard).vocab_size
-    check_head_inputs(hidden, weight, bias, targets, ignore_index, vocab_size=vocab_size, lora=lora)
+    head, options = as_head(head), as_options(options)
+    check_head_inputs(hidden, head, targets, ignore_index)
+    vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
     positions = (flat != ignore_index).nonzero().squeeze(1)
     h = hidden.reshape(-1, hidden.shape[-1])[positions]
     t = flat[positions].long()
     count = int(positions.numel())
-    extra = tuple(k for k, want in (("lse", "lse" in stats), ("sum_z", "mean_logit" in stats),
-                                    ("is_top1", "is_top1" in stats)) if want)
     sdt = stat_dtype_for(hidden.dtype)
 
-    def objective(sl, logp, entropy, lse=None, sum_z=None, is_top1=None):
-        ts = TokenStats(logp=logp, lse=lse, entropy=entropy, mean_logit=None if sum_z is None else sum_z / vocab_size,
-                        is_top1=is_top1, positions=positions[sl], count=count)
+    def objective(sl: slice, st: ChunkStats):
+        ts = TokenStats(logp=st.logp, lse=st.lse if "lse" in stats else None,
+                        entropy=st.entropy, mean_logit=None if st.sum_z is None else st.sum_z / vocab_size,
+                        is_top1=st.is_top1 if "is_top1" in stats else None, positions=positions[sl], count=count)
         values = {name: term(ts) for name, term in terms.items()}
         total = sum(values.values(), torch.zeros((), dtype=sdt, device=hidden.device))
         reported = {k: v.detach() for k, v in values.items()}
@@ -112,10 +113,8 @@ def head_loss(
             reported.update({name: fn(ts).detach() for name, fn in (metrics or {}).items()})
         return total, reported
 
-    loss, _logp, _ent, collected = run_objective(
-        h, weight, bias, t, transform, objective, mode=resolve_mode(mode, False), cuts=None,
-        want_entropy="entropy" in stats, impl=impl, chunk_bytes=chunk_bytes, fp32_logits=fp32_logits,
-        extra_stats=extra, shard=shard, lora=lora)
+    spec = ObjectiveSpec(want=StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats))
+    _, _, collected = result = run_objective(h, head, t, objective, spec, options)
     values = {name: sum((c[name] for c in collected), torch.zeros((), dtype=sdt, device=hidden.device))
               for name in (*terms, *(metrics or {}))}
-    return loss, values
+    return result.loss, values

@@ -2,28 +2,50 @@
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
 from ..distributed import all_reduce, gather_varlen
-from ..ops import HeadLoRA, Impl, LogitTransform, VocabShard, check_head_inputs, stat_dtype_for
-from ..ops.vocab_stats import LocalHead
+from ..ops import (
+    ChunkStats,
+    Head,
+    ObjectiveSpec,
+    PassOptions,
+    StatRequest,
+    as_head,
+    as_options,
+    check_head_inputs,
+    run_objective,
+    stat_dtype_for,
+)
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
-from .policy_terms import PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
-from .run import Mode, resolve_mode, run_objective
+from .policy_terms import LOG_1E8, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
 
-_LOG_1E8 = -18.420680743952367  # log(1e-8), TRL's VESPO floor
+
+@dataclass(frozen=True)
+class _PolicyInputs:
+    """The per-token tensors of one :func:`policy_loss` call, as given."""
+
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    tool_mask: torch.Tensor | None
+    sampling_logp: torch.Tensor | None
+    importance_sampling_ratio: torch.Tensor | None
+    segment_ids: torch.Tensor | None
 
 
 @graph_break
 @autocast_head_inputs
 def policy_loss(
     hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
-    weight: torch.Tensor,  # [V, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
     completion_ids: torch.Tensor,  # [B, T] or [N]
     completion_mask: torch.Tensor,  # [B, T] or [N]
     advantages: torch.Tensor,  # [B] (per sequence) or [B, T]
@@ -32,34 +54,30 @@ def policy_loss(
     *,
     config: PolicyConfig | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
-    bias: torch.Tensor | None = None,  # [V]
-    transform: LogitTransform | None = None,
     tool_mask: torch.Tensor | None = None,  # [B, T]
     sampling_logp: torch.Tensor | None = None,  # [B, T]
     importance_sampling_ratio: torch.Tensor | None = None,  # [B, T] or [B, 1]
     segment_ids: torch.Tensor | None = None,  # [N] for packed inputs
-    shard: VocabShard | None = None,
-    lora: HeadLoRA | None = None,
     sequence_group=None,
-    mode: Mode = "auto",
-    impl: Impl = "auto",
-    chunk_bytes: int | None = None,
-    fp32_logits: bool | None = None,
     group=None,
+    options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss (GRPO family) and TRL's metrics from one vocabulary pass.
 
-    Semantics are TRL 1.16 ``GRPOTrainer._compute_loss`` (``shared/spec/policy-objectives.md``):
+    Semantics are TRL 1.16 ``GRPOTrainer._compute_loss`` (``docs/policy-objectives.md``):
     ``r = logp - old_logp`` (``old_logp=None`` → ``logp.detach()``), the ratio at
     ``config.importance_sampling_level``, the loss type's surrogate, masks and sampler
     correction, ``+ beta · k3 KL`` (``exp(ref - logp) - (ref - logp) - 1``), the loss type's
     normalizer, minus the entropy bonus. Log-probs and entropies are of the temperature-scaled
-    softmax (``transform``), in fp32 (fp64 for fp64 inputs), nats.
+    softmax (the head's ``transform``), in fp32 (fp64 for fp64 inputs), nats.
 
     Args:
         hidden: final hidden states that predict the completion tokens, ``[B, T, H]``
             (padded) or ``[N, H]`` with ``segment_ids`` (packed).
-        weight: head weight ``[V, H]`` (same dtype/device as ``hidden``).
+        head: :class:`logitless.Head` (weight ``[V, H]`` of ``hidden``'s dtype and device, bias,
+            :class:`LogitTransform` with the sampling temperature, LoRA adapter — gradients
+            reach its ``a``/``b``, and a frozen weight skips its ``d weight`` GEMM — and
+            vocabulary shard), or a bare ``[V, H]`` weight.
         completion_ids: sampled tokens ``[B, T]`` / ``[N]``; only counted ones are read.
         completion_mask: ``[B, T]`` / ``[N]``, 1 for counted tokens (multiplied by
             ``tool_mask``); masked tokens never reach the vocabulary pass.
@@ -69,32 +87,22 @@ def policy_loss(
         config: :class:`PolicyConfig` (TRL names; default TRL's defaults, ``dapo``).
         num_items_in_batch: TRL's token count of the whole generation batch (dapo, cispo,
             vespo, reinforce); ``None`` → this call's counted tokens.
-        bias, transform: head bias ``[V]`` and :class:`LogitTransform` (temperature, scale, cap).
         importance_sampling_ratio: sampler correction ``ρ`` (see
             :func:`logitless.sampling_correction`), multiplied into the per-token loss.
         segment_ids: packed layout: non-decreasing ``[N]`` sequence index per token.
-        shard: :class:`logitless.VocabShard` when ``weight`` holds a vocabulary-parallel shard
-            (or a padded vocabulary).
-        lora: :class:`logitless.HeadLoRA` adapter on the head (gradients reach its ``a``/``b``;
-            a frozen ``weight`` gets none and its ``d weight`` GEMM is skipped).
         sequence_group: sequence/context-parallel process group whose ranks hold pieces of the
             same packed sequences (``segment_ids`` global); sequence-level quantities (GSPO
             ratio, per-sequence means, off-policy KL, VESPO weight) and token counts are then
             summed over it, and each rank's loss is its share: their sum is the loss of the
             whole sequences. Objectives that need whole sequences then run in recompute mode.
-        mode: ``"fused"`` (gradient computed in the forward, 3 GEMMs of work), ``"recompute"``
-            (O(N) saved state, 4 GEMMs), ``"auto"`` (fused unless the objective needs all
-            entropies first: ``top_entropy_quantile < 1``).
-        impl: backend, ``"auto"``/``"torch"``/``"triton"``.
-        chunk_bytes: workspace budget of the vocabulary pass.
-        fp32_logits: keep the head's matmul output in fp32 (default, env
-            ``LOGITLESS_TRITON_LOGITS=input`` flips it); ``False`` rounds it to the input dtype
-            first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
-            still accumulate in fp32).
         group: data-parallel ``torch.distributed`` process group (ranks holding different
             sequences) over which metrics are reduced (sums and counts, min/max) and the entropy
             quantile is taken, as TRL does across processes; ``None``: this process only. The loss itself stays
             local (its normalizers are TRL's: ``num_items_in_batch`` and ``num_processes``).
+        options: :class:`logitless.PassOptions`: ``mode`` ``"fused"`` (gradient computed in the
+            forward, 3 GEMMs of work), ``"recompute"`` (O(N) saved state, 4 GEMMs) or ``"auto"``
+            (fused unless the objective needs all entropies first: ``top_entropy_quantile < 1``),
+            backend, workspace budget, logits precision.
 
     Returns:
         ``(loss, metrics)``: scalar loss (differentiable w.r.t. ``hidden``, ``weight``,
@@ -111,34 +119,44 @@ def policy_loss(
             inputs that reach the loss, an empty batch, missing ``ref_logp`` with ``beta``,
             invalid option combinations.
     """
-    cfg = PolicyConfig() if config is None else config
-    transform = LogitTransform() if transform is None else transform
+    cfg = _as_config(config)
+    head, options = as_head(head), as_options(options)
     if sequence_group is not None and segment_ids is None:
         raise ValueError("sequence_group needs packed inputs with global segment_ids")
-    tok, h_flat, t_flat = _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp,
-                                   ref_logp, cfg, num_items_in_batch, tool_mask, sampling_logp,
-                                   importance_sampling_ratio, segment_ids, shard, sequence_group, lora)
+    inputs = _PolicyInputs(completion_ids, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
+                           importance_sampling_ratio, segment_ids)
+    tok, h_flat, t_flat = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group)
     # Under sequence parallelism a sequence-level objective takes collectives inside the
     # objective; ranks must make the same calls, so the objective runs once (recompute).
     split_sequences = tok.layout.distributed and cfg.needs_whole_sequences
-    run_mode = resolve_mode(mode, cfg.needs_global_entropy or split_sequences)
 
-    def set_entropy_mask(_logp: torch.Tensor, entropy: torch.Tensor | None) -> None:
-        tok.entropy_mask = _entropy_mask(entropy, cfg.top_entropy_quantile, group, sequence_group)
+    def set_entropy_mask(stats: ChunkStats) -> None:
+        tok.entropy_mask = _entropy_mask(stats.entropy, cfg.top_entropy_quantile, group, sequence_group)
         if tok.bonus_weight is not None:
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
+    def objective(sl: slice, stats: ChunkStats):
+        return chunk_terms(cfg, tok, sl, stats.logp, stats.entropy, metrics=False)
+
+    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
+                         needs_all_stats=cfg.needs_global_entropy or split_sequences,
+                         before_loss=set_entropy_mask if cfg.needs_global_entropy else None)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
-    loss, logp, entropy, _ = run_objective(
-        h_flat, weight, bias, t_flat, transform, partial(chunk_terms, cfg, tok, metrics=False), mode=run_mode,
-        cuts=tok.layout.cuts if cfg.needs_whole_sequences else None, want_entropy=True, impl=impl,
-        chunk_bytes=chunk_bytes, fp32_logits=fp32_logits, shard=shard, lora=lora,
-        before_loss=set_entropy_mask if cfg.needs_global_entropy else None)
+    loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)
     with torch.no_grad():
-        _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), logp, entropy)
+        _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), stats.logp, stats.entropy)
     return loss, _finalize_metrics(cfg, tok, sums, group)
+
+
+def _as_config(config) -> PolicyConfig:
+    if config is None:
+        return PolicyConfig()
+    if not isinstance(config, PolicyConfig):
+        raise TypeError(f"config must be a logitless.PolicyConfig, got {type(config).__name__}"
+                        + (": build it with PolicyConfig(**your_dict)" if isinstance(config, dict) else ""))
+    return config
 
 
 def _accum(cfg: PolicyConfig) -> float:
@@ -175,9 +193,13 @@ class _FiniteChecks:
                 raise ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
 
 
-def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logp, ref_logp, cfg,
-             num_items_in_batch, tool_mask, sampling_logp, importance_sampling_ratio, segment_ids, shard,
-             sequence_group, lora):
+def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
+             sequence_group) -> tuple[PolicyTokens, torch.Tensor, torch.Tensor]:
+    """Validate the inputs and gather the counted tokens: ``(tokens, hidden rows, ids)``."""
+    completion_ids, completion_mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages
+    old_logp, ref_logp, sampling_logp = inputs.old_logp, inputs.ref_logp, inputs.sampling_logp
+    tool_mask, importance_sampling_ratio, segment_ids = inputs.tool_mask, inputs.importance_sampling_ratio, \
+        inputs.segment_ids
     if not isinstance(hidden, torch.Tensor) or not isinstance(completion_mask, torch.Tensor):
         raise TypeError("hidden and completion_mask must be torch.Tensors")
     packed = segment_ids is not None
@@ -200,12 +222,18 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's per-token log-probs)")
     if not isinstance(advantages, torch.Tensor):
         raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
+    if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) \
+            and not num_items_in_batch > 0:
+        raise ValueError(f"num_items_in_batch must be > 0 (the generation batch's counted tokens), got "
+                         f"{num_items_in_batch!r}")
     if importance_sampling_ratio is not None and cfg.loss_type == "vespo" \
             and importance_sampling_ratio.shape != lead:
         raise ValueError("vespo needs a per-token importance_sampling_ratio (token_truncate / token_mask "
                          "modes), as TRL requires")
 
     mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+    if mask.is_floating_point() and bool((~torch.isfinite(mask) | (mask < 0)).any()):
+        raise ValueError("completion_mask (times tool_mask) holds NaN, inf or negative values: pass 0/1 masks")
     if mask.dtype == torch.bool:
         mask = mask.to(torch.int64)
     lay = TokenLayout.from_segments(mask, segment_ids, sequence_group) if packed else TokenLayout.from_padded(mask)
@@ -214,8 +242,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
     lay.seg_len = lay.seg_len.to(sdt)
     h_flat = hidden.reshape(-1, hidden.shape[-1])[lay.index]
     t_flat = lay.gather(completion_ids).long()
-    check_head_inputs(h_flat, weight, bias, t_flat, ignore_index=None,
-                      vocab_size=LocalHead.make(weight, bias, shard).vocab_size, lora=lora)
+    check_head_inputs(h_flat, head, t_flat, ignore_index=None)
 
     checks = _FiniteChecks()
 
@@ -235,7 +262,7 @@ def _prepare(hidden, weight, bias, completion_ids, completion_mask, advantages, 
         is_tok = lay.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
         checks.add("importance_sampling_ratio", is_tok, (~torch.isfinite(is_tok) | (is_tok < 0)).any())
         if cfg.loss_type == "vespo":
-            log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(_LOG_1E8, 20.0))
+            log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
 
     m = lay.weight
     n_seq = lay.num_segments

@@ -16,7 +16,7 @@ import torch
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
 
-_LOG_1E8 = math.log(1e-8)
+LOG_1E8 = math.log(1e-8)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class PolicyTokens:
 def vespo_phi(cfg: PolicyConfig, seq_log_ratio: torch.Tensor, adv_seq: torch.Tensor) -> torch.Tensor:
     """VESPO gamma weight ``φ = exp(λ + k·log w − λ·w)`` of the clamped sequence log-ratio
     (``GRPOTrainer.get_gamma_weights``), ``[S]``."""
-    log_w = seq_log_ratio.clamp(_LOG_1E8, 20.0)
+    log_w = seq_log_ratio.clamp(LOG_1E8, 20.0)
     w = torch.exp(log_w)
     nonneg = adv_seq >= 0
     k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(log_w.dtype)

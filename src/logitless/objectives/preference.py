@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import Impl, LogitTransform, vocab_stats
+from ..ops import Head, PassOptions, vocab_stats
 
 DPOLossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                       "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
@@ -73,15 +73,12 @@ class SequenceLogps(NamedTuple):
 @autocast_head_inputs
 def sequence_logps(
     hidden: torch.Tensor,  # [S, T, H]
-    weight: torch.Tensor,  # [V, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
     labels: torch.Tensor,  # [S, T]
     completion_mask: torch.Tensor,  # [S, T]
     *,
     nll_mask: torch.Tensor | None = None,  # [S, T]
-    bias: torch.Tensor | None = None,
-    transform: LogitTransform | None = None,
-    chunk_bytes: int | None = None,
-    impl: Impl = "auto",
+    options: PassOptions | None = None,
 ) -> SequenceLogps:
     """Per-sequence log-prob sums of ``labels`` under the head, from one vocabulary pass.
 
@@ -91,12 +88,12 @@ def sequence_logps(
 
     Args:
         hidden: ``[S, T, H]``; for preference losses ``S = 2B``, chosen rows first.
-        weight, bias, transform: the head (see :func:`logitless.vocab_stats`).
+        head: the :class:`logitless.Head` or a bare weight (see :func:`logitless.vocab_stats`).
         labels: ``[S, T]`` token ids (values at positions of neither mask are ignored).
         completion_mask: ``[S, T]`` tokens whose log-probs are summed.
         nll_mask: ``[S, T]`` tokens of an NLL term that differ from the completion tokens
             (ORPO's NLL covers prompt and response); ``None``: no separate NLL sums.
-        chunk_bytes, impl: see :func:`logitless.vocab_stats`.
+        options: :class:`logitless.PassOptions`.
 
     Returns:
         :class:`SequenceLogps`.
@@ -109,13 +106,10 @@ def sequence_logps(
                          f"{tuple(completion_mask.shape)}")
     if nll_mask is not None and tuple(nll_mask.shape) != tuple(labels.shape):
         raise ValueError(f"nll_mask must be {tuple(labels.shape)}, got {tuple(nll_mask.shape)}")
-    transform = LogitTransform() if transform is None else transform
     cm = completion_mask != 0
     used = cm if nll_mask is None else cm | (nll_mask != 0)
     targets = torch.where(used, labels.long(), -100)
-    st = vocab_stats(hidden, weight, targets, bias=bias, temperature=transform.temperature,
-                     logit_scale=transform.logit_scale, softcap=transform.softcap, ignore_index=-100,
-                     chunk_bytes=chunk_bytes, impl=impl)
+    st = vocab_stats(hidden, head, targets, ignore_index=-100, options=options)
     cmf = cm.to(st.logp.dtype)
     nll_sum = nll_count = None
     if nll_mask is not None:

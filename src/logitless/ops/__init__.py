@@ -1,26 +1,38 @@
 """Vocabulary layer: per-token statistics of the head's softmax, never materializing logits.
-Knows nothing about RL; the objectives layer sits on top."""
+Knows nothing about RL; the objectives layer sits on top and talks to it through
+:mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
-from .backend import Impl, resolve_impl
-from .fused import fused_objective
+from .backend import StatRequest, resolve_backend
+from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, compute_stats, run_objective
+from .head import Head, as_head
 from .lora import HeadLoRA
-from .plan import ChunkPlan, default_chunk_bytes
+from .options import Impl, Mode, PassOptions, as_options
+from .plan import stat_dtype_for
 from .shard import VocabShard
 from .transform import LogitTransform
 from .validate import check_head_inputs
-from .vocab_stats import VocabStats, stat_dtype_for, token_logprobs, vocab_stats
+from .vocab_stats import VocabStats, token_logprobs, vocab_stats
 
 __all__ = [
-    "ChunkPlan",
+    "ChunkObjective",
+    "ChunkStats",
+    "Head",
     "HeadLoRA",
     "Impl",
     "LogitTransform",
+    "Mode",
+    "ObjectiveSpec",
+    "PassOptions",
+    "PassResult",
+    "StatRequest",
     "VocabShard",
     "VocabStats",
+    "as_head",
+    "as_options",
     "check_head_inputs",
-    "default_chunk_bytes",
-    "fused_objective",
-    "resolve_impl",
+    "compute_stats",
+    "resolve_backend",
+    "run_objective",
     "stat_dtype_for",
     "token_logprobs",
     "vocab_stats",

@@ -1,14 +1,228 @@
-"""The one place that decides which backend runs a vocabulary pass."""
+"""The backend contract of the vocabulary pass, and the one place that picks a backend.
+
+A backend computes, for one chunk of tokens against a :class:`~logitless.ops.head.LocalHead`:
+
+* ``chunk_forward(head, rows, plan, want, keep_logits) -> (RowStats, kept)``: the chunk's
+  partial statistics over the local vocabulary rows (an online log-sum-exp), and optionally
+  an opaque handle on the chunk's logits for the backward (``None`` when not kept);
+* ``chunk_backward(head, rows, plan, saved, grads, acc, kept) -> d hidden``: from the
+  per-token gradients of the statistics, ``d hidden`` of the chunk (``[n, H]`` in the
+  statistics dtype, or ``None``), and in place ``d weight``/``d bias``/adapter gradients.
+
+With ``p = softmax(z)`` and ``sum_pz = Σ p z``, the gradient w.r.t. the logits is
+``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - sum_pz)) + g_logp [v == y] + g_sum_z``, then the
+chain rule through the head's :class:`~logitless.ops.transform.LogitTransform`.
+
+Backends: :mod:`.torch_backend` (the specification; CPU and any GPU), :mod:`.triton_backend`
+(cuBLAS GEMMs around Triton row kernels), :mod:`.flash_backend` (Triton tile GEMMs, logits never
+in memory). :func:`resolve_backend` makes every choice between them, delegations included.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import NamedTuple, Protocol
 
 import torch
 
-Impl = Literal["auto", "torch", "triton", "flash"]
+from ..distributed import all_reduce, is_active
+from .head import LocalHead
+from .lora import LowRank
+from .options import Impl
+from .plan import ChunkPlan, PlanKind
+
+
+class StatRequest(NamedTuple):
+    """Statistics a pass accumulates beyond ``lse``/``logp``/top-1: ``entropy`` (``Σ p z``) and
+    ``sum_z`` (``Σ_v z_v``, the mean logit times ``V``)."""
+
+    entropy: bool = True
+    sum_z: bool = False
+
+
+class ChunkRows(NamedTuple):
+    """The token side of a chunk: ``hidden [n, H]``, ``targets [n]`` int64 indices local to the
+    head (outside ``[0, V_local)``: owned by another rank), the adapter's ``low`` factors."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    low: LowRank | None = None
+
+
+@dataclass
+class RowStats:
+    """Per-token partial statistics of a vocabulary range (``[n]`` each, statistics dtype).
+
+    Attributes:
+        max_logit: running maximum logit.
+        sum_exp: ``Σ exp(z - max_logit)``.
+        sum_exp_logit: ``Σ exp(z - max_logit) · z`` (``None`` unless entropy is wanted).
+        target_logit: the target's logit where ``owned``, else 0.
+        owned: the target lies in this range.
+        sum_logit: ``Σ z`` (``None`` unless asked for).
+    """
+
+    max_logit: torch.Tensor
+    sum_exp: torch.Tensor
+    sum_exp_logit: torch.Tensor | None
+    target_logit: torch.Tensor
+    owned: torch.Tensor
+    sum_logit: torch.Tensor | None = None
+
+    _FIELDS = ("max_logit", "sum_exp", "sum_exp_logit", "target_logit", "owned", "sum_logit")
+
+    @classmethod
+    def start(cls, n: int, dtype: torch.dtype, device: torch.device, want: StatRequest,
+              owned: torch.Tensor) -> RowStats:
+        """The statistics of an empty range (max ``-inf``, sums 0), to fold blocks into."""
+        def zeros(flag: bool = True) -> torch.Tensor | None:
+            return torch.zeros((n,), dtype=dtype, device=device) if flag else None
+
+        return cls(max_logit=torch.full((n,), -torch.inf, dtype=dtype, device=device), sum_exp=zeros(),
+                   sum_exp_logit=zeros(want.entropy), target_logit=zeros(), owned=owned,
+                   sum_logit=zeros(want.sum_z))
+
+    @classmethod
+    def empty(cls, n: int, dtype: torch.dtype, device: torch.device, want: StatRequest) -> RowStats:
+        """Uninitialized ``[n]`` buffers, filled chunk by chunk with :meth:`write`."""
+        def new(flag: bool = True, dt: torch.dtype = dtype) -> torch.Tensor | None:
+            return torch.empty(n, dtype=dt, device=device) if flag else None
+
+        return cls(max_logit=new(), sum_exp=new(), sum_exp_logit=new(want.entropy), target_logit=new(),
+                   owned=new(dt=torch.bool), sum_logit=new(want.sum_z))
+
+    def write(self, sl: slice, part: RowStats) -> None:
+        """Copy a chunk's statistics into rows ``sl``."""
+        for name in self._FIELDS:
+            dst = getattr(self, name)
+            if dst is not None:
+                dst[sl] = getattr(part, name)
+
+    def reduce(self, group) -> RowStats:
+        """Every rank's partials combined into the full vocabulary's (one MAX, one SUM
+        all-reduce over the vocabulary-parallel ``group``); ``self`` without a group."""
+        if not is_active(group):
+            return self
+        m = all_reduce(self.max_logit, "max", group)
+        scale = torch.exp(self.max_logit - m)  # 0 for a rank with no rows (max_logit = -inf)
+        parts = [self.sum_exp * scale, torch.where(self.owned, self.target_logit, torch.zeros_like(m))]
+        if self.sum_exp_logit is not None:
+            parts.append(self.sum_exp_logit * scale)
+        if self.sum_logit is not None:
+            parts.append(self.sum_logit)
+        total = all_reduce(torch.stack(parts), "sum", group)
+        return RowStats(max_logit=m, sum_exp=total[0], target_logit=total[1],
+                        sum_exp_logit=total[2] if self.sum_exp_logit is not None else None,
+                        sum_logit=total[-1] if self.sum_logit is not None else None,
+                        owned=torch.ones_like(self.owned))
+
+    def finalize(self) -> PassStats:
+        """The full vocabulary's statistics (after :meth:`reduce`)."""
+        lse = self.max_logit + torch.log(self.sum_exp)
+        sum_pz = None if self.sum_exp_logit is None else self.sum_exp_logit / self.sum_exp
+        return PassStats(lse=lse, logp=self.target_logit - lse, sum_pz=sum_pz, sum_z=self.sum_logit,
+                         is_top1=self.target_logit >= self.max_logit)
+
+
+class PassStats(NamedTuple):
+    """Full-vocabulary statistics, ``[n]`` each: ``lse``, ``logp``, ``sum_pz = Σ p z``
+    (``entropy = lse - sum_pz``; ``None`` unless requested), ``sum_z = Σ z`` (``None`` unless
+    requested) and ``is_top1`` (the target's logit is the largest; ties count)."""
+
+    lse: torch.Tensor
+    logp: torch.Tensor
+    sum_pz: torch.Tensor | None
+    sum_z: torch.Tensor | None
+    is_top1: torch.Tensor
+
+
+class SavedStats(NamedTuple):
+    """What the backward of a chunk needs from its forward: ``lse`` and ``sum_pz`` (``[n]``;
+    ``sum_pz`` needed iff the entropy has a gradient)."""
+
+    lse: torch.Tensor
+    sum_pz: torch.Tensor | None
+
+
+class StatGrads(NamedTuple):
+    """Per-token gradients of the loss w.r.t. the statistics (``[n]``, ``None`` = zero)."""
+
+    logp: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    sum_z: torch.Tensor | None = None
+
+    def any(self) -> bool:
+        return any(g is not None for g in self)
+
+    def rows(self, sl: slice) -> StatGrads:
+        return StatGrads(*(None if g is None else g[sl] for g in self))
+
+
+class RowCoefficients(NamedTuple):
+    """The per-token inputs of the Triton gradient kernels, fp32 and contiguous:
+    ``coef = g_lse - g_logp`` (zeros for absent gradients); ``sum_pz`` only with ``g_entropy``."""
+
+    lse: torch.Tensor
+    sum_pz: torch.Tensor | None
+    coef: torch.Tensor
+    g_logp: torch.Tensor | None
+    g_entropy: torch.Tensor | None
+    g_sum_z: torch.Tensor | None
+
+    @classmethod
+    def make(cls, saved: SavedStats, grads: StatGrads) -> RowCoefficients:
+        """Raises:
+            ValueError: ``grads.entropy`` given without ``saved.sum_pz``."""
+        if grads.entropy is not None and saved.sum_pz is None:
+            raise ValueError("chunk_backward: an entropy gradient needs sum_pz from a forward that computed entropy")
+
+        def f32(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(torch.float32).contiguous()
+
+        lse = f32(saved.lse)
+        coef = torch.zeros_like(lse)
+        if grads.lse is not None:
+            coef += grads.lse
+        if grads.logp is not None:
+            coef -= grads.logp
+        return cls(lse=lse, sum_pz=None if grads.entropy is None else f32(saved.sum_pz), coef=coef,
+                   g_logp=f32(grads.logp), g_entropy=f32(grads.entropy), g_sum_z=f32(grads.sum_z))
+
+
+@dataclass
+class Accumulators:
+    """Gradient outputs of a chunk's backward, updated in place (``None``: not needed).
+
+    Attributes:
+        weight: ``[V_local, H]`` fp32/fp64 ``d weight`` of the local rows.
+        bias: ``[V_local]`` ``d bias``.
+        lora_x: ``[n, r]`` ``d x`` of the chunk's adapter rows.
+        lora_b: ``[V_local, r]`` ``d b``.
+        hidden: whether ``d hidden`` is returned.
+    """
+
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    lora_x: torch.Tensor | None = None
+    lora_b: torch.Tensor | None = None
+    hidden: bool = False
+
+
+class Backend(Protocol):
+    """What every backend module provides (see the module docstring)."""
+
+    NAME: str
+    PLAN: PlanKind  # whose block-size heuristic the pass uses (:class:`ChunkPlan`)
+
+    def chunk_forward(self, head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
+                      keep_logits: bool) -> tuple[RowStats, object | None]: ...
+
+    def chunk_backward(self, head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats,
+                       grads: StatGrads, acc: Accumulators, kept: object | None) -> torch.Tensor | None: ...
 
 
 def triton_available() -> bool:
@@ -16,37 +230,31 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_impl(impl: Impl, device: torch.device) -> ModuleType:
-    """Backend module for ``impl`` on ``device``.
+def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) -> Backend:
+    """The backend module that runs a pass over ``hidden`` (its device and dtype).
 
-    ``"auto"`` picks Triton on CUDA when it imports, the torch backend otherwise. ``"flash"``
-    (opt-in) is the Triton backend whose kernels never write logits (:mod:`.flash_backend`).
+    ``"auto"`` is Triton on CUDA when it imports, the torch backend otherwise. fp64 inputs always
+    run on the torch backend (no fp64 tensor-core GEMMs to gain from); a head adapter under
+    ``"flash"`` runs on the Triton backend (the flash kernels have no low-rank term).
 
     Raises:
-        ValueError: unknown ``impl``, or ``"triton"``/``"flash"`` requested where it cannot run.
+        ValueError: unknown ``impl``, or ``"triton"``/``"flash"`` where Triton cannot run.
     """
     if impl not in ("auto", "torch", "triton", "flash"):
         raise ValueError(f"impl must be 'auto', 'torch', 'triton' or 'flash', got {impl!r}")
     if impl == "auto":
-        impl = "triton" if device.type == "cuda" and triton_available() and _triton_backend_ready() else "torch"
-    if impl == "torch":
-        from . import torch_backend
-
-        return torch_backend
-    if not triton_available():
-        raise ValueError(f"impl={impl!r} requested but triton is not installed (pip install 'logitless[triton]')")
-    import os
-
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"impl={impl!r} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got device {device}")
-    if impl == "flash":
-        from . import flash_backend
-
-        return flash_backend
-    from . import triton_backend
-
-    return triton_backend
+        impl = "triton" if hidden.device.type == "cuda" and triton_available() else "torch"
+    if impl != "torch":
+        if not triton_available():
+            raise ValueError(f"impl={impl!r} requested but triton is not installed (pip install 'logitless[triton]')")
+        if hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"impl={impl!r} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {hidden.device}")
+    if impl == "torch" or hidden.dtype == torch.float64:
+        return _module("torch_backend")
+    if impl == "flash" and not has_lora:
+        return _module("flash_backend")
+    return _module("triton_backend")
 
 
-def _triton_backend_ready() -> bool:
-    return importlib.util.find_spec(f"{__package__}.triton_backend") is not None
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__package__}.{name}")

@@ -36,10 +36,12 @@ from typing import NamedTuple
 
 import torch
 
-from .plan import ChunkPlan, default_chunk_bytes, workspace_per_element
+from .backend import Accumulators
+from .engine import no_autocast
+from .plan import ChunkPlan, stat_dtype_for
+from .settings import settings
 from .torch_backend import apply_block_grad, logits_block
 from .transform import LogitTransform
-from .vocab_stats import no_autocast, stat_dtype_for
 
 # [n, v] arrays in the statistics dtype alive at a block's peak (both sides' logits, their
 # exponentials / probabilities, the mixture and product temporaries, dz, dy).
@@ -126,13 +128,13 @@ def plan_for(n_tokens: int, vocab: int, chunk_bytes: int | None, dtype: torch.dt
     Raises:
         ValueError: ``chunk_bytes <= 0``.
     """
-    budget = default_chunk_bytes() if chunk_bytes is None else int(chunk_bytes)
+    budget = settings().chunk_bytes if chunk_bytes is None else int(chunk_bytes)
     if budget <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
     sdt = stat_dtype_for(dtype)
-    single = workspace_per_element(sdt, dtype, "torch")
+    single = ChunkPlan.make(1, 1, budget, dtype).bytes_per_logit
     ours = _WORKSPACE_ARRAYS * torch.finfo(sdt).bits // 8
-    return ChunkPlan.make(n_tokens, vocab, max(1, budget * single // ours), sdt, dtype, "torch")
+    return ChunkPlan.make(n_tokens, vocab, max(1, budget * single // ours), dtype, "torch")
 
 
 def _blocks(vocab: int, plan: ChunkPlan):
@@ -173,7 +175,7 @@ def chunk_forward(hs, ws, bs, ht, wt, bt, targets: torch.Tensor, spec: DistillSp
     if teacher:
         part.sgap, part.m_t, part.se_t, part.tez, part.tgap = zeros(), zeros() - math.inf, zeros(), zeros(), zeros()
     for start, end in _blocks(vocab, spec.plan):
-        zs = logits_block(hs, ws[start:end], _bias(bs, start, end), spec.student, stat_dtype)
+        zs = logits_block(hs, ws[start:end], _bias(bs, start, end), spec.student)
         m = torch.maximum(part.m_s, zs.amax(dim=1))
         rescale = torch.exp(part.m_s - m)
         es = torch.exp(zs - m[:, None])
@@ -184,7 +186,7 @@ def chunk_forward(hs, ws, bs, ht, wt, bt, targets: torch.Tensor, spec: DistillSp
             part.zy = _gather_targets(part.zy, zs, targets, start, end)
         if not teacher:
             continue
-        zt = logits_block(ht, wt[start:end], _bias(bt, start, end), spec.teacher, stat_dtype)
+        zt = logits_block(ht, wt[start:end], _bias(bt, start, end), spec.teacher)
         gap = zt - zs  # [n, v]
         del zs
         part.sgap = part.sgap * rescale - (es * gap).sum(dim=1)
@@ -215,8 +217,8 @@ def chunk_jsd(hs, ws, bs, ht, wt, bt, lse_s: torch.Tensor, lse_t: torch.Tensor, 
     jsd = torch.zeros_like(lse_s)
     kl_pm = torch.zeros_like(lse_s)
     for start, end in _blocks(ws.shape[0], spec.plan):
-        log_p = logits_block(hs, ws[start:end], _bias(bs, start, end), spec.student, stat_dtype) - lse_s[:, None]
-        log_q = logits_block(ht, wt[start:end], _bias(bt, start, end), spec.teacher, stat_dtype) - lse_t[:, None]
+        log_p = logits_block(hs, ws[start:end], _bias(bs, start, end), spec.student) - lse_s[:, None]
+        log_q = logits_block(ht, wt[start:end], _bias(bt, start, end), spec.teacher) - lse_t[:, None]
         log_m = _log_mixture(log_p, log_q, beta)
         kl_p = (torch.exp(log_p) * (log_p - log_m)).sum(dim=1)
         kl_q = (torch.exp(log_q) * (log_q - log_m)).sum(dim=1)
@@ -279,14 +281,14 @@ def chunk_backward(hs, ws, bs, ht, wt, bt, targets: torch.Tensor, spec: DistillS
     h_mm = hs.to(mm_dtype)
     for start, end in _blocks(vocab, spec.plan):
         w = ws[start:end]
-        zs = logits_block(hs, w, _bias(bs, start, end), spec.student, sdt)
+        zs = logits_block(hs, w, _bias(bs, start, end), spec.student)
         log_p = zs - g.lse[:, None]
         p = torch.exp(log_p)
         a = coef[:, None].expand_as(zs).clone()  # dz = p * a (+ teacher terms, + target scatter)
         if g.g_entropy is not None:
             a -= g.g_entropy[:, None] * zs
         if teacher_needed:
-            log_q = logits_block(ht, wt[start:end], _bias(bt, start, end), spec.teacher, sdt) - g.lse_t[:, None]
+            log_q = logits_block(ht, wt[start:end], _bias(bt, start, end), spec.teacher) - g.lse_t[:, None]
             if g.g_rkl is not None:
                 a += g.g_rkl[:, None] * (zs - log_q)  # log p - log q = zs - log q - lse_s (lse_s in coef)
             if g.g_jsd is not None:
@@ -305,7 +307,7 @@ def chunk_backward(hs, ws, bs, ht, wt, bt, targets: torch.Tensor, spec: DistillS
             dz.index_put_((rows, targets[rows, cols] - start), g.g_logp[rows, cols], accumulate=True)
         dy = spec.student.grad_to_raw(dz, zs)
         del zs, p, log_p, dz
-        apply_block_grad(dy, w, h_mm, slice(start, end), mm_dtype, grad_hidden, grad_weight, grad_bias)
+        apply_block_grad(dy, w, h_mm, slice(start, end), grad_hidden, Accumulators(grad_weight, grad_bias))
     return grad_hidden
 
 

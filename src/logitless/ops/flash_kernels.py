@@ -50,16 +50,20 @@ Layout: launch configs -> ``@triton.jit`` helpers -> kernels -> launchers. The c
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .settings import on_reload, settings
 from .transform import LogitTransform
-from .triton_kernels import _raw_grad, _to_logits, _transform_args, interpreting
+from .triton_common import interpreting, raw_grad, to_logits, transform_args
+
+if TYPE_CHECKING:
+    from .backend import RowCoefficients
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -119,9 +123,19 @@ class FlashConfig:
         return triton.cdiv(n_tiles, per_split)
 
 
+class FlashGrads(NamedTuple):
+    """Outputs of :func:`launch_grad`: fp32 accumulators with unit stride along the last dim,
+    updated in place (``None``: not needed), and whether logits stay fp32 (``ChunkPlan``)."""
+
+    hidden: torch.Tensor | None  # [n, H]
+    weight: torch.Tensor | None  # [V, H]
+    bias: torch.Tensor | None  # [V]
+    fp32_logits: bool
+
+
 @functools.cache
 def flash_config() -> FlashConfig:
-    """The config, built once per process (environment variables are read here, once).
+    """The config, built once per process from :func:`~logitless.ops.settings.settings`.
 
     GPU defaults, the fastest of a sweep on an H100 at 8192 x 4096 x 128256 bf16: forward
     128 x 128 tiles, ``BLOCK_K`` 64, 8 warps, 4 stages (a stage holds a 128 x 64 slice of
@@ -134,23 +148,22 @@ def flash_config() -> FlashConfig:
     tiles, vocabulary splits, masked tails and ``H`` steps.
 
     Raises:
-        ValueError: ``LOGITLESS_FLASH_FILTER``/``LOGITLESS_FLASH_AUTOTUNE`` not ``0``/``1``.
+        ValueError: ``LOGITLESS_FLASH_FILTER``/``LOGITLESS_FLASH_AUTOTUNE`` not ``0``/``1``
+            (:func:`~logitless.ops.settings.settings`).
     """
-    flags = {}
-    for name in ("LOGITLESS_FLASH_FILTER", "LOGITLESS_FLASH_AUTOTUNE"):
-        value = os.environ.get(name, "0")
-        if value not in ("0", "1"):
-            raise ValueError(f"{name} must be '0' or '1', got {value!r}")
-        flags[name] = value == "1"
+    env = settings()
     if interpreting():
         small_fwd, small_bwd = Tiles(16, 32, 16, 1, 1), Tiles(32, 16, 16, 1, 1)
         return FlashConfig(fwd=small_fwd, bwd=small_bwd, fwd_fp32=small_fwd, bwd_fp32=small_bwd, group_n=2,
-                           programs_per_sm=4, tma=True, filter=flags["LOGITLESS_FLASH_FILTER"], autotune=False)
-    autotune = flags["LOGITLESS_FLASH_AUTOTUNE"]
+                           programs_per_sm=4, tma=True, filter=env.flash_filter, autotune=False)
+    autotune = env.flash_autotune
     return FlashConfig(fwd=Tiles(128, 128, 64, 8, 4), bwd=Tiles(128, 256, 32, 8, 3),
                        fwd_fp32=Tiles(128, 128, 32, 8, 4), bwd_fp32=Tiles(128, 128, 16, 8, 4), group_n=16,
-                       programs_per_sm=16, tma=not autotune, filter=flags["LOGITLESS_FLASH_FILTER"],
+                       programs_per_sm=16, tma=not autotune, filter=env.flash_filter,
                        autotune=autotune)
+
+
+on_reload(flash_config.cache_clear)
 
 
 @functools.cache
@@ -286,7 +299,7 @@ def _flash_stats_kernel(
             y = y.to(in_dtype).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = _to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
         # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
         # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m_new is finite.
         z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
@@ -349,7 +362,7 @@ def _flash_grad_kernel(
         y = y.to(in_dtype).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z = _to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+    z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)  # g_lse - g_logp
     p = tl.exp(z - lse[:, None])
@@ -368,7 +381,7 @@ def _flash_grad_kernel(
         dz += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
     # Dead lanes: dead rows may hold exp overflow (lse = 0 there) times 0, i.e. NaN; zero them.
     dz = tl.where(mask, dz, 0.0)
-    dy = _raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
+    dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
     if NEED_DB:
         tl.atomic_add(db_ptr + cols, tl.sum(dy, axis=0), mask=col_ok, sem="relaxed")
     if FILTER:
@@ -480,7 +493,7 @@ def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     splits = cfg.splits(n, vocab, t, hidden.device)
     names = ("m", "se", "zy") + (("sez",) if want_entropy else ()) + (("sz",) if want_sum_z else ())
     out = {k: torch.empty((splits, n), dtype=torch.float32, device=hidden.device) for k in names}
-    scalars, flags = _transform_args(transform)
+    scalars, flags = transform_args(transform)
     tma = cfg.tma and _tma_ready(hidden, weight)
     _launch(_flash_stats_kernel, cfg, t, lambda bn, _bv: triton.cdiv(n, bn) * splits,
             _src(hidden, t.block_n, t, tma), hidden.stride(0), _src(weight, t.block_v, t, tma),
@@ -495,10 +508,7 @@ def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def launch_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                transform: LogitTransform, lse: torch.Tensor, sum_pz: torch.Tensor | None, coef: torch.Tensor,
-                g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None, g_sum_z: torch.Tensor | None,
-                grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
-                grad_bias: torch.Tensor | None, fp32_logits: bool, cfg: FlashConfig) -> None:
+                transform: LogitTransform, rc: RowCoefficients, grads: FlashGrads, cfg: FlashConfig) -> None:
     """Add one chunk's gradients into fp32 accumulators, recomputing the logits tile by tile.
 
     With ``p = exp(z - lse)``: ``dz = p (coef - g_entropy (z - sum_pz)) + g_logp [v == y] + g_sum_z``,
@@ -507,21 +517,20 @@ def launch_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     (``dy`` rounded to the input dtype for the two matmuls, as in the other backends' GPU path).
 
     Args:
-        hidden, weight, bias, targets, transform, fp32_logits: as :func:`launch_stats`.
-        lse, coef: ``[n]`` fp32; sum_pz, g_entropy: ``[n]`` fp32 or both ``None``;
-            g_logp, g_sum_z: ``[n]`` fp32 or ``None`` (term absent).
-        grad_hidden: ``[n, H]`` fp32, unit stride along ``H``, updated in place, or ``None``.
-        grad_weight: ``[V, H]`` fp32, unit stride along ``H``, updated in place, or ``None``.
-        grad_bias: ``[V]`` fp32 contiguous, updated in place, or ``None``.
+        hidden, weight, bias, targets, transform: as :func:`launch_stats`.
+        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+        grads: :class:`FlashGrads`, fp32 accumulators updated in place.
         cfg: ``cfg.filter`` turns on gradient filtering (module docstring).
     """
     _check_operands(hidden, weight)
+    lse, sum_pz, coef, g_logp, g_entropy, g_sum_z = rc
+    grad_hidden, grad_weight, grad_bias, fp32_logits = grads
     assert (sum_pz is None) == (g_entropy is None)
     for acc in (grad_hidden, grad_weight, grad_bias):
         assert acc is None or (acc.dtype == torch.float32 and acc.stride(-1) == 1)
     n, hidden_size = hidden.shape
     vocab = weight.shape[0]
-    scalars, flags = _transform_args(transform)
+    scalars, flags = transform_args(transform)
     tma = cfg.tma and _tma_ready(hidden, weight)
     dummy = lse
     t = cfg.tiles("bwd", hidden.dtype)

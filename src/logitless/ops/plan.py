@@ -3,25 +3,30 @@ budget into token-chunk and vocabulary-block sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-DEFAULT_CHUNK_BYTES = 2**30
 # Below this many tokens a chunk's matmuls stop using the matrix units well, so a row that
 # does not fit is cut along the vocabulary instead of shrinking the token chunk further. On GPUs
 # the token chunk is the inner dimension of the fp32 ``d weight += dy^T @ h`` accumulation, whose
 # [V, H] read-modify-write dominates below ~1k tokens, hence the larger floor for Triton.
 _MIN_TOKENS = {"torch": 32, "triton": 1024}
 
-PlanBackend = Literal["torch", "triton"]
+PlanKind = Literal["torch", "triton"]
 _ALIGN = 128  # token chunks are multiples of this (when a chunk is not the whole input)
 
 
-def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, backend: PlanBackend = "torch",
+def stat_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The statistics dtype of a pass over ``dtype`` inputs: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, kind: PlanKind = "torch",
                           fp32_logits: bool = True) -> int:
     """Workspace bytes per logit element of one block.
 
@@ -29,24 +34,9 @@ def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, backen
     the input dtype for the matmuls. triton: one tile of raw matmul output (fp32, or the input
     dtype without ``fp32_logits``), overwritten in place by ``dy``.
     """
-    if backend == "triton" and stat_dtype != torch.float64:
+    if kind == "triton" and stat_dtype != torch.float64:
         return torch.finfo(stat_dtype if fp32_logits else in_dtype).bits // 8
     return 3 * torch.finfo(stat_dtype).bits // 8 + torch.finfo(in_dtype).bits // 8
-
-
-def default_fp32_logits() -> bool:
-    """``False`` when ``LOGITLESS_TRITON_LOGITS=input`` is set (the plain path's rounded logits),
-    else ``True``."""
-    env = os.environ.get("LOGITLESS_TRITON_LOGITS", "fp32")
-    if env not in ("input", "fp32"):
-        raise ValueError(f"LOGITLESS_TRITON_LOGITS must be 'input' or 'fp32', got {env!r}")
-    return env == "fp32"
-
-
-def default_chunk_bytes() -> int:
-    """Workspace budget in bytes: ``LOGITLESS_CHUNK_BYTES`` if set, else 1 GiB."""
-    env = os.environ.get("LOGITLESS_CHUNK_BYTES")
-    return int(env) if env else DEFAULT_CHUNK_BYTES
 
 
 @dataclass(frozen=True)
@@ -67,25 +57,26 @@ class ChunkPlan:
     vocab_block: int
     keep_logits: bool
     fp32_logits: bool = True
+    budget: int = 0
+    bytes_per_logit: int = 0
 
     @classmethod
-    def make(cls, n_tokens: int, vocab: int, chunk_bytes: int | None, stat_dtype: torch.dtype,
-             in_dtype: torch.dtype, backend: PlanBackend = "torch", fp32_logits: bool | None = None) -> ChunkPlan:
-        """Plan for ``n_tokens`` x ``vocab`` logits within ``chunk_bytes`` of workspace, as the
-        ``backend`` lays a block out (see :func:`workspace_per_element`). ``fp32_logits=None``:
-        :func:`default_fp32_logits`.
+    def make(cls, n_tokens: int, vocab: int, budget: int, in_dtype: torch.dtype, kind: PlanKind = "torch",
+             fp32_logits: bool = True, arrays: int = 1) -> ChunkPlan:
+        """Plan for ``n_tokens`` x ``vocab`` logits within ``budget`` bytes of workspace, as a
+        ``kind`` backend lays a block out (see :func:`workspace_per_element`), with ``arrays``
+        times that per element (a two-head pass holds more temporaries per block).
 
         Raises:
-            ValueError: ``chunk_bytes <= 0``.
+            ValueError: ``budget <= 0``.
         """
-        budget = default_chunk_bytes() if chunk_bytes is None else int(chunk_bytes)
         if budget <= 0:
-            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes!r}")
-        fp32_logits = default_fp32_logits() if fp32_logits is None else bool(fp32_logits)
-        per = workspace_per_element(stat_dtype, in_dtype, backend, fp32_logits)
+            raise ValueError(f"chunk_bytes must be > 0, got {budget!r}")
+        vocab = max(1, vocab)
+        per = workspace_per_element(stat_dtype_for(in_dtype), in_dtype, kind, fp32_logits) * arrays
         n = max(1, n_tokens)
         rows = budget // (vocab * per)
-        token_chunk = min(n, max(rows, _MIN_TOKENS[backend]))
+        token_chunk = min(n, max(rows, _MIN_TOKENS[kind]))
         if token_chunk < n and token_chunk >= _ALIGN:
             # A token count that is not a multiple of 8 is a misaligned GEMM dimension for
             # bf16 (the inner one of d weight = dyᵀ h): cuBLAS then falls back to slow kernels
@@ -96,4 +87,35 @@ class ChunkPlan:
             token_chunk = min(token_chunk, math.ceil(math.ceil(n / count) / _ALIGN) * _ALIGN)
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
-                   fp32_logits=fp32_logits)
+                   fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per)
+
+    def fit(self, rows: int, vocab: int) -> ChunkPlan:
+        """This plan for a chunk of ``rows`` tokens: itself when ``rows <= token_chunk``, else
+        with the vocabulary block shrunk to keep the budget (a sequence longer than a chunk,
+        which :meth:`chunks` never cuts)."""
+        if rows <= self.token_chunk:
+            return self
+        block = min(max(1, vocab), max(1, self.budget // (rows * self.bytes_per_logit)))
+        return dataclasses.replace(self, token_chunk=rows, vocab_block=block, keep_logits=block >= vocab)
+
+    def chunks(self, n_tokens: int, cuts: Sequence[int] | None = None) -> list[slice]:
+        """Cut ``[0, n_tokens)`` into chunks of at most ``token_chunk`` tokens, ending only at
+        positions in ``cuts`` (sorted, each in ``(0, n_tokens]``) when given. A stretch between
+        two allowed cuts longer than ``token_chunk`` becomes one chunk of its own."""
+        size = self.token_chunk
+        if cuts is None:
+            return [slice(s, min(s + size, n_tokens)) for s in range(0, n_tokens, size)]
+        chunks, start, last = [], 0, 0
+        for c in cuts:
+            if c <= start:
+                continue
+            if c - start > size and last > start:
+                chunks.append(slice(start, last))
+                start = last
+            last = c
+            if c - start >= size:
+                chunks.append(slice(start, c))
+                start = c
+        if n_tokens > start:
+            chunks.append(slice(start, n_tokens))
+        return chunks

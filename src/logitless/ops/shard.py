@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ..distributed import all_reduce, is_active
-from .torch_backend import Partials
+from ..distributed import is_active
 
 
 @dataclass(frozen=True)
@@ -59,20 +56,3 @@ class VocabShard:
             raise ValueError("VocabShard: vocab_start must be 0 without a vocabulary-parallel group")
         valid = max(0, min(local_rows, size - start))
         return start, size, valid
-
-
-def reduce_partials(p: Partials, group) -> Partials:
-    """Combine every rank's partial statistics into the full-vocabulary ones (one MAX, one SUM)."""
-    if not is_active(group):
-        return p
-    m = all_reduce(p.m, "max", group)
-    scale = torch.exp(p.m - m)  # 0 for a rank with no rows (m = -inf)
-    parts = [p.se * scale, torch.where(p.owned, p.zy, torch.zeros_like(p.zy))]
-    if p.sez is not None:
-        parts.append(p.sez * scale)
-    if p.sz is not None:
-        parts.append(p.sz)
-    total = all_reduce(torch.stack(parts), "sum", group)
-    return Partials(m=m, se=total[0], zy=total[1], sez=total[2] if p.sez is not None else None,
-                    sz=total[-1] if p.sz is not None else None, owned=torch.ones_like(p.owned))
-

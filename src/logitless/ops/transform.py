@@ -41,10 +41,6 @@ class LogitTransform:
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be a finite number > 0 or None, got {self.softcap!r}")
 
-    @property
-    def is_identity(self) -> bool:
-        return self.temperature == 1.0 and self.logit_scale == 1.0 and self.softcap is None
-
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """Map raw matmul output ``y`` (fp32 or fp64) to logits ``z``."""
         if self.logit_scale != 1.0:

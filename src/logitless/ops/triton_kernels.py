@@ -19,15 +19,20 @@ contract functions live in :mod:`logitless.ops.triton_backend`.
 
 from __future__ import annotations
 
-import os
+import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from .settings import on_reload, settings
 from .transform import LogitTransform
+from .triton_common import interpreting, raw_grad, to_logits, transform_args
+
+if TYPE_CHECKING:
+    from .backend import RowCoefficients, RowStats
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -49,7 +54,8 @@ class KernelConfig:
             logits not rounded, statistics agree with the torch backend to ~1e-5) or ``"input"``
             (the GEMM's own dtype: half the bytes, but bf16 logits of magnitude 16-32 are off by up
             to 0.06, as in the plain bf16 path). Measured: no difference in fused fwd+bwd time.
-        autotune: pick blocks/warps by benchmarking (``LOGITLESS_TRITON_AUTOTUNE=1``).
+        autotune: pick blocks/warps by benchmarking (``LOGITLESS_TRITON_AUTOTUNE=1``, read once
+            by :mod:`logitless.ops.settings`).
     """
 
     stats_rows: int
@@ -59,11 +65,6 @@ class KernelConfig:
     grad_warps: int
     tile: TileDtype
     autotune: bool
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_config(vocab_block: int, fp32_logits: bool = True) -> KernelConfig:
@@ -82,49 +83,12 @@ def kernel_config(vocab_block: int, fp32_logits: bool = True) -> KernelConfig:
     # 2048 x 8 warps 1.07 ms (3.9 TB/s read + write; every swept config within 2%).
     return KernelConfig(stats_rows=1, stats_block_v=block_v, stats_warps=4,
                         grad_block_v=block_v, grad_warps=8 if block_v >= 1024 else 4,
-                        tile=tile, autotune=os.environ.get("LOGITLESS_TRITON_AUTOTUNE") == "1")  # type: ignore[arg-type]
+                        tile=tile, autotune=settings().triton_autotune)  # type: ignore[arg-type]
 
 
 _STATS_TUNE = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv}, num_warps=w)
                for bn in (1, 2, 4, 8) for bv in (512, 1024, 2048) for w in (4, 8)]
 _GRAD_TUNE = [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv in (1024, 2048, 4096) for w in (4, 8, 16)]
-
-# ---------------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tanh(x):
-    # tl.extra libdevice differs between Triton releases and the interpreter; 2*sigmoid(2x)-1
-    # saturates cleanly to +-1 and its absolute error (~1e-7) is what softcap * tanh needs.
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _to_logits(y, logit_scale, softcap, temperature,
-               HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMPERATURE: tl.constexpr):
-    """``z = softcap(logit_scale * y) / temperature`` in fp32 (``y`` includes the bias)."""
-    if HAS_SCALE:
-        y = y * logit_scale
-    if HAS_SOFTCAP:
-        y = softcap * _tanh(y / softcap)
-    if HAS_TEMPERATURE:
-        y = y / temperature
-    return y
-
-
-@triton.jit
-def _raw_grad(dz, z, logit_scale, softcap, temperature,
-              HAS_SOFTCAP: tl.constexpr, HAS_FACTOR: tl.constexpr):
-    """``dL/dy`` from ``dL/dz``; ``dz/dy`` is recovered from ``z`` (``tanh = z * T / c``)."""
-    if HAS_SOFTCAP:
-        t = z * (temperature / softcap)
-        dz = dz * (1.0 - t * t)
-    if HAS_FACTOR:
-        dz = dz * (logit_scale / temperature)
-    return dz
-
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -161,7 +125,7 @@ def _stats_kernel(
         y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(bias_ptr + v_start + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = _to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
         # Masked lanes: -inf for the max and exp (e = 0); z itself stays finite there (y = 0),
         # so e * z is 0 rather than 0 * -inf.
         z_or_ninf = tl.where(mask, z, -float("inf"))
@@ -191,7 +155,7 @@ def _stats_kernel(
     y_t = tl.load(y_ptr + rows.to(tl.int64) * stride_yn + t_safe, mask=here, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y_t += tl.load(bias_ptr + v_start + t_safe, mask=here, other=0.0).to(tl.float32)
-    z_t = _to_logits(y_t, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+    z_t = to_logits(y_t, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
     zy_old = tl.load(zy_ptr + rows, mask=row_ok, other=0.0)
     tl.store(zy_ptr + rows, tl.where(here, z_t, zy_old), mask=row_ok)
 
@@ -227,7 +191,7 @@ def _dlogits_kernel(
         y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             y += tl.load(bias_ptr + v_start + cols, mask=mask, other=0.0).to(tl.float32)
-        z = _to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
         p = tl.exp(z - lse)
         if HAS_ENTROPY:
             dz = p * (coef - g_ent * (z - c))
@@ -237,66 +201,68 @@ def _dlogits_kernel(
             dz += g_sz
         if HAS_LOGP:
             dz += tl.where(cols == t, g_logp, 0.0)
-        dy = _raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
+        dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
         tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
 
 
-if os.environ.get("LOGITLESS_TRITON_AUTOTUNE") == "1" and not interpreting():
-    # restore_value: both kernels update buffers in place, so every trial must start from the
-    # same contents (the in-place tile of the gradient kernel included).
-    _stats_kernel = triton.autotune(_STATS_TUNE, key=["width"],
-                                    restore_value=["m_ptr", "se_ptr", "sez_ptr", "zy_ptr"])(_stats_kernel)
-    _dlogits_kernel = triton.autotune(_GRAD_TUNE, key=["width"], restore_value=["y_ptr"])(_dlogits_kernel)
+# restore_value: both kernels update buffers in place, so every trial must start from the same
+# contents (every running statistic, Σz included; the in-place tile of the gradient kernel).
+_RESTORE = {"stats": ["m_ptr", "se_ptr", "sez_ptr", "zy_ptr", "sz_ptr"], "dlogits": ["y_ptr"]}
+
+
+@functools.cache
+def _autotuned(name: str):
+    """The autotuned variant of a kernel, built on first use (so the switch is read once, by
+    :func:`~logitless.ops.settings.settings`, and never by an import)."""
+    kernel, configs = {"stats": (_stats_kernel, _STATS_TUNE), "dlogits": (_dlogits_kernel, _GRAD_TUNE)}[name]
+    return triton.autotune(configs, key=["width"], restore_value=_RESTORE[name])(kernel)
+
+
+on_reload(_autotuned.cache_clear)
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
 
-def _transform_args(transform: LogitTransform) -> tuple[tuple[float, float, float], dict[str, bool]]:
-    return ((float(transform.logit_scale), float(transform.softcap or 1.0), float(transform.temperature)),
-            {"HAS_SCALE": transform.logit_scale != 1.0, "HAS_SOFTCAP": transform.softcap is not None,
-             "HAS_TEMPERATURE": transform.temperature != 1.0})
-
-
-def _launch(kernel, autotune: bool, n: int, rows: int, block_v: int, warps: int, *args, **constexprs) -> None:
-    if autotune:
-        kernel[lambda meta: (triton.cdiv(n, meta.get("BLOCK_N", 1)),)](*args, **constexprs)
-    else:
-        extra = {"BLOCK_N": rows} if rows else {}
-        kernel[(triton.cdiv(n, max(rows, 1)),)](*args, **constexprs, **extra, BLOCK_V=block_v, num_warps=warps)
+def _launch(name: str, cfg: KernelConfig, n: int, rows: int, block_v: int, warps: int, *args,
+            **constexprs) -> None:
+    if cfg.autotune:
+        _autotuned(name)[lambda meta: (triton.cdiv(n, meta.get("BLOCK_N", 1)),)](*args, **constexprs)
+        return
+    kernel = {"stats": _stats_kernel, "dlogits": _dlogits_kernel}[name]
+    extra = {"BLOCK_N": rows} if rows else {}
+    kernel[(triton.cdiv(n, max(rows, 1)),)](*args, **constexprs, **extra, BLOCK_V=block_v, num_warps=warps)
 
 
 def launch_stats(tile: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, v_start: int,
-                 transform: LogitTransform, m: torch.Tensor, se: torch.Tensor, sez: torch.Tensor | None,
-                 zy: torch.Tensor, cfg: KernelConfig, sz: torch.Tensor | None = None) -> None:
-    """Fold a tile into the running statistics, in place.
+                 transform: LogitTransform, st: RowStats, cfg: KernelConfig) -> None:
+    """Fold a tile into the running statistics ``st``, in place.
 
     Args:
         tile: ``[n, v]`` raw ``hidden @ weight[v_start:v_start+v].T`` (any float dtype), unit
             column stride.
         bias: the full ``[V]`` bias (read from ``v_start``) or ``None``.
-        targets: ``[n]`` int64, vocabulary-global; rows whose target is outside
-            ``[v_start, v_start + v)`` keep their ``zy``.
-        m, se, sez, zy: ``[n]`` fp32 contiguous running max, ``Σ exp(z - m)``,
-            ``Σ exp(z - m) z`` (``None``: not computed), target logit; updated in place.
-        sz: ``[n]`` fp32 running ``Σ z`` or ``None`` (not computed).
+        targets: ``[n]`` int64 local indices; rows whose target is outside
+            ``[v_start, v_start + v)`` keep their ``target_logit``.
+        st: :class:`~logitless.ops.backend.RowStats` of ``[n]`` fp32 contiguous tensors
+            (``sum_exp_logit``/``sum_logit`` ``None``: not computed), updated in place.
     """
     n, width = tile.shape
-    assert tile.stride(1) == 1 and m.dtype == torch.float32 and targets.dtype == torch.int64
+    assert tile.stride(1) == 1 and st.max_logit.dtype == torch.float32 and targets.dtype == torch.int64
     if n == 0:
         return
-    scalars, flags = _transform_args(transform)
-    _launch(_stats_kernel, cfg.autotune, n, cfg.stats_rows, cfg.stats_block_v, cfg.stats_warps,
+    scalars, flags = transform_args(transform)
+    se, sez, sz = st.sum_exp, st.sum_exp_logit, st.sum_logit
+    _launch("stats", cfg, n, cfg.stats_rows, cfg.stats_block_v, cfg.stats_warps,
             tile, tile.stride(0), tile if bias is None else bias, targets,
-            m, se, se if sez is None else sez, zy, se if sz is None else sz, n, width, v_start, *scalars,
-            HAS_BIAS=bias is not None, WANT_ENTROPY=sez is not None, WANT_SUM_Z=sz is not None, **flags)
+            st.max_logit, se, se if sez is None else sez, st.target_logit, se if sz is None else sz, n, width,
+            v_start, *scalars, HAS_BIAS=bias is not None, WANT_ENTROPY=sez is not None, WANT_SUM_Z=sz is not None,
+            **flags)
 
 
 def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                   v_start: int, transform: LogitTransform, lse: torch.Tensor, sum_pz: torch.Tensor | None,
-                   coef: torch.Tensor, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None,
-                   cfg: KernelConfig, g_sum_z: torch.Tensor | None = None) -> None:
+                   v_start: int, transform: LogitTransform, rc: RowCoefficients, cfg: KernelConfig) -> None:
     """Write ``dy = dL/dy`` of a tile into ``out``, which may be the tile itself or a view of
     the tile's storage in a narrower dtype that starts at the same row addresses.
 
@@ -306,20 +272,22 @@ def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
     Args:
         tile: ``[n, v]`` raw matmul tile, unit column stride.
         out: ``[n, v]`` output in the GEMM dtype, unit column stride.
-        lse, coef: ``[n]`` fp32; sum_pz, g_entropy: ``[n]`` fp32 or both ``None``;
-        g_logp: ``[n]`` fp32 or ``None`` (no one-hot term).
-        g_sum_z: ``[n]`` fp32 or ``None`` (gradient w.r.t. ``Σ z``).
+        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
     """
     n, width = tile.shape
     assert out.shape == tile.shape and tile.stride(1) == 1 and out.stride(1) == 1
-    assert (sum_pz is None) == (g_entropy is None)
+    assert (rc.sum_pz is None) == (rc.g_entropy is None)
     if n == 0:
         return
-    scalars, flags = _transform_args(transform)
+    scalars, flags = transform_args(transform)
     has_factor = transform.logit_scale / transform.temperature != 1.0
-    _launch(_dlogits_kernel, cfg.autotune, n, 0, cfg.grad_block_v, cfg.grad_warps,
+    lse = rc.lse
+
+    def arg(x: torch.Tensor | None) -> torch.Tensor:
+        return lse if x is None else x
+
+    _launch("dlogits", cfg, n, 0, cfg.grad_block_v, cfg.grad_warps,
             tile, tile.stride(0), out, out.stride(0), tile if bias is None else bias,
-            targets, lse, lse if sum_pz is None else sum_pz, coef, lse if g_logp is None else g_logp,
-            lse if g_entropy is None else g_entropy, lse if g_sum_z is None else g_sum_z, width, v_start, *scalars,
-            HAS_BIAS=bias is not None, HAS_FACTOR=has_factor, HAS_LOGP=g_logp is not None,
-            HAS_ENTROPY=g_entropy is not None, HAS_SUM_Z=g_sum_z is not None, **flags)
+            targets, lse, arg(rc.sum_pz), rc.coef, arg(rc.g_logp), arg(rc.g_entropy), arg(rc.g_sum_z), width,
+            v_start, *scalars, HAS_BIAS=bias is not None, HAS_FACTOR=has_factor, HAS_LOGP=rc.g_logp is not None,
+            HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None, **flags)

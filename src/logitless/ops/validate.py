@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .lora import HeadLoRA
+from .head import Head
+from .lora import HeadLoRA
+from .shard import VocabShard
+from .transform import LogitTransform
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      targets: torch.Tensor, ignore_index: int | None, vocab_size: int | None = None,
-                      lora: HeadLoRA | None = None) -> None:
-    """Validate ``hidden [..., H]``, ``weight [V, H]``, ``bias [V]``, ``targets [...]`` and a head
-    adapter (:meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values).
+def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int | None) -> None:
+    """Validate ``hidden [..., H]``, the head (``weight [V, H]``, ``bias [V]``, its shard and
+    adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
+    ``targets [...]`` (global ids).
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
             dtype mismatch between hidden, weight and bias.
-        ValueError: wrong ranks or shapes, device mismatch, empty vocabulary, a target outside
-            ``[0, vocab_size)`` other than ``ignore_index``, NaN/inf in hidden, weight, bias or
-            the adapter's factors.
+        ValueError: wrong ranks or shapes (logits passed as ``hidden`` are named as such), an
+            empty hidden size or vocabulary, device mismatch, a bad shard, a target outside
+            ``[0, V)`` other than ``ignore_index``, NaN/inf in hidden, weight, bias or the
+            adapter's factors.
     """
+    weight, bias, lora = head.weight, head.bias, head.lora
+    for name, value, kind in (("transform", head.transform, LogitTransform), ("lora", lora, HeadLoRA),
+                              ("shard", head.shard, VocabShard)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"Head.{name} must be a logitless.{kind.__name__} or None, got {type(value).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -34,10 +39,18 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one")
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [N, H] or [B, T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}")
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"hidden has an empty hidden size (H = 0), shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     if weight.shape[0] == 0:
         raise ValueError("weight has an empty vocabulary (V = 0)")
+    if weight.shape[1] != hidden.shape[-1]:
+        if hidden.shape[-1] == weight.shape[0]:
+            raise ValueError(f"hidden's last dimension is {hidden.shape[-1]} = V, the vocabulary size: pass the "
+                             f"final hidden states [..., H = {weight.shape[1]}], not the logits")
+        raise ValueError(f"hidden's last dimension ({hidden.shape[-1]}) must equal the head's hidden size H = "
+                         f"{weight.shape[1]} (weight is [V, H] = {tuple(weight.shape)})")
     if weight.device != hidden.device:
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
     if bias is not None:
@@ -58,7 +71,7 @@ def check_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
     if lora is not None:
         lora.check(hidden, weight)
-    vocab = weight.shape[0] if vocab_size is None else vocab_size
+    vocab = head.local().vocab_size
     # One host sync for every value check.
     t = targets.reshape(-1)
     out_of_range = (t < 0) | (t >= vocab)

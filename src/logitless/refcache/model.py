@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..ops import token_logprobs
+from ..ops import Head, LogitTransform, PassOptions, token_logprobs
 from .fingerprint import Fingerprint, HashMode, dtype_name, tokenizer_fingerprint, weights_fingerprint
 
 HiddenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,8 +66,8 @@ class ReferenceModel:
         def hidden_fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
             return bb(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
-        return cls(hidden_fn=hidden_fn, weight=head.weight, bias=head.bias, logit_scale=head.logit_scale,
-                   softcap=head.softcap, module=model)
+        return cls(hidden_fn=hidden_fn, weight=head.weight, bias=head.bias, logit_scale=head.transform.logit_scale,
+                   softcap=head.transform.softcap, module=model)
 
     def fingerprint(self, *, tokenizer: object | None = None, temperature: float = 1.0,
                     mode: HashMode = "auto") -> Fingerprint:
@@ -137,9 +137,9 @@ def batch_logprobs(
     hidden = hidden.to(ref.weight.dtype)
     want = compute[:, 1:] & attn[:, 1:].bool()  # [B, T-1]: target t+1 predicted from hidden t
     targets = input_ids[:, 1:].masked_fill(~want, -100)
-    res = token_logprobs(hidden[:, :-1], ref.weight, targets, bias=ref.bias, temperature=temperature,
-                         logit_scale=ref.logit_scale, softcap=ref.softcap, return_entropy=entropy,
-                         chunk_bytes=chunk_bytes)
+    head = Head(ref.weight, ref.bias, LogitTransform(temperature, ref.logit_scale, ref.softcap))
+    res = token_logprobs(hidden[:, :-1], head, targets, return_entropy=entropy,
+                         options=PassOptions(chunk_bytes=chunk_bytes))
     logp, ent = res if entropy else (res, None)
 
     def place(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,403 @@
+"""The vocabulary engine: one blocked pass over the vocabulary, in fused or recompute mode.
+
+Objectives hand the engine a :class:`Head`, the rows that enter the pass and (for a loss) a
+chunk objective; the engine resolves the head, the backend and the block sizes once per call,
+walks the token chunks, and returns the loss and every token's statistics. Two modes:
+
+* **recompute**: the forward keeps O(N) state (``lse``, ``Σ p z``); the backward recomputes the
+  logits block by block (4 GEMMs of work). The objective sees every token's statistics at once,
+  so it may need global information first (an entropy quantile, a sequence split across chunks).
+* **fused**: for each chunk the forward computes the statistics, asks the objective for the
+  chunk's loss term, differentiates it w.r.t. the chunk's statistics (autograd on ``[chunk]``
+  tensors), and runs the gradient GEMMs right away, reusing the chunk's logits when they fit;
+  the backward only scales the saved gradients (3 GEMMs). The objective must be a sum of
+  per-chunk terms (global normalizers precomputed by the caller); chunks end only at the
+  caller's allowed cut points (sequence boundaries for sequence-level objectives).
+
+Under vocabulary parallelism (``Head.shard`` with a group) the partial statistics are reduced
+with one MAX and one SUM all-reduce per pass (recompute) or per chunk (fused), and the
+``d hidden`` partials are summed in the statistics dtype, then cast once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from ..distributed import all_reduce
+from .backend import Accumulators, Backend, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, resolve_backend
+from .head import Head, LocalHead
+from .lora import LowRank
+from .options import Mode, PassOptions
+from .plan import ChunkPlan, stat_dtype_for
+
+
+class ChunkStats(NamedTuple):
+    """Per-token statistics of the head's softmax for a set of tokens (``[n]`` each, fp32 — fp64
+    for fp64 inputs — nats): what an objective sees.
+
+    ``logp`` (of the target), ``lse`` (log-partition), ``entropy`` (``None`` unless requested)
+    and ``sum_z`` (``Σ_v z_v``, ``None`` unless requested) are differentiable inside an
+    objective; ``is_top1`` (bool: the target's logit is the largest, ties count) is not.
+    """
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+    sum_z: torch.Tensor | None
+    is_top1: torch.Tensor
+
+    def detached(self) -> ChunkStats:
+        return ChunkStats(*(None if t is None else t.detach() for t in self))
+
+
+# objective(token_slice, stats) -> (loss term, anything to collect)
+ChunkObjective = Callable[[slice, ChunkStats], tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """What an objective needs from the pass.
+
+    Attributes:
+        want: statistics beyond ``logp``/``lse``/``is_top1`` (:class:`StatRequest`).
+        cuts: token positions where a fused chunk may end (sorted, in ``(0, n]``), or ``None``
+            (anywhere): sequence boundaries for sequence-level objectives.
+        needs_all_stats: the objective needs every token's statistics before its loss (e.g. an
+            entropy quantile), so it runs in recompute mode.
+        before_loss: called with every token's detached statistics before the objective, in
+            recompute mode (e.g. to set a quantile mask).
+    """
+
+    want: StatRequest = field(default_factory=StatRequest)
+    cuts: Sequence[int] | None = None
+    needs_all_stats: bool = False
+    before_loss: Callable[[ChunkStats], None] | None = None
+
+
+class PassResult(NamedTuple):
+    """``loss`` (the sum of the objective's terms, differentiable), every token's detached
+    ``stats`` and each chunk's collected value, in order."""
+
+    loss: torch.Tensor
+    stats: ChunkStats
+    collected: list[Any]
+
+
+def resolve_mode(mode: Mode, needs_all_stats: bool) -> Literal["fused", "recompute"]:
+    """``auto`` → fused unless the objective needs every token's statistics before its loss.
+
+    Raises:
+        ValueError: unknown mode, or ``fused`` for an objective that cannot be chunked.
+    """
+    if mode not in ("auto", "fused", "recompute"):
+        raise ValueError(f"mode must be 'auto', 'fused' or 'recompute', got {mode!r}")
+    if mode == "fused" and needs_all_stats:
+        raise ValueError("mode='fused' cannot run an objective that needs every token's statistics before the "
+                         "loss (e.g. top_entropy_quantile < 1); use mode='recompute' or 'auto'")
+    if mode == "auto":
+        return "recompute" if needs_all_stats else "fused"
+    return mode
+
+
+def no_autocast(device: torch.device):
+    """The pass controls its own precisions (fp32 statistics); autocast must not recast them."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+@dataclass
+class _Pass:
+    """One call's resolved pass: made once, used by every chunk and by the backward."""
+
+    backend: Backend
+    head: LocalHead
+    targets: torch.Tensor  # [n] local indices
+    plan: ChunkPlan
+    want: StatRequest
+    lora_b: torch.Tensor | None = None  # [V, r] the adapter's vocabulary-side factor (GEMM dtype)
+
+    @classmethod
+    def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
+             options: PassOptions) -> tuple[_Pass, torch.Tensor | None]:
+        """The pass and the adapter's hidden-side factor ``x`` (differentiable, or ``None``)."""
+        local = head.local()
+        backend = resolve_backend(options.impl, hidden, head.lora is not None)
+        plan = ChunkPlan.make(hidden.shape[0], local.weight.shape[0], options.budget, hidden.dtype, backend.PLAN,
+                              options.fp32_logits)
+        x = b = None
+        if head.lora is not None:
+            x, b = head.lora.factors(hidden, head.weight)
+        return cls(backend, local, local.local_targets(targets), plan, want, b), x
+
+    def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> ChunkRows:
+        return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
+
+    def forward(self, rows: ChunkRows, plan: ChunkPlan, keep_logits: bool) -> tuple[RowStats, object | None]:
+        with no_autocast(rows.hidden.device):
+            return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits)
+
+    def backward(self, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads, acc: Accumulators,
+                 kept: object | None) -> torch.Tensor | None:
+        with no_autocast(rows.hidden.device):
+            return self.backend.chunk_backward(self.head, rows, plan, saved, grads, acc, kept)
+
+
+def _stats_of(st: RowStats) -> tuple[ChunkStats, SavedStats]:
+    fin = st.finalize()
+    entropy = None if fin.sum_pz is None else fin.lse - fin.sum_pz
+    return ChunkStats(fin.logp, fin.lse, entropy, fin.sum_z, fin.is_top1), SavedStats(fin.lse, fin.sum_pz)
+
+
+# ----------------------------------------------------------------------------- recompute mode
+
+
+def _forward_all(p: _Pass, hidden: torch.Tensor, low: LowRank | None) -> tuple[ChunkStats, SavedStats]:
+    """Statistics of every row, chunk by chunk, reduced over the vocabulary group once."""
+    n = hidden.shape[0]
+    # Whole-pass buffers filled chunk by chunk: keeping every chunk's small result tensors alive
+    # instead pins the heap between the chunks' large logits blocks on CPU (glibc), and resident
+    # memory then grows by about one block per chunk, i.e. with N x V.
+    out = RowStats.empty(n, stat_dtype_for(hidden.dtype), hidden.device, p.want)
+    for sl in p.plan.chunks(n):
+        part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
+        out.write(sl, part)
+        del part
+    return _stats_of(out.reduce(p.head.group))
+
+
+def _zeros(want: bool, like: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return torch.zeros(like.shape, dtype=dtype, device=like.device) if want and like is not None else None
+
+
+def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
+    return None if g is None else g.to(like.dtype)
+
+
+class _RecomputeFn(torch.autograd.Function):
+    """Outputs ``(logp, lse, entropy, sum_z, is_top1)``, ``[n]`` each; ``entropy``/``sum_z`` are
+    zeros (non-differentiable) when not requested."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, lora_x, lora_b, p: _Pass):
+        stats, saved = _forward_all(p, hidden, p.head.low_rank(lora_x, lora_b))
+        ctx.save_for_backward(hidden, weight, bias, lora_x, lora_b, saved.lse, saved.sum_pz)
+        ctx.p = p
+        zeros = torch.zeros_like(stats.lse)
+        entropy = zeros if stats.entropy is None else stats.entropy
+        sum_z = zeros.clone() if stats.sum_z is None else stats.sum_z
+        top1 = stats.is_top1.clone()
+        ctx.mark_non_differentiable(top1, *([entropy] if stats.entropy is None else []),
+                                    *([sum_z] if stats.sum_z is None else []))
+        return stats.logp, stats.lse, entropy, sum_z, top1
+
+    @staticmethod
+    def backward(ctx, g_logp, g_lse, g_entropy, g_sum_z, _g_top1):
+        hidden, weight, bias, lora_x, lora_b, lse, sum_pz = ctx.saved_tensors
+        p: _Pass = ctx.p
+        grads = StatGrads(logp=g_logp, lse=g_lse, entropy=None if sum_pz is None else g_entropy,
+                          sum_z=g_sum_z if p.want.sum_z else None)
+        need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
+        sdt = lse.dtype
+        local = p.head.rows_of(weight, bias)
+        rows_w = local.weight.shape[0]
+        acc = Accumulators(weight=_zeros(need_w, weight, sdt), bias=_zeros(need_b, bias, sdt),
+                           lora_x=_zeros(need_x, lora_x, sdt), lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
+        low = local.low_rank(lora_x, lora_b)
+        local_acc = Accumulators(weight=None if acc.weight is None else acc.weight[:rows_w],
+                                 bias=None if acc.bias is None else acc.bias[:rows_w], lora_x=acc.lora_x,
+                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h)
+        # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
+        partial = need_h and local.reduces_grad_hidden
+        grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
+        for sl in p.plan.chunks(hidden.shape[0]):
+            chunk_acc = Accumulators(local_acc.weight, local_acc.bias,
+                                     None if local_acc.lora_x is None else local_acc.lora_x[sl], local_acc.lora_b,
+                                     need_h)
+            saved = SavedStats(lse[sl], None if sum_pz is None else sum_pz[sl])
+            gh = p.backward(p.rows(hidden, sl, low), p.plan, saved, grads.rows(sl), chunk_acc, None)
+            if need_h:
+                grad_hidden[sl] = gh
+        if partial:
+            grad_hidden = all_reduce(grad_hidden, "sum", local.group).to(hidden.dtype)
+        if acc.lora_x is not None and local.reduces_grad_hidden:
+            acc.lora_x.copy_(all_reduce(acc.lora_x, "sum", local.group))
+        return (grad_hidden, _cast(acc.weight, weight), _cast(acc.bias, bias), _cast(acc.lora_x, lora_x),
+                _cast(acc.lora_b, lora_b), None)
+
+
+def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
+                  options: PassOptions) -> ChunkStats:
+    """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
+    mode; under ``torch.no_grad`` only the forward runs: one GEMM's worth of work).
+
+    Args:
+        hidden: ``[n, H]`` rows that enter the pass (validated by the caller).
+        head: the :class:`Head`.
+        targets: ``[n]`` int64 global token ids, all valid.
+        want: statistics beyond ``logp``/``lse``/``is_top1``.
+        options: :class:`PassOptions` (``mode`` is not read: this is recompute mode).
+
+    Returns:
+        :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
+    """
+    p, x = _Pass.make(hidden, head, targets, want, options)
+    logp, lse, entropy, sum_z, top1 = _RecomputeFn.apply(hidden, head.weight, head.bias, x, p.lora_b, p)
+    return ChunkStats(logp, lse, entropy if want.entropy else None, sum_z if want.sum_z else None, top1)
+
+
+# ----------------------------------------------------------------------------- fused mode
+
+
+@dataclass
+class _FusedCall:
+    """The non-tensor inputs of one fused pass."""
+
+    p: _Pass
+    objective: ChunkObjective
+    chunks: list[slice]
+    collected: list[Any] = field(default_factory=list)
+    stats: ChunkStats | None = None  # every token's, set by the pass
+
+
+def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None,
+               acc: Accumulators | None) -> tuple[torch.Tensor, ChunkStats, torch.Tensor | None]:
+    """A chunk's statistics, its loss term and (``acc`` given) its gradients:
+    ``(loss term, detached stats, d hidden rows | None)``."""
+    p = call.p
+    rows = p.rows(hidden, sl, low)
+    plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
+    want_grad = acc is not None
+    part, kept = p.forward(rows, plan, keep_logits=want_grad and plan.keep_logits)
+    stats, saved = _stats_of(part.reduce(p.head.group))
+    del part
+    with torch.enable_grad():
+        def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().requires_grad_(want_grad)
+
+        leaves = ChunkStats(leaf(stats.logp), leaf(stats.lse), leaf(stats.entropy), leaf(stats.sum_z),
+                            stats.is_top1)
+        loss, collected = call.objective(sl, leaves)
+        grads = StatGrads()
+        if want_grad and loss.requires_grad:
+            names = [k for k in ("logp", "lse", "entropy", "sum_z") if getattr(leaves, k) is not None]
+            got = torch.autograd.grad(loss, [getattr(leaves, k) for k in names], allow_unused=True)
+            grads = StatGrads(**dict(zip(names, got, strict=True)))
+    call.collected.append(collected)
+    grad_hidden = None
+    if want_grad and grads.any():
+        chunk_acc = Accumulators(acc.weight, acc.bias, None if acc.lora_x is None else acc.lora_x[sl], acc.lora_b,
+                                 acc.hidden)
+        grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
+    return loss.detach(), stats, grad_hidden
+
+
+def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
+                acc: Accumulators | None, grad_hidden: torch.Tensor | None) -> tuple[torch.Tensor, ChunkStats]:
+    """All chunks in order: the total loss and every token's statistics; with ``acc`` the
+    gradients go into it (``grad_hidden`` rows written per chunk)."""
+    sdt = stat_dtype_for(hidden.dtype)
+    n = hidden.shape[0]
+    total = torch.zeros((), dtype=sdt, device=hidden.device)
+    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
+    def buffer(flag: bool, dtype: torch.dtype = sdt) -> torch.Tensor | None:
+        return torch.empty(n, dtype=dtype, device=hidden.device) if flag else None
+
+    out = ChunkStats(buffer(True), buffer(True), buffer(call.p.want.entropy), buffer(call.p.want.sum_z),
+                     buffer(True, torch.bool))
+    for sl in call.chunks:
+        loss, stats, gh = _run_chunk(call, hidden, sl, low, acc)
+        total = total + loss
+        for dst, src in zip(out, stats, strict=True):
+            if dst is not None:
+                dst[sl] = src
+        if grad_hidden is not None and gh is not None:
+            grad_hidden[sl] = gh
+    return total, out
+
+
+class _FusedFn(torch.autograd.Function):
+    """Outputs ``(loss, logp, entropy)``; the gradients are computed in the forward and only
+    scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, lora_x, lora_b, call: _FusedCall):
+        need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
+        p = call.p
+        sdt = stat_dtype_for(hidden.dtype)
+        rows_w = p.head.weight.shape[0]
+        # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
+        partial = p.head.reduces_grad_hidden
+        grad_hidden = _zeros(need_h, hidden, sdt if partial else hidden.dtype)
+        full = Accumulators(weight=_zeros(need_w, weight, sdt), bias=_zeros(need_b, bias, sdt),
+                            lora_x=_zeros(need_x, lora_x, sdt), lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
+        local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
+                             bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
+                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h)
+        total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
+        grad_x = full.lora_x
+        if partial and grad_hidden is not None:
+            grad_hidden = all_reduce(grad_hidden, "sum", p.head.group).to(hidden.dtype)
+        if partial and grad_x is not None:
+            grad_x = all_reduce(grad_x, "sum", p.head.group)
+        ctx.save_for_backward(grad_hidden, full.weight, full.bias, grad_x, full.lora_b)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, lora_x, lora_b))
+        call.stats = stats
+        return total
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        # loss.backward() sends exactly 1: skip scaling a [V, H] fp32 buffer (a full extra pass).
+        unit = bool(g_loss == 1)
+
+        def scaled(g, dtype):
+            if g is None:
+                return None
+            return g.to(dtype) if unit else (g * g_loss.to(g.dtype)).to(dtype)
+
+        return (*(scaled(g, dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)), None)
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+
+def run_objective(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objective: ChunkObjective,
+                  spec: ObjectiveSpec, options: PassOptions) -> PassResult:
+    """Run ``objective`` over the vocabulary statistics of ``hidden`` and sum its terms.
+
+    Args:
+        hidden: ``[n, H]`` rows that enter the pass (validated by the caller, e.g. with
+            :func:`~logitless.ops.validate.check_head_inputs`).
+        head: the :class:`Head` (global ``targets`` are mapped to its shard's rows here).
+        targets: ``[n]`` int64 global token ids, all valid.
+        objective: ``objective(rows, stats) -> (loss term, collected)``; ``rows`` is the slice of
+            the ``n`` rows that ``stats`` (:class:`ChunkStats`) covers — a chunk in fused mode,
+            all rows in recompute mode.
+        spec: :class:`ObjectiveSpec` (statistics wanted, allowed cuts, mode constraints).
+        options: :class:`PassOptions`.
+
+    Returns:
+        :class:`PassResult`: the loss carries the gradient to ``hidden`` and the head's weight,
+        bias and adapter.
+
+    Raises:
+        ValueError: ``mode="fused"`` for an objective that needs all statistics first; a bad
+            ``impl`` for the device.
+    """
+    mode = resolve_mode(options.mode, spec.needs_all_stats)
+    if mode == "recompute":
+        stats = compute_stats(hidden, head, targets, spec.want, options)
+        if spec.before_loss is not None:
+            spec.before_loss(stats.detached())
+        loss, collected = objective(slice(0, hidden.shape[0]), stats)
+        return PassResult(loss, stats.detached(), [collected])
+    p, x = _Pass.make(hidden, head, targets, spec.want, options)
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], spec.cuts))
+    tensors = (hidden, head.weight, head.bias, x, p.lora_b)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        loss = _FusedFn.apply(*tensors, call)
+        return PassResult(loss, call.stats, call.collected)
+    loss, stats = _run_chunks(call, hidden, p.head.low_rank(x, p.lora_b), None, None)
+    return PassResult(loss, stats, call.collected)

@@ -1,0 +1,123 @@
+"""``Head``: everything that defines the logits of a pass, as one frozen value.
+
+The logits are ``z = transform(hidden @ weight.T + bias + lora term)`` over the vocabulary rows
+``weight`` holds (the local shard of a vocabulary-parallel head). A :class:`Head` travels
+unchanged from the public entry points to the backends; :meth:`Head.local` resolves the shard
+once per call into the :class:`LocalHead` the engine and backends index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..distributed import is_active
+from .lora import HeadLoRA, LowRank
+from .shard import VocabShard
+from .transform import LogitTransform
+
+
+def _describe(t: torch.Tensor | None) -> str:
+    if t is None:
+        return "None"
+    return f"[{', '.join(map(str, t.shape))}] {str(t.dtype).removeprefix('torch.')} {t.device}"
+
+
+@dataclass(frozen=True, repr=False)
+class Head:
+    """The output head of a language model as the vocabulary pass sees it.
+
+    Attributes:
+        weight: ``[V, H]`` head weight (the local rows of a vocabulary-parallel head), fp16/bf16/
+            fp32/fp64, same dtype and device as the hidden states.
+        bias: ``[V]`` or ``None``.
+        transform: :class:`LogitTransform` (temperature, logit scale, soft-cap) applied to the
+            matmul output.
+        lora: :class:`HeadLoRA` adapter on the head, added inside every vocabulary block (no
+            merged weight), or ``None``.
+        shard: :class:`VocabShard` for a vocabulary-parallel or padded head, or ``None``.
+
+    A plain ``weight`` tensor wherever a ``Head`` is accepted means ``Head(weight)``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    transform: LogitTransform = field(default_factory=LogitTransform)
+    lora: HeadLoRA | None = None
+    shard: VocabShard | None = None
+
+    def __repr__(self) -> str:
+        lora = "None" if self.lora is None else f"HeadLoRA(r={self.lora.a.shape[0]}, scaling={self.lora.scaling})"
+        return (f"Head(weight={_describe(self.weight)}, bias={_describe(self.bias)}, transform={self.transform}, "
+                f"lora={lora}, shard={self.shard})")
+
+    def at_temperature(self, temperature: float) -> Head:
+        """This head with the sampling ``temperature`` in its transform (scale and cap kept)."""
+        return dataclasses.replace(self, transform=dataclasses.replace(self.transform, temperature=temperature))
+
+    def local(self) -> LocalHead:
+        """The rows that take part in the softmax and where they sit in the global vocabulary.
+
+        Raises:
+            ValueError: a shard inconsistent with ``weight``'s rows.
+        """
+        shard = VocabShard() if self.shard is None else self.shard
+        start, size, valid = shard.resolve(self.weight.shape[0])
+        return LocalHead(weight=self.weight[:valid], bias=None if self.bias is None else self.bias[:valid],
+                         transform=self.transform, group=shard.group, vocab_start=start, vocab_size=size,
+                         reduce_grad_hidden=shard.reduce_grad_hidden)
+
+
+def as_head(head: Head | torch.Tensor) -> Head:
+    """``head`` itself, or ``Head(head)`` for a bare weight tensor.
+
+    Raises:
+        TypeError: neither a :class:`Head` nor a tensor.
+    """
+    if isinstance(head, Head):
+        return head
+    if isinstance(head, torch.Tensor):
+        return Head(head)
+    raise TypeError(f"head must be a logitless.Head or a [V, H] weight tensor, got {type(head).__name__}")
+
+
+@dataclass(frozen=True)
+class LocalHead:
+    """A :class:`Head` resolved for one pass: the valid local rows and the shard's layout.
+
+    Attributes:
+        weight, bias: the local rows that take part in the softmax (padding rows cut off).
+        transform: the head's :class:`LogitTransform`.
+        group: vocabulary-parallel process group, or ``None``.
+        vocab_start: global index of the first local row.
+        vocab_size: the full vocabulary's size.
+        reduce_grad_hidden: sum the ``d hidden`` partials over ``group``.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    transform: LogitTransform
+    group: object | None
+    vocab_start: int
+    vocab_size: int
+    reduce_grad_hidden: bool
+
+    @property
+    def reduces_grad_hidden(self) -> bool:
+        """Whether ``d hidden`` partials are summed over an active vocabulary-parallel group."""
+        return self.reduce_grad_hidden and is_active(self.group)
+
+    def rows_of(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LocalHead:
+        """This head over ``weight``/``bias`` (e.g. the tensors autograd saved): the same rows."""
+        rows = self.weight.shape[0]
+        return dataclasses.replace(self, weight=weight[:rows], bias=None if bias is None else bias[:rows])
+
+    def low_rank(self, x: torch.Tensor | None, b: torch.Tensor | None) -> LowRank | None:
+        """An adapter's factors over this head's rows (``b`` cut like ``weight``), or ``None``."""
+        return None if x is None else LowRank(x, b[:self.weight.shape[0]])
+
+    def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Global ids → local rows; ids owned by another rank fall outside ``[0, V_local)``."""
+        return targets - self.vocab_start if self.vocab_start else targets

@@ -1,0 +1,76 @@
+"""``PassOptions``: the knobs of a vocabulary pass, as one frozen value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .settings import LogitsPrecision, settings
+
+Mode = Literal["auto", "fused", "recompute"]
+Impl = Literal["auto", "torch", "triton", "flash"]
+
+_MODES = ("auto", "fused", "recompute")
+_IMPLS = ("auto", "torch", "triton", "flash")
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """How a pass runs; none of it changes what is computed beyond rounding.
+
+    Attributes:
+        mode: ``"fused"`` (the objective's gradient is taken chunk by chunk inside the forward:
+            3 GEMMs of work), ``"recompute"`` (O(N) saved state, logits recomputed in the
+            backward: 4 GEMMs), or ``"auto"`` (fused unless the objective needs every token's
+            statistics before its loss).
+        impl: backend: ``"auto"`` (Triton on CUDA when it imports, else torch), ``"torch"``,
+            ``"triton"`` (cuBLAS GEMMs + Triton row kernels) or ``"flash"`` (Triton tile GEMMs
+            that never write logits).
+        chunk_bytes: workspace budget of the pass in bytes; ``None``: ``LOGITLESS_CHUNK_BYTES``,
+            else 1 GiB.
+        logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 (statistics within
+            ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
+            first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
+            still accumulate in fp32). ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``.
+
+    Raises:
+        ValueError: a value outside its choices, or ``chunk_bytes <= 0``.
+    """
+
+    mode: Mode = "auto"
+    impl: Impl = "auto"
+    chunk_bytes: int | None = None
+    logits_precision: LogitsPrecision | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        if self.chunk_bytes is not None and (isinstance(self.chunk_bytes, bool) or int(self.chunk_bytes) <= 0):
+            raise ValueError(f"chunk_bytes must be a positive number of bytes or None, got {self.chunk_bytes!r}")
+        if self.logits_precision not in (None, "fp32", "input"):
+            raise ValueError(f"logits_precision must be 'fp32', 'input' or None, got {self.logits_precision!r}")
+
+    @property
+    def budget(self) -> int:
+        """``chunk_bytes`` with its default applied."""
+        return settings().chunk_bytes if self.chunk_bytes is None else int(self.chunk_bytes)
+
+    @property
+    def fp32_logits(self) -> bool:
+        """Whether the matmul output stays fp32 (``logits_precision`` with its default applied)."""
+        return (self.logits_precision or settings().logits_precision) == "fp32"
+
+
+def as_options(options: PassOptions | None) -> PassOptions:
+    """``options`` or the defaults.
+
+    Raises:
+        TypeError: not a :class:`PassOptions` (e.g. a dict: build ``PassOptions(**d)``).
+    """
+    if options is None:
+        return PassOptions()
+    if not isinstance(options, PassOptions):
+        raise TypeError(f"options must be a logitless.PassOptions, got {type(options).__name__}")
+    return options
