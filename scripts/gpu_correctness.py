@@ -12,7 +12,7 @@ import sys
 import torch
 
 import logitless
-from logitless import LogitTransform, PolicyConfig
+from logitless import Head, LogitTransform, PassOptions, PolicyConfig
 from logitless.ops.reference import reference_stats
 
 FAILED: list[str] = []
@@ -48,7 +48,7 @@ def main() -> int:
     outs = {}
     for impl in ("torch", "triton"):
         hh, ww, bb = (x.clone().requires_grad_() for x in (hid, w, b))
-        st = logitless.vocab_stats(hh, ww, tgt, bias=bb, mean_logit=True, impl=impl, **tf)
+        st = logitless.vocab_stats(hh, Head(ww, bias=bb), tgt, mean_logit=True, **tf, options=PassOptions(impl=impl))
         g = torch.randn(4, n, device=dev, generator=torch.Generator(dev).manual_seed(1))
         (g[0] * st.logp + g[1] * st.lse + g[2] * st.entropy + g[3] * st.mean_logit).sum().backward()
         outs[impl] = (st, hh.grad, ww.grad, bb.grad)
@@ -63,7 +63,7 @@ def main() -> int:
         check(f"vocab_stats {k} triton vs torch", rel(outs["triton"][i], outs["torch"][i]), 1e-2)
 
     # token_logprobs (rollout) = vocab_stats
-    lp, ent = logitless.token_logprobs(hid, w, tgt, bias=b, return_entropy=True, **tf)
+    lp, ent = logitless.token_logprobs(hid, Head(w, bias=b), tgt, return_entropy=True, **tf)
     check("token_logprobs vs vocab_stats", rel(lp, outs["triton"][0].logp), 1e-6)
     check("token_logprobs entropy vs vocab_stats", rel(ent, outs["triton"][0].entropy), 1e-6)
 
@@ -72,7 +72,7 @@ def main() -> int:
     ids = tgt.clamp(min=0).reshape(bsz, t)
     mask = (tgt != -100).reshape(bsz, t).float()
     with torch.no_grad():
-        cur = logitless.token_logprobs(hid.reshape(bsz, t, h), w, ids, bias=b, **tf)
+        cur = logitless.token_logprobs(hid.reshape(bsz, t, h), Head(w, bias=b), ids, **tf)
     old, refl = cur + 0.2 * torch.randn_like(cur), cur + 0.2 * torch.randn_like(cur)
     adv = torch.randn(bsz, device=dev)
     for level in ("token", "sequence"):
@@ -80,8 +80,8 @@ def main() -> int:
         res = {}
         for impl, mode in (("triton", "fused"), ("triton", "recompute"), ("torch", "fused")):
             hh, ww = hid.reshape(bsz, t, h).clone().requires_grad_(), w.clone().requires_grad_()
-            loss, m = logitless.policy_loss(hh, ww, ids, mask, adv, old, refl, config=cfg, bias=b,
-                                            transform=LogitTransform(**tf), mode=mode, impl=impl)
+            loss, m = logitless.policy_loss(hh, Head(ww, bias=b, transform=LogitTransform(**tf)), ids, mask, adv, old,
+                                            refl, config=cfg, options=PassOptions(mode=mode, impl=impl))
             loss.backward()
             res[(impl, mode)] = (loss.detach(), hh.grad, ww.grad, m)
         base = res[("torch", "fused")]
@@ -97,8 +97,8 @@ def main() -> int:
     res = {}
     for impl in ("torch", "triton"):
         hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, m = logitless.cross_entropy(hh, ww, tgt, bias=b, label_smoothing=0.1, z_loss=1e-4,
-                                          transform=LogitTransform(**tf), impl=impl)
+        loss, m = logitless.cross_entropy(hh, Head(ww, bias=b, transform=LogitTransform(**tf)), tgt,
+                                          label_smoothing=0.1, z_loss=1e-4, options=PassOptions(impl=impl))
         loss.backward()
         res[impl] = (loss.detach(), hh.grad, ww.grad, m["accuracy"])
     check("cross_entropy loss triton vs torch", rel(res["triton"][0], res["torch"][0]), 1e-5)

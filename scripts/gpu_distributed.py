@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import logitless
-from logitless import LogitTransform, PolicyConfig, VocabShard
+from logitless import Head, LogitTransform, PassOptions, PolicyConfig, VocabShard
 
 
 def _inputs(n, h, v, dev, seed=0):
@@ -36,8 +36,9 @@ def _grpo(hid, w, tgt, shard, mode, b=16):
     old = (torch.randn(b, t, generator=g) * 0.1 - 3).to(hid.device)
     ref = (torch.randn(b, t, generator=g) * 0.1 - 3).to(hid.device)
     hh, ww = hid.reshape(b, t, h).clone().requires_grad_(), w.clone().requires_grad_()
-    loss, m = logitless.policy_loss(hh, ww, ids, mask, adv, old, ref, config=PolicyConfig(loss_type="dapo", beta=0.04),
-                                    transform=LogitTransform(temperature=0.9), shard=shard, mode=mode)
+    loss, m = logitless.policy_loss(hh, Head(ww, transform=LogitTransform(temperature=0.9), shard=shard), ids, mask,
+                                    adv, old, ref, config=PolicyConfig(loss_type="dapo", beta=0.04),
+                                    options=PassOptions(mode=mode))
     loss.backward()
     return loss.detach(), hh.grad.reshape(n, h), ww.grad, m["entropy"]
 
@@ -65,10 +66,11 @@ def worker(rank, world, port, q):
         out[f"grpo-{mode} grad weight shard"] = rel(tp[2], one[2][rank * rows:(rank + 1) * rows])
         out[f"grpo-{mode} entropy"] = rel(tp[3], one[3])
     hh = hid.clone().requires_grad_()
-    ce_tp, _ = logitless.cross_entropy(hh, w[rank * rows:(rank + 1) * rows], tgt, label_smoothing=0.1, shard=shard)
+    ce_tp, _ = logitless.cross_entropy(hh, Head(w[rank * rows:(rank + 1) * rows], shard=shard), tgt,
+                                       label_smoothing=0.1)
     ce_one, _ = logitless.cross_entropy(hid, w, tgt, label_smoothing=0.1)
     out["ce loss"] = rel(ce_tp.detach(), ce_one)
-    lp_tp = logitless.token_logprobs(hid, w[rank * rows:(rank + 1) * rows], tgt, shard=shard)
+    lp_tp = logitless.token_logprobs(hid, Head(w[rank * rows:(rank + 1) * rows], shard=shard), tgt)
     out["rollout logp"] = rel(lp_tp, logitless.token_logprobs(hid, w, tgt))
 
     # scaling: fused GRPO at N=8k, H=4096, V=128256, TP=world vs TP=1 on this GPU

@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
+from logitless import PassOptions
+
 ROWS: list[tuple[str, str, str]] = []  # (case, value, note)
 DEV = {"device": "cuda", "dry": False}
 
@@ -112,7 +114,7 @@ def step_fn(h, w, y, impl: str, **kw):
 
     def step():
         hh.grad = ww.grad = None
-        st = vocab_stats(hh, ww, y, impl=impl, **kw)
+        st = vocab_stats(hh, ww, y, **kw, options=PassOptions(impl=impl))
         (-st.logp.sum() + 0.01 * st.entropy.sum()).backward()
         return st, hh, ww
 
@@ -236,7 +238,8 @@ def timings(h, w, y) -> None:
     for impl, cb, label in (("flash", None, "default plan"), ("flash", one_chunk, "one chunk"),
                             ("triton", None, "default plan")):
         timed(f"rollout token_logprobs+entropy impl={impl} ({label})",
-              lambda impl=impl, cb=cb: token_logprobs(h, w, y, impl=impl, return_entropy=True, chunk_bytes=cb),
+              lambda impl=impl, cb=cb: token_logprobs(h, w, y, return_entropy=True,
+                                                      options=PassOptions(impl=impl, chunk_bytes=cb)),
               t1, "of the logits GEMM")
 
     part, _ = flash_backend.chunk_forward(h, w, None, y, tr, plan, torch.float32, True, False)
@@ -287,7 +290,7 @@ def memory(h, w, y) -> None:
             sync()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            token_logprobs(h, w, y, impl=impl, return_entropy=True)
+            token_logprobs(h, w, y, return_entropy=True, options=PassOptions(impl=impl))
             sync()
             row(f"peak memory rollout forward impl={label} beyond inputs",
                 f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB")

@@ -19,7 +19,7 @@ import triton.testing
 from gpu_correctness import FAILED, check, rel  # scripts/ is on sys.path when run as a script
 
 import logitless
-from logitless import HeadLoRA, PolicyConfig
+from logitless import Head, HeadLoRA, PassOptions, PolicyConfig
 
 
 def main() -> int:
@@ -44,11 +44,11 @@ def main() -> int:
     outs = {}
     for impl in ("torch", "triton"):
         hh, aa, bb = (x.clone().requires_grad_() for x in (hid[:m], la, lb))
-        st = logitless.vocab_stats(hh, w, tgt[:m], lora=HeadLoRA(aa, bb, scaling), impl=impl)
+        st = logitless.vocab_stats(hh, Head(w, lora=HeadLoRA(aa, bb, scaling)), tgt[:m], options=PassOptions(impl=impl))
         (-st.logp.sum() + 0.1 * st.entropy.sum()).backward()
         outs[impl] = (st.logp, st.entropy, hh.grad, aa.grad, bb.grad)
     merged = (w.float() + scaling * lb.float() @ la.float()).to(dt)
-    ref = logitless.vocab_stats(hid[:m], merged, tgt[:m], impl="triton")
+    ref = logitless.vocab_stats(hid[:m], merged, tgt[:m], options=PassOptions(impl="triton"))
     for i, k in enumerate(("logp", "entropy", "grad hidden", "grad A", "grad B")):
         check(f"lora {k}: triton vs torch backend", rel(outs["triton"][i], outs["torch"][i]), 1e-2 if i > 1 else 1e-4)
     # The merged weight is rounded to bf16 once, the adapter term is not: agreement to bf16 level.
@@ -65,9 +65,19 @@ def main() -> int:
         lr = None if lora is None else HeadLoRA(la.detach().requires_grad_(), lb.detach().requires_grad_(), scaling)
 
         def step():
-            loss, _ = logitless.policy_loss(hh, ww, tgt.view(1, n), mask, adv, config=cfg, lora=lr,
-                                            fp32_logits=fp32_logits)
+            loss, _ = logitless.policy_loss(
+                hh,
+                Head(ww, lora=lr),
+                tgt.view(1, n),
+                mask,
+                adv,
+                config=cfg,
+                options=PassOptions(
+                    logits_precision=None if fp32_logits is None else ("fp32" if fp32_logits else "input")
+                ),
+            )
             loss.backward()
+
         return step
 
     dy = torch.randn(n, v, device=dev, dtype=dt)
@@ -80,14 +90,17 @@ def main() -> int:
                 dw = dy.t() @ hid
                 del dw
             del y, dh
+
         return step
 
-    rows = [("2-GEMM floor (logits, d hidden)", floor(2)),
-            ("fused GRPO, frozen W", fused(w)),
-            (f"fused GRPO, frozen W + LoRA r={r}", fused(w, lora=True)),
-            ("3-GEMM floor", floor(3)),
-            ("fused GRPO, trainable W, fp32 logits", fused(w, train_w=True, fp32_logits=True)),
-            ("fused GRPO, trainable W, bf16 logits", fused(w, train_w=True, fp32_logits=False))]
+    rows = [
+        ("2-GEMM floor (logits, d hidden)", floor(2)),
+        ("fused GRPO, frozen W", fused(w)),
+        (f"fused GRPO, frozen W + LoRA r={r}", fused(w, lora=True)),
+        ("3-GEMM floor", floor(3)),
+        ("fused GRPO, trainable W, fp32 logits", fused(w, train_w=True, fp32_logits=True)),
+        ("fused GRPO, trainable W, bf16 logits", fused(w, train_w=True, fp32_logits=False)),
+    ]
     times = {}
     for name, fn in rows:
         try:
@@ -97,8 +110,9 @@ def main() -> int:
             FAILED.append(name)
     print(f"\n| case (N={n}, H={h}, V={v}) | ms | ratio |\n|---|---|---|")
     for name, t in times.items():
-        base = times.get("3-GEMM floor" if "trainable" in name or "3-GEMM" in name else
-                         "2-GEMM floor (logits, d hidden)")
+        base = times.get(
+            "3-GEMM floor" if "trainable" in name or "3-GEMM" in name else "2-GEMM floor (logits, d hidden)"
+        )
         print(f"| {name} | {t:.2f} | {t / base:.3f} |" if base else f"| {name} | {t:.2f} | |")
     print("FAILED: " + ", ".join(FAILED) if FAILED else "all lora checks passed")
     return 1 if FAILED else 0

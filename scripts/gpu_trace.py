@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import logitless
-from logitless import PolicyConfig
+from logitless import PassOptions, PolicyConfig
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     cfg = PolicyConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
 
     def grpo():
-        loss, _ = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg, mode="fused")
+        loss, _ = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg, options=PassOptions(mode="fused"))
         loss.backward()
         hid.grad = w.grad = None
 

@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
+from logitless import PassOptions
+
 ROWS: list[tuple[str, float, str]] = []
 # --dry-run: tiny shapes on CPU under TRITON_INTERPRET=1, one timed call per row (script check only).
 DEV = {"device": "cuda", "dry": False}
@@ -83,7 +85,7 @@ def check_correctness(h, w, y, n_check: int):
             for impl in ("torch", "triton"):
                 hh = h.detach().clone().requires_grad_()
                 ww = w.detach().clone().requires_grad_()
-                st = vocab_stats(hh, ww, y, impl=impl, **kw)
+                st = vocab_stats(hh, ww, y, **kw, options=PassOptions(impl=impl))
                 (-st.logp.sum() + 0.01 * st.entropy.sum()).backward()
                 res[impl] = (st.logp.detach(), st.entropy.detach(), hh.grad, ww.grad)
             a, b = res["triton"], res["torch"]
@@ -267,7 +269,7 @@ def timings(h, w, y, quick: bool):
 
         def step():
             hh.grad = ww.grad = None
-            st = vocab_stats(hh, ww, y, impl="triton", entropy=True, chunk_bytes=chunk_bytes)
+            st = vocab_stats(hh, ww, y, entropy=True, options=PassOptions(impl="triton", chunk_bytes=chunk_bytes))
             (-st.logp.sum() + 0.01 * st.entropy.sum()).backward()
         return step
 
@@ -294,7 +296,8 @@ def timings(h, w, y, quick: bool):
     for label, cb in (("default budget", None), ("2048-row chunks", 2048 * vocab * torch_per),
                       ("one chunk", n * vocab * torch_per)):
         bench(f"rollout token_logprobs+entropy, {label}",
-              lambda cb=cb: token_logprobs(h, w, y, impl="triton", return_entropy=True, chunk_bytes=cb), t1,
+              lambda cb=cb: token_logprobs(h, w, y, return_entropy=True,
+                                           options=PassOptions(impl="triton", chunk_bytes=cb)), t1,
               "vs 1 GEMM")
 
 

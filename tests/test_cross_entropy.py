@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import logitless
-from logitless import LogitTransform, cross_entropy, head_loss
+from logitless import Head, LogitTransform, PassOptions, cross_entropy, head_loss
 from logitless.ops import torch_backend
 
 
@@ -42,8 +42,15 @@ def test_matches_torch_cross_entropy(gen, mode, reduction, eps, z):
     hidden, weight, targets = _inputs(gen)
     tf = LogitTransform(temperature=0.8, softcap=6.0)
     # small chunk_bytes: several token chunks and vocabulary blocks
-    loss, m = cross_entropy(hidden, weight, targets, transform=tf, label_smoothing=eps, z_loss=z,
-                            reduction=reduction, mode=mode, chunk_bytes=4000)
+    loss, m = cross_entropy(
+        hidden,
+        Head(weight, transform=tf),
+        targets,
+        label_smoothing=eps,
+        z_loss=z,
+        reduction=reduction,
+        options=PassOptions(mode=mode, chunk_bytes=4000),
+    )
     ref, ref_ce, acc = _oracle(hidden, weight, targets, tf, eps, z, reduction)
     assert torch.allclose(loss, ref, rtol=1e-12, atol=1e-12)
     assert torch.allclose(m["ce"], ref_ce, rtol=1e-12)
@@ -91,9 +98,13 @@ def test_head_loss_single_pass_and_term_values(gen, monkeypatch):
     monkeypatch.setattr(torch_backend, "chunk_backward", count_bwd)
     n = targets.numel()
     loss, values = head_loss(
-        hidden, weight, targets,
+        hidden,
+        weight,
+        targets,
         {"ce": lambda s: -s.logp.sum() / s.count, "z": lambda s: 1e-3 * (s.lse**2).sum() / s.count},
-        metrics={"entropy": lambda s: s.entropy.sum() / s.count}, impl="torch", mode="fused")
+        metrics={"entropy": lambda s: s.entropy.sum() / s.count},
+        options=PassOptions(mode="fused", impl="torch"),
+    )
     loss.backward()
     assert calls == {"forward": 1, "backward": 1}  # one chunk fits: one pass each way
     logits = hidden.detach() @ weight.detach().t()

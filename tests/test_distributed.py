@@ -20,6 +20,8 @@ from logitless import PolicyConfig, cross_entropy, policy_loss, token_logprobs
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker
 
+from logitless import PassOptions
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -75,7 +77,8 @@ def _reference_policy(case, **kw):
     hidden = case["hidden"].clone().requires_grad_()
     weight = case["weight"].clone().requires_grad_()
     loss, metrics = policy_loss(hidden, weight, case["targets"], case["mask"], case["advantages"], case["old"],
-                                case["ref"], config=PolicyConfig(**case["config"]), impl="torch", **kw)
+                                case["ref"], config=PolicyConfig(**case["config"]), **kw,
+                                options=PassOptions(impl="torch"))
     loss.backward()
     return loss.detach(), hidden.grad, weight.grad, metrics
 
@@ -111,7 +114,7 @@ def test_vocab_parallel_gspo_and_ce_padded_vocab():
     ce_case = dict(hidden=hidden, weight=weight, targets=targets, pad=pad, objective="ce", mode="fused")
     h_ref = hidden.clone().requires_grad_()
     w_ref = case["weight"].clone().requires_grad_()
-    ref, _ = cross_entropy(h_ref, w_ref, targets, label_smoothing=0.1, z_loss=1e-3, impl="torch")
+    ref, _ = cross_entropy(h_ref, w_ref, targets, label_smoothing=0.1, z_loss=1e-3, options=PassOptions(impl="torch"))
     ref.backward()
     for o in _spawn("vocab_parallel", 2, ce_case):
         assert _close(o["loss"], ref) and _close(o["grad_hidden"], h_ref.grad)

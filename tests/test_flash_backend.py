@@ -16,6 +16,10 @@ import sys
 
 import pytest
 import torch
+from backend_calls import backward, forward
+
+from logitless import Head, LogitTransform, PassOptions
+from logitless.ops.backend import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
@@ -28,9 +32,13 @@ def test_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     for name in ("LOGITLESS_FLASH_FILTER", "LOGITLESS_FLASH_AUTOTUNE"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
-                           "ignore::RuntimeWarning", __file__], env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 
@@ -111,9 +119,9 @@ def _use_loads(monkeypatch, loads):
 
 # Forward: both input dtypes, plain / full transform (bias, scale, softcap, temperature), the
 # optional sums on and off, through descriptors; two of them again with plain loads.
-FORWARD_CASES = [(dt, tr, opt, "tma") for dt in (torch.float32, torch.bfloat16) for tr in TRANSFORMS
-                 for opt in (True, False)] + [(torch.float32, "full", True, "pointer"),
-                                              (torch.bfloat16, "plain", False, "pointer")]
+FORWARD_CASES = [
+    (dt, tr, opt, "tma") for dt in (torch.float32, torch.bfloat16) for tr in TRANSFORMS for opt in (True, False)
+] + [(torch.float32, "full", True, "pointer"), (torch.bfloat16, "plain", False, "pointer")]
 
 
 @interpreted
@@ -123,22 +131,20 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key)
-    ours, kept = flash_backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float32, optional, keep_logits=True,
-                                             want_sum_z=optional)
-    ref, _ = torch_backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float32, True, keep_logits=False,
-                                         want_sum_z=True)
+    ours, kept = forward(flash_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
     assert kept is None
-    assert (ours.sez is None, ours.sz is None) == (not optional, not optional)
-    assert torch.equal(ours.owned, ref.owned) and torch.all(ours.zy[~ours.owned] == 0)
-    assert torch.equal(ours.zy >= ours.m, ref.zy >= ref.m)  # is_top1
+    assert (ours.sum_exp_logit is None, ours.sum_logit is None) == (not optional, not optional)
+    assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
+    assert torch.equal(ours.target_logit >= ours.max_logit, ref.target_logit >= ref.max_logit)  # is_top1
     oracle, _ = _oracle(h, w, b, t, tr)
-    ours_lse, ours_logp, ours_spz = ours.finalize()
-    ref_lse, ref_logp, ref_spz = ref.finalize()
+    ours_lse, ours_logp, ours_spz = ours.finalize()[:3]
+    ref_lse, ref_logp, ref_spz = ref.finalize()[:3]
     _assert_bounded(ours_lse, ref_lse, oracle[0], _rtol(dtype, "stats"), "lse")
     _assert_bounded(ours_logp, ref_logp, oracle[1], _rtol(dtype, "stats"), "logp")
     if optional:
         _assert_bounded(ours_spz, ref_spz, oracle[2], _rtol(dtype, "stats"), "sum_pz")
-        _assert_bounded(ours.sz, ref.sz, oracle[3], _rtol(dtype, "stats"), "sum_z")
+        _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], _rtol(dtype, "stats"), "sum_z")
 
 
 # Backward: each of g_logp, g_lse, g_entropy, g_sum_z alone and all together, both dtypes, both
@@ -171,13 +177,23 @@ def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size,
     _, oracle_grads = _oracle(h, w, b, t, tr, g_logp, g_lse, g_ent, g_sz)
     results = {}
     for name, backend in (("flash", flash_backend), ("torch", torch_backend)):
-        partials, kept = backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float32, g_ent is not None,
-                                               keep_logits=False)
-        lse, _, sum_pz = partials.finalize()
+        partials, kept = forward(backend, h, w, b, t, tr, _plan(), g_ent is not None, keep_logits=False)
+        lse, _, sum_pz = partials.finalize()[:3]
         gw = torch.zeros(V, hidden_size)
         gb = torch.zeros(V) if b is not None else None
-        gh = backend.chunk_backward(h, w, b, t, tr, _plan(), lse, sum_pz, g_logp, g_lse, g_ent, kept, gw, gb, True,
-                                    g_sum_z=g_sz)
+        gh = backward(
+            backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            _plan(),
+            SavedStats(lse, sum_pz),
+            StatGrads(logp=g_logp, lse=g_lse, entropy=g_ent, sum_z=g_sz),
+            Accumulators(gw, gb, hidden=True),
+            kept,
+        )
         assert gh.dtype == torch.float32 and gh.shape == h.shape
         results[name] = (gh, gw, gb)
     for i, name in enumerate(("d hidden", "d weight", "d bias")):
@@ -214,17 +230,37 @@ def test_fp32_logits_false_rounds_the_matmul_output():
     want = torch.autograd.grad((g_logp * logp + g_ent * ent).sum(), leaves)
     outs = {}
     for fp32 in (True, False):
-        part, _ = flash_backend.chunk_forward(h, w, b, t, tr, _plan(fp32_logits=fp32), torch.float32, True, False)
-        ours_lse, _, spz = part.finalize()
+        part, _ = forward(flash_backend, h, w, b, t, tr, _plan(fp32_logits=fp32), True, keep_logits=False)
+        ours_lse, _, spz = part.finalize()[:3]
         gw, gb = torch.zeros(V, H), torch.zeros(V)
-        gh = flash_backend.chunk_backward(h, w, b, t, tr, _plan(fp32_logits=fp32), ours_lse, spz, g_logp, None,
-                                          g_ent, None, gw, gb, True)
+        gh = backward(
+            flash_backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            _plan(fp32_logits=fp32),
+            SavedStats(ours_lse, spz),
+            StatGrads(logp=g_logp, entropy=g_ent),
+            Accumulators(gw, gb, hidden=True),
+        )
         # g_lse = 1, no transform: d bias sums each row's probabilities, which is 1 only if both
         # passes see the same logits.
         plain, gb1 = LogitTransform(), torch.zeros(V)
-        part, _ = flash_backend.chunk_forward(h, w, b, t, plain, _plan(fp32_logits=fp32), torch.float32, False, False)
-        flash_backend.chunk_backward(h, w, b, t, plain, _plan(fp32_logits=fp32), part.finalize()[0], None, None,
-                                     torch.ones(N), None, None, None, gb1, False)
+        part, _ = forward(flash_backend, h, w, b, t, plain, _plan(fp32_logits=fp32), False, keep_logits=False)
+        backward(
+            flash_backend,
+            h,
+            w,
+            b,
+            t,
+            plain,
+            _plan(fp32_logits=fp32),
+            SavedStats(part.finalize()[0], None),
+            StatGrads(lse=torch.ones(N)),
+            Accumulators(None, gb1, hidden=False),
+        )
         torch.testing.assert_close(gb1.sum(), torch.tensor(float(N)), rtol=1e-5, atol=0)
         outs[fp32] = (ours_lse, gh, gw, gb)
     assert (outs[True][0] - outs[False][0]).abs().max() > 1e-3
@@ -240,51 +276,97 @@ def test_chunk_backward_accumulates_and_skips_hidden():
     from logitless.ops import flash_backend
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
-    partials, _ = flash_backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float32, False, keep_logits=False)
+    partials, _ = forward(flash_backend, h, w, b, t, tr, _plan(), False, keep_logits=False)
     lse = partials.finalize()[0]
     g = torch.ones(N)
     gw1, gb1 = torch.zeros(V, H), torch.zeros(V)
-    assert flash_backend.chunk_backward(h, w, b, t, tr, _plan(), lse, None, g, None, None, None, gw1, gb1,
-                                        False) is None
+    assert (
+        backward(
+            flash_backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            _plan(),
+            SavedStats(lse, None),
+            StatGrads(logp=g),
+            Accumulators(gw1, gb1, hidden=False),
+        )
+        is None
+    )
     gw2, gb2 = gw1.clone(), gb1.clone()
-    flash_backend.chunk_backward(h, w, b, t, tr, _plan(), lse, None, g, None, None, None, gw2, gb2, False)
+    backward(
+        flash_backend,
+        h,
+        w,
+        b,
+        t,
+        tr,
+        _plan(),
+        SavedStats(lse, None),
+        StatGrads(logp=g),
+        Accumulators(gw2, gb2, hidden=False),
+    )
     torch.testing.assert_close(gw2, 2 * gw1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gb2, 2 * gb1, rtol=1e-5, atol=1e-6)
     gw64 = torch.ones(V, H, dtype=torch.float64)
-    flash_backend.chunk_backward(h, w, b, t, tr, _plan(), lse, None, g, None, None, None, gw64, None, False)
+    backward(
+        flash_backend,
+        h,
+        w,
+        b,
+        t,
+        tr,
+        _plan(),
+        SavedStats(lse, None),
+        StatGrads(logp=g),
+        Accumulators(gw64, None, hidden=False),
+    )
     torch.testing.assert_close(gw64, 1 + gw1.double(), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="kept_logits"):
-        flash_backend.chunk_backward(h, w, b, t, tr, _plan(), lse, None, g, None, None, torch.zeros(N, V), gw1,
-                                     None, False)
+        backward(
+            flash_backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            _plan(),
+            SavedStats(lse, None),
+            StatGrads(logp=g),
+            Accumulators(gw1, None, hidden=False),
+            torch.zeros(N, V),
+        )
     with pytest.raises(ValueError, match="sum_pz"):
-        flash_backend.chunk_backward(h, w, b, t, tr, _plan(), lse, None, None, None, g, None, gw1, None, False)
+        backward(
+            flash_backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            _plan(),
+            SavedStats(lse, None),
+            StatGrads(entropy=g),
+            Accumulators(gw1, None, hidden=False),
+        )
 
 
 @interpreted
-def test_fp64_and_lora_delegate():
-    """fp64 goes to the torch backend, a LoRA term to the Triton backend (same results exactly)."""
-    from logitless.ops import flash_backend, torch_backend, triton_backend
+def test_lora_goes_to_the_triton_backend():
+    """The flash kernels have no low-rank term: a head with an adapter resolves to the Triton
+    backend, and the flash backend refuses adapter rows instead of dropping them."""
+    from logitless.ops import flash_backend, resolve_backend, triton_backend
     from logitless.ops.lora import LowRank
 
-    h, w, b, t, tr = _inputs(torch.float64, "full")
-    a, _ = flash_backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float64, True, keep_logits=False)
-    c, _ = torch_backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float64, True, keep_logits=False)
-    for x, y in zip(a.finalize(), c.finalize(), strict=True):
-        assert x.dtype == torch.float64
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
     h, w, b, t, tr = _inputs(torch.float32, "full")
+    assert resolve_backend("flash", h, has_lora=True) is triton_backend
+    assert resolve_backend("flash", h) is flash_backend
     g = torch.Generator().manual_seed(5)
     low = LowRank(torch.randn(N, 4, generator=g), torch.randn(V, 4, generator=g))
-    outs = []
-    for backend in (flash_backend, triton_backend):
-        p, kept = backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float32, False, keep_logits=False, lora=low)
-        lse = p.finalize()[0]
-        gx, gbl = torch.zeros(N, 4), torch.zeros(V, 4)
-        gh = backend.chunk_backward(h, w, b, t, tr, _plan(), lse, None, torch.ones(N), None, None, kept, None, None,
-                                    True, lora=low, grad_lora_x=gx, grad_lora_b=gbl)
-        outs.append((lse, gh, gx, gbl))
-    for x, y in zip(*outs, strict=True):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="adapter"):
+        forward(flash_backend, h, w, b, t, tr, _plan(), False, low=low)
 
 
 def _peaked_inputs():
@@ -304,18 +386,30 @@ def _peaked_inputs():
 def _flash_grads(monkeypatch, filtered, h, w, b, t, tr, g_logp, g_ent, g_sz):
     from logitless.ops import flash_backend
     from logitless.ops.flash_kernels import flash_config
+    from logitless.ops.settings import reload
 
     monkeypatch.setenv("LOGITLESS_FLASH_FILTER", "1" if filtered else "0")
-    flash_config.cache_clear()
+    reload()
     try:
         assert flash_config().filter == filtered
-        partials, _ = flash_backend.chunk_forward(h, w, b, t, tr, _plan(), torch.float32, True, keep_logits=False)
-        lse, _, sum_pz = partials.finalize()
+        partials, _ = forward(flash_backend, h, w, b, t, tr, _plan(), True, keep_logits=False)
+        lse, _, sum_pz = partials.finalize()[:3]
         gw, gb = torch.zeros(V, H), torch.zeros(V)
-        gh = flash_backend.chunk_backward(h, w, b, t, tr, _plan(), lse, sum_pz, g_logp, None, g_ent, None, gw, gb,
-                                          True, g_sum_z=g_sz)
+        gh = backward(
+            flash_backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            _plan(),
+            SavedStats(lse, sum_pz),
+            StatGrads(logp=g_logp, entropy=g_ent, sum_z=g_sz),
+            Accumulators(gw, gb, hidden=True),
+        )
     finally:
-        flash_config.cache_clear()
+        monkeypatch.delenv("LOGITLESS_FLASH_FILTER")
+        reload()
     return gh, gw, gb, lse, sum_pz
 
 
@@ -359,30 +453,31 @@ def test_gradient_filtering(monkeypatch):
 @interpreted
 def test_config_env(monkeypatch):
     from logitless.ops.flash_kernels import flash_config
+    from logitless.ops.settings import reload
 
     monkeypatch.setenv("LOGITLESS_FLASH_FILTER", "yes")
-    flash_config.cache_clear()
     try:
         with pytest.raises(ValueError, match="LOGITLESS_FLASH_FILTER"):
-            flash_config()
+            reload()
         monkeypatch.delenv("LOGITLESS_FLASH_FILTER")
-        flash_config.cache_clear()
+        reload()
         cfg = flash_config()
         assert not cfg.filter and flash_config() is cfg  # read once
         assert cfg.splits(N, V, cfg.tiles("fwd", torch.bfloat16), torch.device("cpu")) == 3
         assert cfg.tiles("bwd", torch.float32) is cfg.bwd_fp32 and cfg.tiles("bwd", torch.bfloat16) is cfg.bwd
     finally:
-        flash_config.cache_clear()
+        reload()
 
 
 @interpreted
-def test_resolve_impl():
-    from logitless.ops import flash_backend, resolve_impl, torch_backend
+def test_resolve_backend():
+    from logitless.ops import flash_backend, resolve_backend, torch_backend
 
-    assert resolve_impl("flash", torch.device("cpu")) is flash_backend
-    assert resolve_impl("auto", torch.device("cpu")) is torch_backend
+    h = torch.randn(2, 3)
+    assert resolve_backend("flash", h) is flash_backend
+    assert resolve_backend("auto", h) is torch_backend
     with pytest.raises(ValueError, match="flash"):
-        resolve_impl("flashy", torch.device("cpu"))
+        resolve_backend("flashy", h)
 
 
 @interpreted
@@ -394,13 +489,17 @@ def test_vocab_stats_matches_torch(dtype):
     h, w, b, t, _ = _inputs(dtype, "full")
     t = t.clamp(0, V - 1)
     t[7] = -100
-    kw = {"temperature": 0.7, "logit_scale": 1.3, "softcap": 5.0, "mean_logit": True}
+    tr = LogitTransform(temperature=0.7, logit_scale=1.3, softcap=5.0)
     out, grads = {}, {}
     for impl in ("torch", "flash"):
         hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
-        st = logitless.vocab_stats(hh, ww, t, impl=impl, bias=bb, **kw)
-        loss = (st.logp.sum() * 0.5 + (st.entropy * torch.linspace(-1, 1, N)).sum() + st.lse.square().sum()
-                + st.mean_logit.sum())
+        st = logitless.vocab_stats(hh, Head(ww, bb, tr), t, mean_logit=True, options=PassOptions(impl=impl))
+        loss = (
+            st.logp.sum() * 0.5
+            + (st.entropy * torch.linspace(-1, 1, N)).sum()
+            + st.lse.square().sum()
+            + st.mean_logit.sum()
+        )
         loss.backward()
         out[impl], grads[impl] = st, (hh.grad, ww.grad, bb.grad)
     ref = reference_stats(h, w, t, bias=b, temperature=0.7, logit_scale=1.3, softcap=5.0)
@@ -411,7 +510,12 @@ def test_vocab_stats_matches_torch(dtype):
     for a, c, name in zip(grads["flash"], grads["torch"], ("hidden", "weight", "bias"), strict=True):
         assert a.dtype == c.dtype == dtype
         torch.testing.assert_close(a.float(), c.float(), **tol, msg=name)
-    lp_flash = logitless.token_logprobs(h, w, t, bias=b, impl="flash", temperature=0.7, logit_scale=1.3, softcap=5.0)
+    lp_flash = logitless.token_logprobs(
+        h,
+        Head(w, bias=b, transform=LogitTransform(temperature=0.7, logit_scale=1.3, softcap=5.0)),
+        t,
+        options=PassOptions(impl="flash"),
+    )
     torch.testing.assert_close(lp_flash, out["torch"].logp.detach(), rtol=1e-5, atol=1e-5)
 
 
@@ -432,7 +536,9 @@ def test_policy_loss_matches_torch(mode):
     res = {}
     for impl in ("torch", "flash"):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, metrics = logitless.policy_loss(hh, ww, ids, mask, adv, old, config=cfg, mode=mode, impl=impl)
+        loss, metrics = logitless.policy_loss(
+            hh, ww, ids, mask, adv, old, config=cfg, options=PassOptions(mode=mode, impl=impl)
+        )
         loss.backward()
         res[impl] = (loss.detach(), hh.grad, ww.grad, metrics)
     tol = {"rtol": 1e-4, "atol": 1e-5}
@@ -458,7 +564,12 @@ def test_gpu_matches_torch(dtype):
     out = {}
     for impl in ("torch", "flash"):
         hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
-        st = logitless.vocab_stats(hh, ww, t, bias=bb, impl=impl, softcap=30.0, temperature=0.9)
+        st = logitless.vocab_stats(
+            hh,
+            Head(ww, bias=bb, transform=LogitTransform(temperature=0.9, softcap=30.0)),
+            t,
+            options=PassOptions(impl=impl),
+        )
         (-(st.logp.sum()) + 0.01 * st.entropy.sum()).backward()
         out[impl] = (st.logp.detach(), st.entropy.detach(), hh.grad.float(), ww.grad.float(), bb.grad.float())
     # bf16: dy is rounded to bf16 for the gradient matmuls in both; fp32: TF32x3 vs fp32 cuBLAS.

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import logitless
-from logitless import LogitTransform, PolicyConfig
+from logitless import Head, LogitTransform, PassOptions, PolicyConfig
 
 V, H, B, T = 37, 16, 4, 6  # odd vocabulary; B even so the batch splits into two micro-batches
 TEMP = 0.7
@@ -116,9 +116,9 @@ def inputs(seed: int, b: int = B) -> torch.Tensor:
 
 
 def ours_loss(hidden, weight, bias, batch: Batch, mode: str, cfg: PolicyConfig = CFG, num_items=None) -> torch.Tensor:
-    loss, _ = logitless.policy_loss(hidden, weight, batch.ids, batch.mask, batch.adv, batch.old, batch.ref,
-                                    config=cfg, num_items_in_batch=num_items, bias=bias,
-                                    transform=TRANSFORM, mode=mode)
+    loss, _ = logitless.policy_loss(hidden, Head(weight, bias=bias, transform=TRANSFORM), batch.ids, batch.mask,
+                                    batch.adv, batch.old, batch.ref, config=cfg, num_items_in_batch=num_items,
+                                    options=PassOptions(mode=mode))
     return loss
 
 
@@ -257,8 +257,8 @@ def test_compile_cross_entropy(mode):
     labels = inputs(12).masked_fill(inputs(13) % 5 == 0, -100)
 
     def ce(model, x):
-        loss, _ = logitless.cross_entropy(model.hidden(x), model.lm_head.weight, labels, bias=model.lm_head.bias,
-                                          label_smoothing=0.1, z_loss=1e-3, mode=mode)
+        loss, _ = logitless.cross_entropy(model.hidden(x), Head(model.lm_head.weight, bias=model.lm_head.bias), labels,
+                                          label_smoothing=0.1, z_loss=1e-3, options=PassOptions(mode=mode))
         return loss
 
     loss = torch.compile(ce, backend="aot_eager")(model, x)
@@ -461,14 +461,13 @@ def test_no_grad_and_inference_mode(ctx, mode):
     batch = batch_for(model, x, seed=26)
     h = model.hidden(x).detach().requires_grad_()
     w, b = model.lm_head.weight, model.lm_head.bias
-    kw = dict(bias=b, temperature=TEMP)
+    head = Head(w, bias=b, transform=TRANSFORM)
 
     def run():
-        loss, metrics = logitless.policy_loss(h, w, batch.ids, batch.mask, batch.adv, batch.old, batch.ref,
-                                              config=CFG, bias=b, transform=TRANSFORM,
-                                              mode=mode)
-        st = logitless.vocab_stats(h, w, batch.ids, **kw)
-        lp, ent = logitless.token_logprobs(h, w, batch.ids, return_entropy=True, **kw)
+        loss, metrics = logitless.policy_loss(h, head, batch.ids, batch.mask, batch.adv,
+                                              batch.old, batch.ref, config=CFG, options=PassOptions(mode=mode))
+        st = logitless.vocab_stats(h, head, batch.ids)
+        lp, ent = logitless.token_logprobs(h, head, batch.ids, return_entropy=True)
         return [loss, metrics["entropy"], metrics["kl"], st.logp, st.lse, st.entropy, lp, ent]
 
     with_grad = run()

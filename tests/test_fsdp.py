@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from logitless import Head, PassOptions
+
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import this module by name
 
 if not dist.is_available():
@@ -122,7 +124,7 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
             hidden = model(input_ids=ids, logitless_hidden_states=True)[:, PROMPT - 1:-1]
             before = type(model.lm_head.weight)
             h, w, b = head_inputs(hidden, find_head(model))
-            rollout_logp = token_logprobs(h, w, ids[:, PROMPT:], bias=b, impl="torch")
+            rollout_logp = token_logprobs(h, Head(w, bias=b), ids[:, PROMPT:], options=PassOptions(impl="torch"))
             assert type(model.lm_head.weight) is before, variant
         # Training step.
         hidden = model(input_ids=ids, logitless_hidden_states=True)[:, PROMPT - 1:-1]
@@ -135,9 +137,9 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
         assert not isinstance(w, DTensor)
         assert w.dtype == (torch.float32 if variant == "mixed" else torch.float64)  # FSDP's param_dtype
         cfg = PolicyConfig(**CFG, num_processes=world)
-        loss, _ = policy_loss(h, w, ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
-                              o["ref"][sl], config=cfg, bias=b, num_items_in_batch=case["data"]["mask"].sum(),
-                              group=dist.group.WORLD, impl="torch")
+        loss, _ = policy_loss(h, Head(w, bias=b), ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
+                              o["ref"][sl], config=cfg, num_items_in_batch=case["data"]["mask"].sum(),
+                              group=dist.group.WORLD, options=PassOptions(impl="torch"))
         loss.backward()
         out[variant] = dict(
             loss=loss.detach(), rollout_logp=rollout_logp, sharded_at_loss=sharded_at_loss,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import logitless
-from logitless import HeadLoRA, LogitTransform, PolicyConfig, VocabShard
+from logitless import Head, HeadLoRA, LogitTransform, PassOptions, PolicyConfig, VocabShard
 from logitless.integrations.hf import UnsupportedModelError, add_hidden_states_forward, find_head
 from logitless.ops.reference import reference_stats
 
@@ -53,8 +53,8 @@ def test_vocab_stats_with_lora_equal_merged_weight(impl, chunk, transform):
     targets[::7] = -100  # ignored rows are dropped before the adapter's projection
     scaling = 1.7
     lora = HeadLoRA(a=a, b=b, scaling=scaling)
-    st = logitless.vocab_stats(hidden, weight, targets, bias=bias, lora=lora, chunk_bytes=CHUNKS[chunk], impl=impl,
-                               **transform)
+    st = logitless.vocab_stats(hidden, Head(weight, bias, LogitTransform(**transform), lora), targets,
+                               options=PassOptions(impl=impl, chunk_bytes=CHUNKS[chunk]))
     ref = reference_stats(hidden.double(), _merged(weight, a, b, scaling), targets, bias=bias.double(), **transform)
     for name in ("logp", "lse", "entropy"):
         torch.testing.assert_close(getattr(st, name).double(), getattr(ref, name), **TOL)
@@ -80,13 +80,15 @@ def test_policy_loss_with_lora_equal_merged_weight(impl, mode, loss_type):
     cfg = PolicyConfig(loss_type=loss_type, beta=0.05, epsilon_high=0.28)
     lora = HeadLoRA(a=a, b=b, scaling=0.8)
     transform = LogitTransform(temperature=0.9)
-    loss, metrics = logitless.policy_loss(hidden3, weight, ids, mask, adv, old, ref, config=cfg, lora=lora,
-                                          transform=transform, mode=mode, impl=impl, chunk_bytes=20_000)
+    loss, metrics = logitless.policy_loss(hidden3, Head(weight, transform=transform, lora=lora), ids, mask, adv, old,
+                                          ref, config=cfg,
+                                          options=PassOptions(mode=mode, impl=impl, chunk_bytes=20_000))
     # Oracle: the same loss on the merged head in float64, through the plain (non-LoRA) path,
     # which tests/test_policy_trl.py holds to TRL's own _compute_loss.
     merged = _merged(weight, a, b, 0.8)
-    want, want_metrics = logitless.policy_loss(hidden3.double(), merged, ids, mask, adv, old.double(), ref.double(),
-                                               config=cfg, transform=transform, mode="recompute", impl="torch")
+    want, want_metrics = logitless.policy_loss(hidden3.double(), Head(merged, transform=transform), ids, mask, adv,
+                                               old.double(), ref.double(), config=cfg,
+                                               options=PassOptions(mode="recompute", impl="torch"))
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
     for k in ("kl", "entropy", "clip_ratio/region_mean"):
         torch.testing.assert_close(metrics[k].double(), want_metrics[k], rtol=1e-5, atol=1e-6)
@@ -102,13 +104,14 @@ def test_token_logprobs_and_cross_entropy_with_lora(impl):
     hidden, weight, a, b, _, targets = _setup(4)
     lora = HeadLoRA(a=a, b=b, scaling=2.0)
     merged = _merged(weight, a, b, 2.0)
-    logp, ent = logitless.token_logprobs(hidden, weight, targets, lora=lora, return_entropy=True, impl=impl)
+    logp, ent = logitless.token_logprobs(hidden, Head(weight, lora=lora), targets, return_entropy=True,
+                                         options=PassOptions(impl=impl))
     ref = reference_stats(hidden.double(), merged, targets)
     torch.testing.assert_close(logp.double(), ref.logp, **TOL)
     torch.testing.assert_close(ent.double(), ref.entropy, **TOL)
 
-    loss, _m = logitless.cross_entropy(hidden, weight, targets, lora=lora, label_smoothing=0.1, z_loss=1e-3,
-                                      impl=impl, mode="fused")
+    loss, _m = logitless.cross_entropy(hidden, Head(weight, lora=lora), targets, label_smoothing=0.1, z_loss=1e-3,
+                                       options=PassOptions(mode="fused", impl=impl))
     want = torch.nn.functional.cross_entropy(hidden.double() @ merged.t(), targets, label_smoothing=0.1) \
         + 1e-3 * (ref.lse ** 2).mean()
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
@@ -119,7 +122,7 @@ def test_token_logprobs_and_cross_entropy_with_lora(impl):
 def test_dropout_applies_to_the_adapter_input_only():
     hidden, weight, a, b, _, targets = _setup(5)
     lora = HeadLoRA(a=a, b=b, scaling=1.0, dropout=lambda h: 0.5 * h)  # deterministic stand-in for dropout
-    st = logitless.vocab_stats(hidden, weight, targets, lora=lora, impl="torch")
+    st = logitless.vocab_stats(hidden, Head(weight, lora=lora), targets, options=PassOptions(impl="torch"))
     y = hidden.double() @ weight.double().t() + (0.5 * hidden.double()) @ a.double().t() @ b.double().t()
     want = torch.log_softmax(y, -1).gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(st.logp.double(), want, **TOL)
@@ -131,8 +134,8 @@ def test_lora_on_a_padded_vocabulary():
     targets = targets % 100
     lora = HeadLoRA(a=a, b=b, scaling=1.1)
     for mode in ("fused", "recompute"):
-        loss, _ = logitless.cross_entropy(hidden, weight, targets, lora=lora, shard=VocabShard(vocab_size=100),
-                                          mode=mode, impl="torch")
+        loss, _ = logitless.cross_entropy(hidden, Head(weight, lora=lora, shard=VocabShard(vocab_size=100)), targets,
+                                          options=PassOptions(mode=mode, impl="torch"))
         merged = _merged(weight, a, b, 1.1)[:100]
         want = torch.nn.functional.cross_entropy(hidden.double() @ merged.t(), targets)
         torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-6)
@@ -150,7 +153,7 @@ def test_bad_adapter_is_refused_before_the_pass(bad, match):
     hidden, weight, a, b, _, targets = _setup(7)
     lora = HeadLoRA(**{"a": a, "b": b, **bad})
     with pytest.raises((ValueError, TypeError), match=match):
-        logitless.vocab_stats(hidden, weight, targets, lora=lora)
+        logitless.vocab_stats(hidden, Head(weight, lora=lora), targets)
 
 
 # ---- PEFT ------------------------------------------------------------------------------------
@@ -191,9 +194,10 @@ def _own_vs_ours(model, ids, mode):
     add_hidden_states_forward(model)
     head = find_head(model)
     hidden = model(input_ids=ids, logitless_hidden_states=True)[:, :-1]
-    loss, _ = logitless.head_loss(hidden, head.weight, ids[:, 1:], {
-        "nll": lambda s: -s.logp.sum(), "ent": lambda s: 0.1 * s.entropy.sum()}, bias=head.bias,
-        lora=head.lora, mode=mode)
+    loss, _ = logitless.head_loss(hidden, Head(head.weight, bias=head.bias, lora=head.lora), ids[:, 1:],
+                                  {
+        "nll": lambda s: -s.logp.sum(), "ent": lambda s: 0.1 * s.entropy.sum()},
+                                  options=PassOptions(mode=mode))
     ours_g = torch.autograd.grad(loss, params, allow_unused=True)
     return own, own_g, loss, ours_g, params, head
 

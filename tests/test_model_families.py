@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from logitless import token_logprobs
+from logitless import Head, LogitTransform, token_logprobs
 from logitless.integrations.hf import (
     UnsupportedModelError,
     add_hidden_states_forward,
@@ -26,12 +26,28 @@ TEMPERATURE = 0.7
 TOL = dict(rtol=0, atol=1e-10)
 
 # Common tiny sizes; configs ignore what they don't use and families with other names get them below.
-_SIZES = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2)
+_SIZES = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # Eager experts: the grouped-GEMM kernel has no float64.
-_MOE = dict(experts_implementation="eager", num_experts=4, num_local_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_MOE = dict(
+    experts_implementation="eager",
+    num_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
 
 # (case id, CausalLM class, config class, config kwargs beyond _SIZES, tie_word_embeddings values to test)
 CASES = [
@@ -46,21 +62,53 @@ CASES = [
     ("phi-biased", "PhiForCausalLM", "PhiConfig", {}, (False,)),
     ("gpt2", "GPT2LMHeadModel", "GPT2Config", dict(n_embd=32, n_layer=1, n_head=4, n_positions=64), (True, False)),
     ("gpt_neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", {}, (False, True)),
-    ("gptj-biased", "GPTJForCausalLM", "GPTJConfig", dict(n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
-                                                           n_positions=64), (False,)),
+    (
+        "gptj-biased",
+        "GPTJForCausalLM",
+        "GPTJConfig",
+        dict(n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64),
+        (False,),
+    ),
     ("opt", "OPTForCausalLM", "OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32), (True,)),
     ("cohere", "CohereForCausalLM", "CohereConfig", dict(logit_scale=0.5), (True, False)),
     ("cohere2", "Cohere2ForCausalLM", "Cohere2Config", dict(logit_scale=0.5), (True,)),
-    ("granite", "GraniteForCausalLM", "GraniteConfig",
-     dict(logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3),
-     (True, False)),
+    (
+        "granite",
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        dict(logits_scaling=4.0, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3),
+        (True, False),
+    ),
     ("granitemoe", "GraniteMoeForCausalLM", "GraniteMoeConfig", dict(logits_scaling=4.0, **_MOE), (True,)),
-    ("minicpm3", "MiniCPM3ForCausalLM", "MiniCPM3Config",
-     dict(dim_model_base=8, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-          qk_rope_head_dim=8, v_head_dim=8), (False,)),
-    ("falcon_h1", "FalconH1ForCausalLM", "FalconH1Config",
-     dict(lm_head_multiplier=0.25, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
-          mamba_chunk_size=8), (False,)),
+    (
+        "minicpm3",
+        "MiniCPM3ForCausalLM",
+        "MiniCPM3Config",
+        dict(
+            dim_model_base=8,
+            num_key_value_heads=4,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        ),
+        (False,),
+    ),
+    (
+        "falcon_h1",
+        "FalconH1ForCausalLM",
+        "FalconH1Config",
+        dict(
+            lm_head_multiplier=0.25,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+        ),
+        (False,),
+    ),
     ("hyperclovax", "HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", dict(logits_scaling=2.5), (False,)),
     ("olmo2", "Olmo2ForCausalLM", "Olmo2Config", {}, (False,)),
     ("stablelm", "StableLmForCausalLM", "StableLmConfig", {}, (False,)),
@@ -70,8 +118,11 @@ CASES = [
     ("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", _MOE, (False,)),
     ("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", _MOE, (False,)),
 ]
-PARAMS = [pytest.param(cls, cfg, kw, tie, id=f"{cid}-{'tied' if tie else 'untied'}")
-          for cid, cls, cfg, kw, ties in CASES for tie in ties]
+PARAMS = [
+    pytest.param(cls, cfg, kw, tie, id=f"{cid}-{'tied' if tie else 'untied'}")
+    for cid, cls, cfg, kw, ties in CASES
+    for tie in ties
+]
 
 
 def _build(cls: str, cfg_cls: str, kwargs: dict, tie: bool, seed: int = 0) -> torch.nn.Module:
@@ -103,8 +154,16 @@ def _ours(model, ids):
     with torch.no_grad():
         hidden = model(input_ids=ids, logitless_hidden_states=True)[:, :-1]
         t = head.transform(TEMPERATURE)
-        return token_logprobs(hidden, head.weight, ids[:, 1:], bias=head.bias, temperature=t.temperature,
-                              logit_scale=t.logit_scale, softcap=t.softcap, return_entropy=True)
+        return token_logprobs(
+            hidden,
+            Head(
+                head.weight,
+                bias=head.bias,
+                transform=LogitTransform(temperature=t.temperature, logit_scale=t.logit_scale, softcap=t.softcap),
+            ),
+            ids[:, 1:],
+            return_entropy=True,
+        )
 
 
 @pytest.mark.parametrize("cls, cfg_cls, kwargs, tie", PARAMS)
@@ -156,22 +215,26 @@ def test_padded_vocab_rows_are_in_the_softmax():
     torch.testing.assert_close(ent, ref_ent, **TOL)
     with torch.no_grad():
         hidden = model(input_ids=ids, logitless_hidden_states=True)[:, :-1]
-    truncated = token_logprobs(hidden, model.lm_head.weight[:100], ids[:, 1:], temperature=TEMPERATURE)
+    truncated = token_logprobs(
+        hidden, Head(model.lm_head.weight[:100], transform=LogitTransform(temperature=TEMPERATURE)), ids[:, 1:]
+    )
     # Renormalizing over the tokenizer's rows only would raise every log-prob by -log(1 - padding mass).
     gap = truncated - logp
     assert gap.min() > 0 and gap.mean() > 1.0
 
 
-@pytest.mark.parametrize("cls, cfg_cls, kwargs, tie", [
-    pytest.param("LlamaForCausalLM", "LlamaConfig", {}, True, id="llama-tied"),
-    pytest.param("Gemma2ForCausalLM", "Gemma2Config", dict(final_logit_softcapping=3.0), True, id="gemma2"),
-])
+@pytest.mark.parametrize(
+    "cls, cfg_cls, kwargs, tie",
+    [
+        pytest.param("LlamaForCausalLM", "LlamaConfig", {}, True, id="llama-tied"),
+        pytest.param("Gemma2ForCausalLM", "Gemma2Config", dict(final_logit_softcapping=3.0), True, id="gemma2"),
+    ],
+)
 def test_peft_lora_on_backbone(cls, cfg_cls, kwargs, tie):
     peft = pytest.importorskip("peft")
     base = _build(cls, cfg_cls, kwargs, tie)
     # init_lora_weights=False: non-zero adapters, so a path that skipped them would differ.
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                          init_lora_weights=False)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     model = peft.get_peft_model(base, cfg).to(torch.float64).eval()
     ids = _inputs()
     ref_logp, ref_ent = _reference(model, ids)
@@ -198,9 +261,17 @@ def test_unrecognized_model_class_raises_with_its_name():
         add_hidden_states_forward(model)
 
     # A transformers family not verified: RecurrentGemma caps logits with `logits_soft_cap`.
-    rg = transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        lru_width=32, attention_window_size=8))
+    rg = transformers.RecurrentGemmaForCausalLM(
+        transformers.RecurrentGemmaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            lru_width=32,
+            attention_window_size=8,
+        )
+    )
     with pytest.raises(UnsupportedModelError, match="RecurrentGemmaForCausalLM"):
         find_head(rg)
 

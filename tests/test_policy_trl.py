@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trl_oracle import TRLOracle
 
-from logitless import LogitTransform, PolicyConfig, policy_loss, token_logprobs
+from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_loss, token_logprobs
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 CLIPPED = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]
@@ -110,7 +110,8 @@ def make_case(o: TRLOracle, *, B=4, T=7, P=3, mask=None, adv_per_token=False, no
         mask[b, 0] = 1
     hidden = _hidden_states(o, prompt_ids, prompt_mask, completion_ids, mask)
     weight = o.model.lm_head.weight.detach()
-    cur = token_logprobs(hidden, weight, completion_ids, temperature=o.trainer.temperature)
+    cur = token_logprobs(hidden, Head(weight, transform=LogitTransform(temperature=o.trainer.temperature)),
+                         completion_ids)
     adv = torch.randn(B, T, dtype=torch.float64) if adv_per_token else torch.randn(B, dtype=torch.float64)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                   completion_mask=mask, advantages=adv,
@@ -156,16 +157,16 @@ def run_trl(o: TRLOracle, case: Case, cfg: PolicyConfig):
     return loss, gh, gw, {k: v for k, v in metrics.items() if k not in TRAINER_ONLY_METRICS}
 
 
-def run_ours(o: TRLOracle, case: Case, cfg: PolicyConfig, mode: str, *, pass_num_items=True, **kw):
+def run_ours(o: TRLOracle, case: Case, cfg: PolicyConfig, mode: str, *, pass_num_items=True, chunk_bytes=None):
     h = case.hidden.clone().requires_grad_(True)
     w = o.model.lm_head.weight.detach().clone().requires_grad_(True)
     inp = case.inputs
-    loss, metrics = policy_loss(
-        h, w, inp["completion_ids"], inp["completion_mask"], inp["advantages"], inp["old_per_token_logps"],
-        inp["ref_per_token_logps"] if cfg.beta != 0.0 else None, config=cfg,
-        num_items_in_batch=inp["num_items_in_batch"] if pass_num_items else None,
-        tool_mask=inp.get("tool_mask"), transform=LogitTransform(temperature=o.trainer.temperature), mode=mode,
-        **{**case.extra, **kw})
+    loss, metrics = policy_loss(h, Head(w, transform=LogitTransform(temperature=o.trainer.temperature)),
+                                inp["completion_ids"], inp["completion_mask"], inp["advantages"],
+                                inp["old_per_token_logps"], inp["ref_per_token_logps"] if cfg.beta != 0.0 else None,
+                                config=cfg, num_items_in_batch=inp["num_items_in_batch"] if pass_num_items else None,
+                                tool_mask=inp.get("tool_mask"), **case.extra,
+                                options=PassOptions(mode=mode, chunk_bytes=chunk_bytes))
     loss.backward()
     return loss.detach(), h.grad, w.grad, {k: v.item() for k, v in metrics.items()}
 
@@ -380,13 +381,13 @@ def test_packed_equals_padded(oracle, seed, loss_type):
             padded = run_ours(oracle, case, cfg, mode)
             h = case.hidden[keep].clone().requires_grad_(True)
             w = oracle.model.lm_head.weight.detach().clone().requires_grad_(True)
-            loss, met = policy_loss(
-                h, w, inp["completion_ids"][keep], case.mask[keep], inp["advantages"],
-                inp["old_per_token_logps"][keep], inp["ref_per_token_logps"][keep], config=cfg,
-                num_items_in_batch=inp["num_items_in_batch"], segment_ids=seg,
-                sampling_logp=case.extra["sampling_logp"][keep],
-                importance_sampling_ratio=case.extra["importance_sampling_ratio"][keep],
-                transform=LogitTransform(temperature=oracle.trainer.temperature), mode=mode, chunk_bytes=4096)
+            loss, met = policy_loss(h, Head(w, transform=LogitTransform(temperature=oracle.trainer.temperature)),
+                                    inp["completion_ids"][keep], case.mask[keep], inp["advantages"],
+                                    inp["old_per_token_logps"][keep], inp["ref_per_token_logps"][keep], config=cfg,
+                                    num_items_in_batch=inp["num_items_in_batch"], segment_ids=seg,
+                                    sampling_logp=case.extra["sampling_logp"][keep],
+                                    importance_sampling_ratio=case.extra["importance_sampling_ratio"][keep],
+                                    options=PassOptions(mode=mode, chunk_bytes=4096))
             loss.backward()
             assert rel_err(loss, padded[0]) < 1e-12
             assert rel_err(h.grad, padded[1][keep]) < 1e-12

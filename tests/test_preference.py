@@ -28,6 +28,7 @@ from logitless import (
     CPOLossConfig,
     DPOLossConfig,
     KTOLossConfig,
+    PassOptions,
     cpo_loss,
     dpo_loss,
     kto_loss,
@@ -131,7 +132,7 @@ def test_dpo_matches_trl_compute_loss(case):
     hidden, weight, input_ids, attention, completion = _batch()
     ref_logps = torch.randn(2 * B, dtype=torch.float64) * 2 - 15
     cfg = DPOLossConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in case.items()})
-    pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], chunk_bytes=CHUNK)
+    pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], options=PassOptions(chunk_bytes=CHUNK))
     loss, metrics = dpo_loss(pol, ref_logps[:B], ref_logps[B:], config=cfg)
 
     full = dict(beta=0.1, label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
@@ -161,7 +162,7 @@ def test_kto_matches_trl_compute_loss(loss_type):
     kl_logps = torch.randn(rows, dtype=torch.float64) - 14
     ref_kl_logps = torch.randn(rows, dtype=torch.float64) - 16
     cfg = KTOLossConfig(beta=0.2, loss_type=loss_type, desirable_weight=1.3, undesirable_weight=0.7)
-    pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], chunk_bytes=CHUNK)
+    pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], options=PassOptions(chunk_bytes=CHUNK))
     loss, metrics = kto_loss(pol, label, ref_logps, kl_logps, ref_kl_logps, config=cfg)
 
     model = _fake_model(hidden, weight, completion[:, 1:])
@@ -195,7 +196,7 @@ def _oracle_sums(hidden, weight, input_ids, mask):
 ], ids=["sigmoid", "hinge", "ipo", "alphapo", "simpo"])
 def test_cpo_simpo_match_trl_cpo_loss(cfg):
     hidden, weight, input_ids, _, completion = _batch()
-    pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], chunk_bytes=CHUNK)
+    pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], options=PassOptions(chunk_bytes=CHUNK))
     loss, metrics = cpo_loss(pol, config=cfg)
 
     sums, lens, lp = _oracle_sums(hidden, weight, input_ids, completion)
@@ -226,7 +227,7 @@ def test_orpo_matches_trl_odds_ratio_loss():
     nll_mask = attention.clone()
     nll_mask[B:] = 0  # the NLL covers the chosen rows' prompt and response
     pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], nll_mask=nll_mask[:, 1:],
-                         chunk_bytes=CHUNK)
+                         options=PassOptions(chunk_bytes=CHUNK))
     loss, metrics = orpo_loss(pol, beta=0.25)
 
     sums, lens, _ = _oracle_sums(hidden, weight, input_ids, completion)

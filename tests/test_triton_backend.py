@@ -17,6 +17,10 @@ import sys
 
 import pytest
 import torch
+from backend_calls import backward, forward
+
+from logitless import Head, LogitTransform, PassOptions
+from logitless.ops.backend import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
@@ -27,10 +31,14 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_under_int
 @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases")
 def test_under_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("LOGITLESS_TRITON_LOGITS", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
-                           "ignore::RuntimeWarning", __file__], env=env, capture_output=True, text=True,
-                          timeout=900)
+    env.pop("LOGITLESS_LOGITS_PRECISION", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
 
 
@@ -69,8 +77,9 @@ def _oracle(h, w, b, t, transform, g_logp, g_lse, g_ent):
     owned = (t >= 0) & (t < V)
     zy = torch.where(owned, z.gather(1, t.clamp(0, V - 1)[:, None]).squeeze(1), torch.zeros_like(lse))
     logp = zy - lse
-    loss = sum((g.double() * s).sum() for g, s in ((g_logp, logp), (g_lse, lse), (g_ent, lse - sum_pz))
-               if g is not None)
+    loss = sum(
+        (g.double() * s).sum() for g, s in ((g_logp, logp), (g_lse, lse), (g_ent, lse - sum_pz)) if g is not None
+    )
     grads = torch.autograd.grad(loss, leaves) if torch.is_tensor(loss) else None
     return (lse.detach(), logp.detach(), sum_pz.detach()), grads
 
@@ -93,16 +102,17 @@ def _rtol(dtype, tile, what):
     return 2e-2  # gradients: dy is rounded to bf16 for the bf16 GEMMs (the torch CPU path keeps fp32)
 
 
-def _plan(vocab_block):
+def _plan(vocab_block, tile="fp32"):
     from logitless.ops.plan import ChunkPlan
 
-    return ChunkPlan(token_chunk=N, vocab_block=vocab_block, keep_logits=vocab_block == V)
+    return ChunkPlan(token_chunk=N, vocab_block=vocab_block, keep_logits=vocab_block == V, fp32_logits=tile == "fp32")
 
 
 # Forward: both input dtypes, both transforms (bias, scale, softcap, temperature), one block or
 # three, and for bf16 both tile dtypes (the fp32 tile of bf16 inputs is the GPU default).
-FORWARD_CASES = [(dt, tr, vb, "fp32") for dt in (torch.float32, torch.bfloat16) for tr in TRANSFORMS
-                 for vb in (V, 50)] + [(torch.bfloat16, tr, V, "input") for tr in TRANSFORMS]
+FORWARD_CASES = [
+    (dt, tr, vb, "fp32") for dt in (torch.float32, torch.bfloat16) for tr in TRANSFORMS for vb in (V, 50)
+] + [(torch.bfloat16, tr, V, "input") for tr in TRANSFORMS]
 
 
 @interpreted
@@ -110,18 +120,23 @@ FORWARD_CASES = [(dt, tr, vb, "fp32") for dt in (torch.float32, torch.bfloat16) 
 def test_chunk_forward(monkeypatch, dtype, transform_key, vocab_block, tile):
     from logitless.ops import torch_backend, triton_backend
 
-    monkeypatch.setenv("LOGITLESS_TRITON_LOGITS", tile)
     h, w, b, t, tr = _inputs(dtype, transform_key)
-    plan = _plan(vocab_block)
-    ours, kept = triton_backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, True, keep_logits=True)
-    ref, _ = torch_backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, True, keep_logits=True)
+    plan = _plan(vocab_block, tile)
+    ours, kept = forward(triton_backend, h, w, b, t, tr, plan, True, keep_logits=True)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, plan, True, keep_logits=True)
     assert (kept is not None) == (vocab_block == V)
     assert torch.equal(ours.owned, ref.owned)
-    assert ours.m.dtype == ours.se.dtype == ours.sez.dtype == ours.zy.dtype == torch.float32
+    assert (
+        ours.max_logit.dtype
+        == ours.sum_exp.dtype
+        == ours.sum_exp_logit.dtype
+        == ours.target_logit.dtype
+        == torch.float32
+    )
     oracle, _ = _oracle(h, w, b, t, tr, None, None, None)
-    for name, a, r, o in zip(("lse", "logp", "sum_pz"), ours.finalize(), ref.finalize(), oracle, strict=True):
+    for name, a, r, o in zip(("lse", "logp", "sum_pz"), ours.finalize()[:3], ref.finalize()[:3], oracle, strict=True):
         _assert_bounded(a, r, o, _rtol(dtype, tile, "stats"), name)
-    assert torch.all(ours.zy[~ours.owned] == 0)
+    assert torch.all(ours.target_logit[~ours.owned] == 0)
 
 
 @interpreted
@@ -129,10 +144,10 @@ def test_chunk_forward_without_entropy_matches_with():
     from logitless.ops import triton_backend
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
-    a, _ = triton_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float32, False, keep_logits=False)
-    c, _ = triton_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float32, True, keep_logits=False)
-    assert a.sez is None
-    for x, y in ((a.m, c.m), (a.se, c.se), (a.zy, c.zy)):
+    a, _ = forward(triton_backend, h, w, b, t, tr, _plan(50), False, keep_logits=False)
+    c, _ = forward(triton_backend, h, w, b, t, tr, _plan(50), True, keep_logits=False)
+    assert a.sum_exp_logit is None
+    for x, y in ((a.max_logit, c.max_logit), (a.sum_exp, c.sum_exp), (a.target_logit, c.target_logit)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
@@ -156,27 +171,38 @@ BACKWARD_CASES = [
 def test_chunk_backward(monkeypatch, dtype, transform_key, kept, present, tile, hidden_size):
     from logitless.ops import torch_backend, triton_backend
 
-    monkeypatch.setenv("LOGITLESS_TRITON_LOGITS", tile)
     h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size=hidden_size, seed=1)
     gen = torch.Generator().manual_seed(2)
     g_logp, g_lse, g_ent = (torch.randn(N, generator=gen) if p else None for p in present)
-    plan = _plan(V if kept else 50)
+    plan = _plan(V if kept else 50, tile)
     oracle_stats, oracle_grads = _oracle(h, w, b, t, tr, g_logp, g_lse, g_ent)
     results = {}
     for name, backend in (("triton", triton_backend), ("torch", torch_backend)):
-        partials, logits = backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, g_ent is not None,
-                                                 keep_logits=kept)
+        partials, logits = forward(backend, h, w, b, t, tr, plan, g_ent is not None, keep_logits=kept)
         assert (logits is not None) == kept
-        lse, _, sum_pz = partials.finalize()
+        lse, _, sum_pz = partials.finalize()[:3]
         gw = torch.zeros(V, hidden_size)
         gb = torch.zeros(V) if b is not None else None
-        gh = backend.chunk_backward(h, w, b, t, tr, plan, lse, sum_pz, g_logp, g_lse, g_ent, logits, gw, gb, True)
+        gh = backward(
+            backend,
+            h,
+            w,
+            b,
+            t,
+            tr,
+            plan,
+            SavedStats(lse, sum_pz),
+            StatGrads(logp=g_logp, lse=g_lse, entropy=g_ent),
+            Accumulators(gw, gb, hidden=True),
+            logits,
+        )
         assert gh.dtype == torch.float32 and gh.shape == h.shape
         results[name] = (gh, gw, gb)
     for i, name in enumerate(("d hidden", "d weight", "d bias")):
         if results["torch"][i] is not None:
-            _assert_bounded(results["triton"][i], results["torch"][i], oracle_grads[i],
-                            _rtol(dtype, tile, "grads"), name)
+            _assert_bounded(
+                results["triton"][i], results["torch"][i], oracle_grads[i], _rtol(dtype, tile, "grads"), name
+            )
     assert oracle_stats is not None
 
 
@@ -187,28 +213,52 @@ def test_chunk_backward_accumulates_and_skips_hidden():
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
     plan = _plan(V)
-    partials, kept = triton_backend.chunk_forward(h, w, b, t, tr, plan, torch.float32, False, keep_logits=True)
+    partials, kept = forward(triton_backend, h, w, b, t, tr, plan, False, keep_logits=True)
     lse = partials.finalize()[0]
     g = torch.ones(N)
     gw1, gb1 = torch.zeros(V, 16), torch.zeros(V)
-    triton_backend.chunk_backward(h, w, b, t, tr, plan, lse, None, g, None, None, None, gw1, gb1, False)
+    backward(
+        triton_backend,
+        h,
+        w,
+        b,
+        t,
+        tr,
+        plan,
+        SavedStats(lse, None),
+        StatGrads(logp=g),
+        Accumulators(gw1, gb1, hidden=False),
+    )
     gw2, gb2 = gw1.clone(), gb1.clone()
-    out = triton_backend.chunk_backward(h, w, b, t, tr, plan, lse, None, g, None, None, kept, gw2, gb2, False)
+    out = backward(
+        triton_backend,
+        h,
+        w,
+        b,
+        t,
+        tr,
+        plan,
+        SavedStats(lse, None),
+        StatGrads(logp=g),
+        Accumulators(gw2, gb2, hidden=False),
+        kept,
+    )
     assert out is None
     torch.testing.assert_close(gw2, 2 * gw1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gb2, 2 * gb1, rtol=1e-5, atol=1e-6)
 
 
 @interpreted
-def test_fp64_delegates_to_torch_backend():
-    from logitless.ops import torch_backend, triton_backend
+@pytest.mark.parametrize("impl", ["triton", "flash", "auto"])
+def test_fp64_runs_on_the_torch_backend(impl):
+    """fp64 inputs resolve to the torch backend whatever ``impl`` asks for; so does
+    ``impl="torch"``, while bf16 under the interpreter gets the Triton kernels."""
+    from logitless.ops import resolve_backend, torch_backend, triton_backend
 
-    h, w, b, t, tr = _inputs(torch.float64, "full")
-    a, _ = triton_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float64, True, keep_logits=False)
-    c, _ = torch_backend.chunk_forward(h, w, b, t, tr, _plan(50), torch.float64, True, keep_logits=False)
-    for x, y in zip(a.finalize(), c.finalize(), strict=True):
-        assert x.dtype == torch.float64
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    h64 = torch.randn(3, 4, dtype=torch.float64)
+    assert resolve_backend(impl, h64) is torch_backend
+    assert resolve_backend("triton", h64.bfloat16()) is triton_backend
+    assert resolve_backend("flash", h64.bfloat16(), has_lora=True) is triton_backend
 
 
 # Public API end to end: a small budget so the plan cuts several token chunks and vocabulary
@@ -224,11 +274,11 @@ def test_vocab_stats_and_token_logprobs_match_torch():
     h, w, b, t, _ = _inputs(torch.float32, "full")
     t = t.clamp(0, V - 1)
     t[7] = -100
-    kw = {"bias": b, "temperature": 0.7, "logit_scale": 1.3, "softcap": 5.0, "chunk_bytes": SMALL_BUDGET}
+    tr = LogitTransform(temperature=0.7, logit_scale=1.3, softcap=5.0)
     out, grads = {}, {}
     for impl in ("torch", "triton"):
         hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
-        st = logitless.vocab_stats(hh, ww, t, impl=impl, **{**kw, "bias": bb})
+        st = logitless.vocab_stats(hh, Head(ww, bb, tr), t, options=PassOptions(impl=impl, chunk_bytes=SMALL_BUDGET))
         (st.logp.sum() * 0.5 + (st.entropy * torch.linspace(-1, 1, N)).sum() + st.lse.square().sum()).backward()
         out[impl], grads[impl] = st, (hh.grad, ww.grad, bb.grad)
     ref = reference_stats(h, w, t, bias=b, temperature=0.7, logit_scale=1.3, softcap=5.0)
@@ -236,8 +286,12 @@ def test_vocab_stats_and_token_logprobs_match_torch():
         _assert_bounded(out["triton"][i], out["torch"][i], ref[i], 1e-5, name)
     for a, c in zip(grads["triton"], grads["torch"], strict=True):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
-    lp_tri, ent_tri = logitless.token_logprobs(h, w, t, impl="triton", return_entropy=True, **kw)
-    lp_tch, ent_tch = logitless.token_logprobs(h, w, t, impl="torch", return_entropy=True, **kw)
+    lp_tri, ent_tri = logitless.token_logprobs(
+        h, Head(w, b, tr), t, return_entropy=True, options=PassOptions(impl="triton", chunk_bytes=SMALL_BUDGET)
+    )
+    lp_tch, ent_tch = logitless.token_logprobs(
+        h, Head(w, b, tr), t, return_entropy=True, options=PassOptions(impl="torch", chunk_bytes=SMALL_BUDGET)
+    )
     torch.testing.assert_close(lp_tri, lp_tch, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent_tri, ent_tch, rtol=1e-5, atol=1e-5)
     assert lp_tri[7] == 0
@@ -259,8 +313,9 @@ def test_policy_loss_fused_matches_torch(dtype):
     res = {}
     for impl in ("torch", "triton"):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, metrics = logitless.policy_loss(hh, ww, ids, mask, adv, old, mode="fused", impl=impl,
-                                              chunk_bytes=SMALL_BUDGET)
+        loss, metrics = logitless.policy_loss(
+            hh, ww, ids, mask, adv, old, options=PassOptions(mode="fused", impl=impl, chunk_bytes=SMALL_BUDGET)
+        )
         loss.backward()
         res[impl] = (loss.detach(), hh.grad.float(), ww.grad.float(), metrics)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import logitless.ops.torch_backend as torch_backend
-from logitless import PolicyConfig, policy_loss, token_logprobs, vocab_stats
+from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_loss, token_logprobs, vocab_stats
 
 V, H = 11, 6
 
@@ -37,10 +37,27 @@ def head_inputs(n=5):
     return torch.randn(n, H), torch.randn(V, H), torch.randint(0, V, (n,))
 
 
-ENTRY_POINTS = {
-    "vocab_stats": lambda h, w, t, **k: vocab_stats(h, w, t, **k),
-    "token_logprobs": lambda h, w, t, **k: token_logprobs(h, w, t, **k),
-}
+_HEAD_KW = ("bias", "temperature", "logit_scale", "softcap")
+_PASS_KW = ("mode", "impl", "chunk_bytes")
+
+
+def _split(weight, kw):
+    """``(head, options, rest)`` from flat keyword arguments, built where the bad value is seen."""
+    head_kw = {k: kw.pop(k) for k in _HEAD_KW if k in kw}
+    bias = head_kw.pop("bias", None)
+    head = Head(weight, bias, LogitTransform(**head_kw))
+    options = PassOptions(**{k: kw.pop(k) for k in _PASS_KW if k in kw})
+    return head, options, kw
+
+
+def _entry(fn):
+    def call(h, w, t, **kw):
+        head, options, rest = _split(w, kw)
+        return fn(h, head, t, options=options, **rest)
+    return call
+
+
+ENTRY_POINTS = {"vocab_stats": _entry(vocab_stats), "token_logprobs": _entry(token_logprobs)}
 
 
 def _bad_cases():
@@ -124,8 +141,9 @@ def policy_inputs(b=3, t=4, dtype=torch.float32):
 
 
 def _call(inp, **kw):
-    args = [inp[k] for k in ("hidden", "weight", "completion_ids", "completion_mask", "advantages")]
-    return policy_loss(*args, inp.get("old_logp"), inp.get("ref_logp"), **kw)
+    head, options, rest = _split(inp["weight"], kw)
+    args = [inp[k] for k in ("hidden", "completion_ids", "completion_mask", "advantages")]
+    return policy_loss(args[0], head, *args[1:], inp.get("old_logp"), inp.get("ref_logp"), options=options, **rest)
 
 
 def _policy_bad():
@@ -179,14 +197,14 @@ def test_policy_inputs_rejected(no_kernel, case):
 @pytest.mark.parametrize(("field", "value", "pattern"), [
     ("loss_type", "gspo", "loss_type"),
     ("importance_sampling_level", "tokens", "importance_sampling_level"),
-    ("vllm_importance_sampling_mode", "mask", "vllm_importance_sampling_mode"),
     ("epsilon", -0.1, "epsilon"),
     ("epsilon", math.nan, "epsilon"),
     ("epsilon_high", -1.0, "epsilon_high"),
     ("beta", -0.01, "beta"),
     ("beta", math.inf, "beta"),
     ("entropy_coef", -1.0, "entropy_coef"),
-    ("top_entropy_quantile", 0.0, "top_entropy_quantile"),
+    ("top_entropy_quantile", -0.1, "top_entropy_quantile"),
+    ("delta", 0.0, "delta"),
     ("top_entropy_quantile", 1.5, "top_entropy_quantile"),
     ("gradient_accumulation_steps", 0, "gradient_accumulation_steps"),
     ("num_processes", 0, "num_processes"),
@@ -197,10 +215,21 @@ def test_policy_config_rejected(field, value, pattern):
         PolicyConfig(**{field: value})
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "vespo"])
-def test_delta_refused_where_it_has_no_effect(loss_type):
-    with pytest.raises(ValueError, match="delta"):
-        PolicyConfig(loss_type=loss_type, delta=1.5)
+@pytest.mark.parametrize("loss_type", ["cispo", "vespo", "sapo", "reinforce"])
+def test_delta_is_ignored_where_trl_ignores_it(seed, loss_type):
+    """TRL 1.16 accepts ``delta`` with every loss type and applies it only to the clipped
+    surrogates: with the other types the loss and gradient equal the ones without it."""
+    inp = policy_inputs(dtype=torch.float64)
+    inp["old_logp"] = inp["old_logp"] * 0.1
+    ratio = torch.rand(3, 4, dtype=torch.float64) + 0.5
+    extra = dict(importance_sampling_ratio=ratio) if loss_type == "vespo" else {}
+    out = []
+    for delta in (None, 1.05):
+        h = inp["hidden"].clone().requires_grad_()
+        loss, _ = _call({**inp, "hidden": h}, config=PolicyConfig(loss_type=loss_type, delta=delta), **extra)
+        loss.backward()
+        out.append((loss.detach(), h.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
 @pytest.mark.parametrize("mode", ["fused", "recompute"])

@@ -17,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logitless import token_logprobs, vocab_stats
-from logitless.ops import LogitTransform, fused_objective, resolve_impl
-from logitless.ops.fused import plan_chunks
+from logitless import Head, PassOptions, token_logprobs, vocab_stats
+from logitless.ops import LogitTransform, ObjectiveSpec, StatRequest, run_objective
+from logitless.ops.plan import ChunkPlan
 from logitless.ops.reference import reference_stats
 
 V, H, N = 123, 16, 47
@@ -55,6 +55,7 @@ def make(shape, dtype, bias=False, ignore=True, **_):
     targets = torch.randint(0, V, shape)
     if ignore:
         targets.view(-1)[torch.randperm(targets.numel())[: max(1, targets.numel() // 6)]] = IGNORE
+
     def cast(x):
         return None if x is None else x.to(dtype)
 
@@ -90,7 +91,12 @@ def test_stats_and_grads_vs_fp64(seed, dtype, shape, transform, chunk):
     valid = targets != IGNORE
 
     def ours(h, w, b=None):
-        return vocab_stats(h, w, targets, bias=b, chunk_bytes=CHUNKS[chunk], impl="torch", **kw)
+        return vocab_stats(
+            h,
+            Head(w, bias=b, transform=LogitTransform(**kw)),
+            targets,
+            options=PassOptions(impl="torch", chunk_bytes=CHUNKS[chunk]),
+        )
 
     def oracle(dt):
         return lambda h, w, b=None: reference_stats(h, w, targets, bias=b, dtype=dt, **kw)
@@ -107,8 +113,9 @@ def test_stats_and_grads_vs_fp64(seed, dtype, shape, transform, chunk):
         e = max_err(a, r)
         assert e <= max_err(s, r) + STAT_TOL[dtype], (name, e, max_err(s, r))
         assert e <= STAT_TOL[dtype] * max(1.0, r.abs().max().item()), (name, e)
-    for name, a, r, s, leaf in zip(("hidden", "weight", "bias"), ggot, gref, gsame, (hidden, weight, bias),
-                                   strict=False):
+    for name, a, r, s, leaf in zip(
+        ("hidden", "weight", "bias"), ggot, gref, gsame, (hidden, weight, bias), strict=False
+    ):
         assert a.dtype == leaf.dtype and a.shape == leaf.shape
         scale = r.abs().max().item()
         e = max_err(a, r)
@@ -120,14 +127,19 @@ def test_stats_and_grads_vs_fp64(seed, dtype, shape, transform, chunk):
 
 def test_entropy_off_and_mean_logit(seed):
     hidden, weight, bias, targets = make((N,), torch.float64, bias=True)
-    out = vocab_stats(hidden, weight, targets, bias=bias, entropy=False, chunk_bytes=2_000)
+    out = vocab_stats(hidden, Head(weight, bias=bias), targets, entropy=False, options=PassOptions(chunk_bytes=2_000))
     ref = reference_stats(hidden, weight, targets, bias=bias)
     assert out.entropy is None
     assert max_err(out.logp, ref.logp) < 1e-12 and max_err(out.lse, ref.lse) < 1e-12
     # mean logit: Σ_v z_v / V of the transformed logits
     tr = LogitTransform(temperature=0.9, softcap=5.0)
-    out = vocab_stats(hidden, weight, targets, bias=bias, temperature=0.9, softcap=5.0, mean_logit=True,
-                      chunk_bytes=2_000)
+    out = vocab_stats(
+        hidden,
+        Head(weight, bias=bias, transform=LogitTransform(temperature=0.9, softcap=5.0)),
+        targets,
+        mean_logit=True,
+        options=PassOptions(chunk_bytes=2_000),
+    )
     z = tr.apply(hidden @ weight.T + bias)
     valid = targets != IGNORE
     assert max_err(out.mean_logit[valid], z.mean(-1)[valid]) < 1e-12
@@ -145,8 +157,13 @@ def test_gradcheck_fp64(seed, chunk):
     targets[2] = IGNORE
 
     def f(hd, w, b):
-        s = vocab_stats(hd, w, targets, bias=b, temperature=0.8, softcap=3.0, logit_scale=1.7, mean_logit=True,
-                        chunk_bytes=chunk)
+        s = vocab_stats(
+            hd,
+            Head(w, bias=b, transform=LogitTransform(temperature=0.8, logit_scale=1.7, softcap=3.0)),
+            targets,
+            mean_logit=True,
+            options=PassOptions(chunk_bytes=chunk),
+        )
         return s.logp, s.lse, s.entropy, s.mean_logit
 
     assert torch.autograd.gradcheck(f, (hidden, weight, bias), eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -155,11 +172,12 @@ def test_gradcheck_fp64(seed, chunk):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_token_logprobs_equals_vocab_stats(seed, dtype):
     hidden, weight, bias, targets = make(BT, dtype, bias=True)
-    kw = dict(bias=bias, temperature=0.6, softcap=5.0, chunk_bytes=2_000)
-    st_ = vocab_stats(hidden, weight, targets, **kw)
+    head = Head(weight, bias, LogitTransform(temperature=0.6, softcap=5.0))
+    kw = dict(options=PassOptions(chunk_bytes=2_000))
+    st_ = vocab_stats(hidden, head, targets, **kw)
     hidden.requires_grad_(True)
-    lp = token_logprobs(hidden, weight, targets, **kw)
-    lp2, ent = token_logprobs(hidden, weight, targets, return_entropy=True, **kw)
+    lp = token_logprobs(hidden, head, targets, **kw)
+    lp2, ent = token_logprobs(hidden, head, targets, return_entropy=True, **kw)
     assert not lp.requires_grad and not ent.requires_grad
     assert torch.equal(lp, st_.logp.detach()) and torch.equal(lp2, lp)
     assert torch.equal(ent, st_.entropy.detach())
@@ -182,7 +200,8 @@ def _seg_objective(seg: torch.Tensor, w: torch.Tensor, num_seg: int):
     """A sequence-level objective (needs whole segments in a chunk): Σ_s exp(mean_t logp) of each
     segment, plus a nonlinear entropy term, so both g_logp and g_entropy vary per token."""
 
-    def objective(sl: slice, logp: torch.Tensor, entropy: torch.Tensor | None):
+    def objective(sl: slice, stats):
+        logp, entropy = stats.logp, stats.entropy
         s = seg[sl]
         sums = logp.new_zeros(num_seg).index_add(0, s, logp * w[sl])
         cnt = logp.new_zeros(num_seg).index_add(0, s, torch.ones_like(logp))
@@ -205,11 +224,12 @@ def test_fused_equals_recompute(seed, dtype, chunk):
     w = torch.rand(n, dtype=torch.float64).to(torch.float32 if dtype != torch.float64 else dtype)
     objective = _seg_objective(seg, w, len(lengths))
     tr = LogitTransform(temperature=0.9, softcap=8.0, logit_scale=1.1)
-    backend = resolve_impl("torch", hidden.device)
+    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=cuts)
+    options = PassOptions(mode="fused", impl="torch", chunk_bytes=chunk)
 
     leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
-    loss, logp, ent, collected = fused_objective(*leaves, targets, tr, objective, cuts=cuts, want_entropy=True,
-                                                 chunk_bytes=chunk, backend=backend)
+    loss, stats, collected = run_objective(leaves[0], Head(leaves[1], leaves[2], tr), targets, objective, spec, options)
+    logp, ent = stats.logp, stats.entropy
     (3.0 * loss).backward()  # an incoming gradient other than 1
     # chunks end only at segment ends, and cover the tokens in order
     ends = [stop for _, stop in collected]
@@ -217,9 +237,13 @@ def test_fused_equals_recompute(seed, dtype, chunk):
     assert [start for start, _ in collected] == [0, *ends[:-1]]
 
     rleaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
-    s = vocab_stats(rleaves[0], rleaves[1], targets, bias=rleaves[2], temperature=0.9, softcap=8.0,
-                    logit_scale=1.1, chunk_bytes=chunk)
-    rloss, _ = objective(slice(0, n), s.logp, s.entropy)
+    s = vocab_stats(
+        rleaves[0],
+        Head(rleaves[1], bias=rleaves[2], transform=LogitTransform(temperature=0.9, logit_scale=1.1, softcap=8.0)),
+        targets,
+        options=PassOptions(chunk_bytes=chunk),
+    )
+    rloss, _ = objective(slice(0, n), s)
     (3.0 * rloss).backward()
 
     tol = 1e-12 if dtype == torch.float64 else 2e-5
@@ -232,8 +256,8 @@ def test_fused_equals_recompute(seed, dtype, chunk):
 
     # Without gradients the same loss and statistics come back.
     with torch.no_grad():
-        loss2, logp2, _, _ = fused_objective(hidden, weight, bias, targets, tr, objective, cuts=cuts,
-                                             want_entropy=True, chunk_bytes=chunk, backend=backend)
+        loss2, stats2, _ = run_objective(hidden, Head(weight, bias, tr), targets, objective, spec, options)
+    logp2 = stats2.logp
     assert loss2.item() == pytest.approx(loss.item(), rel=tol) and max_err(logp2, logp) <= tol * 10
 
 
@@ -245,7 +269,7 @@ def test_plan_chunks(n, token_chunk, data):
     if with_cuts and n:
         inner = data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=30, unique=True)) if n > 1 else []
         cuts = sorted(set(inner) | {n})
-    chunks = plan_chunks(n, token_chunk, cuts)
+    chunks = ChunkPlan(token_chunk=token_chunk, vocab_block=1, keep_logits=False).chunks(n, cuts)
     # contiguous cover of [0, n)
     pos = 0
     for c in chunks:
@@ -277,13 +301,15 @@ def test_frozen_head_skips_the_weight_gradient(mode, monkeypatch):
     seen = []
     orig = torch_backend.chunk_backward
 
-    def spy(*args, **kwargs):
-        seen.append(args[12])  # grad_weight
-        return orig(*args, **kwargs)
+    def spy(head, rows, plan, saved, grads, acc, kept):
+        seen.append(acc.weight)
+        return orig(head, rows, plan, saved, grads, acc, kept)
 
     def run(w):
         h = hidden.clone().requires_grad_()
-        loss, _ = policy_loss(h, w, ids, mask, adv, config=PolicyConfig(loss_type="grpo"), mode=mode, impl="torch")
+        loss, _ = policy_loss(
+            h, w, ids, mask, adv, config=PolicyConfig(loss_type="grpo"), options=PassOptions(mode=mode, impl="torch")
+        )
         loss.backward()
         return h.grad
 
@@ -310,16 +336,32 @@ def test_fp32_logits_false_rounds_the_matmul_output_like_the_plain_path(impl, mo
     y = (hidden.double() @ weight.double().t()).float().bfloat16().double() / 0.7
     want = torch.log_softmax(y, -1).gather(1, targets[:, None])[:, 0]
     if mode == "recompute":
-        rounded = vocab_stats(hidden, weight, targets, temperature=0.7, fp32_logits=False, impl=impl).logp
-        exact = vocab_stats(hidden, weight, targets, temperature=0.7, impl=impl).logp
+        rounded = vocab_stats(
+            hidden,
+            Head(weight, transform=LogitTransform(temperature=0.7)),
+            targets,
+            options=PassOptions(impl=impl, logits_precision="input"),
+        ).logp
+        exact = vocab_stats(
+            hidden, Head(weight, transform=LogitTransform(temperature=0.7)), targets, options=PassOptions(impl=impl)
+        ).logp
     else:
-        def obj(sl, logp, entropy):
-            return -logp.sum(), logp.detach()
 
-        backend = resolve_impl(impl, hidden.device)
-        rounded = torch.cat(fused_objective(hidden, weight, None, targets, LogitTransform(0.7), obj, cuts=None,
-                                            want_entropy=False, chunk_bytes=None, backend=backend,
-                                            fp32_logits=False)[3])
-        exact = token_logprobs(hidden, weight, targets, temperature=0.7, impl=impl)
+        def obj(sl, stats):
+            return -stats.logp.sum(), stats.logp.detach()
+
+        rounded = torch.cat(
+            run_objective(
+                hidden,
+                Head(weight, transform=LogitTransform(0.7)),
+                targets,
+                obj,
+                ObjectiveSpec(want=StatRequest(entropy=False)),
+                PassOptions(mode="fused", impl=impl, logits_precision="input"),
+            )[2]
+        )
+        exact = token_logprobs(
+            hidden, Head(weight, transform=LogitTransform(temperature=0.7)), targets, options=PassOptions(impl=impl)
+        )
     torch.testing.assert_close(rounded.double(), want, rtol=0, atol=2e-5)
     assert (exact.double() - want).abs().max() > 1e-3

@@ -223,8 +223,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     if not isinstance(advantages, torch.Tensor):
         raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
     if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) \
-            and not num_items_in_batch > 0:
-        raise ValueError(f"num_items_in_batch must be > 0 (the generation batch's counted tokens), got "
+            and not num_items_in_batch >= 0:
+        raise ValueError(f"num_items_in_batch must be >= 0 (the generation batch's counted tokens), got "
                          f"{num_items_in_batch!r}")
     if importance_sampling_ratio is not None and cfg.loss_type == "vespo" \
             and importance_sampling_ratio.shape != lead:

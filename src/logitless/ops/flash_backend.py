@@ -56,7 +56,13 @@ def _combine(parts: dict[str, torch.Tensor], owned: torch.Tensor) -> RowStats:
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
                   keep_logits: bool) -> tuple[RowStats, None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows. Nothing is kept
-    (``keep_logits`` is ignored): the backward recomputes every tile."""
+    (``keep_logits`` is ignored): the backward recomputes every tile.
+
+    Raises:
+        ValueError: adapter rows (``rows.low``): the kernels have no low-rank term.
+    """
+    if rows.low is not None:
+        raise ValueError("the flash backend has no LoRA adapter term; resolve_backend sends such heads to triton")
     hidden, weight, bias, targets = _operands(rows.hidden, head.weight, head.bias, rows.targets)
     n, vocab = hidden.shape[0], weight.shape[0]
     owned = (targets >= 0) & (targets < vocab)
