@@ -1,0 +1,54 @@
+"""``LogitlessDPOTrainer``: TRL 1.16's ``DPOTrainer`` with its head computed by logitless.
+
+    from logitless.integrations.trl_dpo import LogitlessDPOTrainer as DPOTrainer
+
+The chosen and rejected completions go through the model in one forward (TRL concatenates them)
+and their per-token log-probs, entropies and mean logits come from one logitless vocabulary pass
+over the completion tokens (:func:`logitless.vocab_stats`), never from logits; the reference
+log-probs come the same way from the reference model, or from the dataset when TRL precomputed
+them (``precompute_ref_log_probs``). The loss (every ``loss_type``, ``ld_alpha``, ``rpo_alpha``,
+label smoothing, weights) and the metrics are TRL's own code on those log-probs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trl import DPOTrainer
+
+from .config import LogitlessConfig
+from .trl_head import attach, trl_own_path
+
+__all__ = ["LogitlessDPOTrainer", "patch_dpo_trainer", "trl_own_path"]
+
+_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+_SHARED_LOSS = ["the loss is TRL's own code on logitless log-probs (fused_logprobs)"]
+
+
+def _outputs(trainer: DPOTrainer) -> tuple[str, ...]:
+    # use_weighting (WPO) also asks TRL's head for log Σ p², which logitless does not compute.
+    return _OUTPUTS + (("log_sum_sq_probs",) if trainer.use_weighting else ())
+
+
+class LogitlessDPOTrainer(DPOTrainer):
+    """``trl.DPOTrainer`` whose log-probs (policy and reference) come from logitless.
+
+    Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`; default: everything
+    that can, fp32 statistics), resolved into ``trainer.logitless`` (what runs and why not).
+    ``fused_logprobs`` is the switch that matters here; ``use_weighting=True`` (WPO's
+    ``log Σ p²``) resolves it off and TRL's head runs.
+
+    Raises:
+        TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``DPOTrainer`` raises.
+    """
+
+    def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        attach(self, logitless_config, outputs=_outputs(self), loss_problems=_SHARED_LOSS)
+
+
+def patch_dpo_trainer(trainer: DPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessDPOTrainer:
+    """Turn an existing ``DPOTrainer`` into a :class:`LogitlessDPOTrainer` in place."""
+    attach(trainer, logitless_config, outputs=_outputs(trainer), loss_problems=_SHARED_LOSS)
+    trainer.__class__ = LogitlessDPOTrainer
+    return trainer

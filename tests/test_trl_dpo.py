@@ -1,0 +1,128 @@
+"""LogitlessDPOTrainer: TRL's own DPO loss, gradients and metrics, on a float64 tiny model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import save_tiny_qwen2, word_tokenizer
+from trl_head_oracle import PassCounter, flat_grads, install_plain_head, rel_err
+
+from logitless.integrations.config import LogitlessConfig
+from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, trl_own_path
+
+V = 64
+
+
+def _words(rng, n):
+    return " ".join(f"t{rng.randrange(V - 3)}" for _ in range(n))
+
+
+def _dpo(tmp_path, seed, cls=None, logitless_config=None, **opts):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    rng = random.Random(seed)
+    save_tiny_qwen2(tmp_path / "m", vocab_size=V, seed=seed)
+    rows = [dict(prompt=_words(rng, rng.randint(2, 5)), chosen=" " + _words(rng, rng.randint(1, 6)),
+                 rejected=" " + _words(rng, rng.randint(1, 6))) for _ in range(8)]
+    args = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                     bf16=False, max_steps=1, logging_steps=1, **opts)
+    extra = {} if logitless_config is None else {"logitless_config": logitless_config}
+    return (cls or DPOTrainer)(**extra, model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
+                               processing_class=word_tokenizer(V))
+
+
+def _float64_oracle_trainer(tr):
+    """The trainer in float64, TRL's head replaced by the full-logits oracle, then patched."""
+    for m in (tr.model, tr.ref_model):
+        if m is not None:
+            m.double()
+            install_plain_head(m)
+    return tr
+
+
+def _step(tr, batch):
+    tr.model.zero_grad(set_to_none=True)
+    tr._metrics["train"].clear()
+    loss = tr.compute_loss(tr.model, batch)
+    loss.backward()
+    return loss.detach(), flat_grads(tr.model), {k: v[-1] for k, v in tr._metrics["train"].items()}
+
+
+# Seeded draws over TRL's DPO options that change the loss (loss types, their mixture and weights,
+# beta, label smoothing, LD-DPO's ld_alpha, the RPO NLL term, precomputed reference log-probs).
+def _options(seed):
+    rng = random.Random(seed)
+    types_ = rng.sample(["sigmoid", "hinge", "ipo", "robust", "bco_pair", "exo_pair", "nca_pair", "apo_zero",
+                         "sppo_hard", "sigmoid_norm", "discopop"], k=rng.choice([1, 2]))
+    opts = dict(loss_type=types_, beta=rng.choice([0.05, 0.1, 0.5]))
+    if len(types_) == 2:
+        opts["loss_weights"] = [rng.uniform(0.2, 1.0), rng.uniform(0.2, 1.0)]
+    if rng.random() < 0.5 and set(types_) <= {"sigmoid", "robust", "exo_pair", "bco_pair"}:
+        opts["label_smoothing"] = 0.1
+    if rng.random() < 0.4:
+        opts["ld_alpha"] = rng.uniform(0.3, 0.9)
+    if rng.random() < 0.3:
+        opts["rpo_alpha"] = 0.5
+    if rng.random() < 0.4:
+        opts["precompute_ref_log_probs"] = True
+    return opts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed):
+    opts = _options(seed)
+    calls = PassCounter(monkeypatch)
+    tr = patch_dpo_trainer(_float64_oracle_trainer(_dpo(tmp_path, seed, **opts)))
+    assert tr.logitless.fused_logprobs, tr.logitless.why_not
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    if opts.get("precompute_ref_log_probs"):
+        assert "ref_chosen_logps" in batch
+    ours = _step(tr, batch)
+    # policy, and the reference unless TRL precomputed it
+    assert calls.n == (1 if opts.get("precompute_ref_log_probs") else 2)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    assert calls.n == (1 if opts.get("precompute_ref_log_probs") else 2)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0]))), opts
+    assert rel_err(ours[1], theirs[1]) <= 1e-10, opts
+    assert set(ours[2]) == set(theirs[2])
+    for k, v in theirs[2].items():
+        if k == "num_tokens":  # a running count of the trainer, not of this step
+            continue
+        assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), (k, opts)
+
+
+def test_matches_trls_own_fp32_head(tmp_path):
+    """Against TRL's real (chunked, fp32-statistics) head, in fp32: agreement at fp32 accuracy."""
+    tr = _dpo(tmp_path, 7, cls=LogitlessDPOTrainer, loss_type=["sigmoid"], beta=0.1)
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    ours = _step(tr, batch)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    assert rel_err(ours[1], theirs[1]) <= 1e-4
+
+
+def test_wpo_weighting_falls_back_to_trls_head(tmp_path):
+    with pytest.warns(UserWarning, match=r"fused_logprobs=True cannot be honoured .*log_sum_sq_probs"):
+        tr = _dpo(tmp_path, 3, cls=LogitlessDPOTrainer, use_weighting=True,
+                  logitless_config=LogitlessConfig(fused_logprobs=True))
+    assert not tr.logitless.fused_logprobs and "log_sum_sq_probs" in tr.logitless.why_not["fused_logprobs"]
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    ours = _step(tr, batch)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_trains(tmp_path):
+    tr = _dpo(tmp_path, 5, cls=LogitlessDPOTrainer)
+    tr.train()
+    logged = [h for h in tr.state.log_history if "loss" in h]
+    assert logged and "rewards/accuracies" in logged[-1] and torch.isfinite(torch.tensor(logged[-1]["loss"]))
