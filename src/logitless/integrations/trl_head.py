@@ -25,7 +25,7 @@ import torch
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..objectives import head_loss
-from ..ops import vocab_stats
+from ..ops import Head, vocab_stats
 from .config import LogitlessConfig, Switches
 from .hf import UnsupportedModelError, _base, add_hidden_states_forward, find_head, head_inputs
 
@@ -86,12 +86,10 @@ def trl_own_path(trainer: Any) -> Iterator[Any]:
         trainer.logitless = saved
 
 
-def head_pass(trainer: Any, model: Any, hidden: torch.Tensor):
-    """``(hidden, weight, bias, head)`` of ``model``'s head for final hidden states ``hidden``, in
-    the autocast dtype (FSDP2: the unsharded weight)."""
-    head = find_head(trainer.accelerator.unwrap_model(model))
-    hidden, weight, bias = head_inputs(hidden, head)
-    return hidden, weight, bias, head
+def head_pass(trainer: Any, model: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, Head]:
+    """``(hidden, head)`` of ``model``'s head for final hidden states ``hidden``, in the autocast
+    dtype (FSDP2: the unsharded weight), at temperature 1."""
+    return head_inputs(hidden, find_head(trainer.accelerator.unwrap_model(model)))
 
 
 def _put_behind_fused_head(trainer: Any, model: Any, outputs: tuple[str, ...], temperature: float) -> None:
@@ -126,16 +124,13 @@ def _put_behind_fused_head(trainer: Any, model: Any, outputs: tuple[str, ...], t
 def _fused_output(trainer, model, hidden, labels, outputs, temperature, num_items_in_batch) -> FusedCausalLMOutput:
     """TRL's ``FusedCausalLMOutput`` for ``hidden [B, T, H]`` predicting ``labels [B, T]``."""
     sw = trainer.logitless
-    hidden, weight, bias, head = head_pass(trainer, model, hidden)
+    hidden, head = head_pass(trainer, model, hidden)
+    head = head.at_temperature(temperature)
     labels = labels.to(hidden.device)
     mask = labels != -100
-    transform = head.transform(temperature)
-    common = dict(bias=bias, lora=head.lora, impl=sw.config.impl, chunk_bytes=sw.config.chunk_bytes,
-                  fp32_logits=sw.fp32_logits)
-    st = vocab_stats(hidden, weight, labels, temperature=transform.temperature, logit_scale=transform.logit_scale,
-                     softcap=transform.softcap, entropy="entropy" in outputs, mean_logit="mean_logits" in outputs,
-                     **common)
-    is_top1 = _is_top1(hidden, weight, labels, transform, common) if "is_top1" in outputs else None
+    st = vocab_stats(hidden, head, labels, entropy="entropy" in outputs, mean_logit="mean_logits" in outputs,
+                     options=sw.options)
+    is_top1 = _is_top1(hidden, head, labels, sw.options) if "is_top1" in outputs else None
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(
         loss=-st.logp.sum() / count, log_probs=st.logp, entropy=st.entropy,
@@ -143,7 +138,7 @@ def _fused_output(trainer, model, hidden, labels, outputs, temperature, num_item
 
 
 @torch.no_grad()
-def _is_top1(hidden, weight, labels, transform, common) -> torch.Tensor:
+def _is_top1(hidden, head, labels, options) -> torch.Tensor:
     """Whether each label has the largest logit (``[B, T]`` bool, False where ignored): a second,
     forward-only pass, since :func:`vocab_stats` does not return it."""
     flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
@@ -152,7 +147,8 @@ def _is_top1(hidden, weight, labels, transform, common) -> torch.Tensor:
         flat[s.positions] = s.is_top1
         return s.logp.sum() * 0
 
-    head_loss(hidden.detach(), weight.detach(), labels, {"is_top1": record}, stats=("logp", "is_top1"),
-              transform=transform, mode="recompute", **{**common, "bias": None if common["bias"] is None
-                                                          else common["bias"].detach()})
+    frozen = dataclasses.replace(head, weight=head.weight.detach(),
+                                 bias=None if head.bias is None else head.bias.detach())
+    head_loss(hidden.detach(), frozen, labels, {"is_top1": record}, stats=("logp", "is_top1"),
+              options=dataclasses.replace(options, mode="recompute"))
     return flat.view(labels.shape)

@@ -75,14 +75,13 @@ class LogitlessSFTTrainer(SFTTrainer):
             hidden, labels = hidden[:, :-1], inputs["labels"][:, 1:]
         else:
             labels = inputs["shift_labels"]
-        hidden, weight, bias, head = head_pass(self, model, hidden)
+        hidden, head = head_pass(self, model, hidden)
         labels = labels.to(hidden.device)
         loss, values = head_loss(
-            hidden, weight, labels, {"loss": self._loss_term(num_items_in_batch, labels)},
+            hidden, head, labels, {"loss": self._loss_term(num_items_in_batch, labels)},
             metrics={"entropy": lambda s: s.entropy.sum(), "correct": lambda s: s.is_top1.sum().to(s.logp.dtype)},
-            bias=bias, lora=head.lora, transform=head.transform(1.0),
             stats=("logp", "lse", "entropy", "is_top1", *(("mean_logit",) if self._smoothing() else ())),
-            mode=sw.config.mode, impl=sw.config.impl, chunk_bytes=sw.config.chunk_bytes, fp32_logits=sw.fp32_logits)
+            options=sw.options)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         self._log_metrics(mode, inputs, (labels != -100).sum(), values)

@@ -18,7 +18,7 @@ import importlib
 
 import torch
 
-from ..ops import Impl, VocabShard, vocab_stats
+from ..ops import Head, LogitTransform, PassOptions, VocabShard, vocab_stats
 
 
 def linear_cross_entropy(
@@ -29,8 +29,7 @@ def linear_cross_entropy(
     reduction: str = "none",
     dist_process_group: torch.distributed.ProcessGroup | None = None,
     *,
-    impl: Impl = "auto",
-    chunk_bytes: int | None = None,
+    options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token ``log p(label)`` and entropy of ``softmax(hidden @ weight.T / temperature)``, in
     one logitless vocabulary pass, with verl's ``linear_cross_entropy`` call signature.
@@ -44,7 +43,7 @@ def linear_cross_entropy(
         reduction: only ``"none"`` (what verl's actor passes).
         dist_process_group: the tensor-parallel group of a vocabulary-parallel head; one
             all-reduce MAX and one SUM per pass, ``d hidden`` all-reduced over the group.
-        impl, chunk_bytes: see :func:`logitless.vocab_stats`.
+        options: :class:`logitless.PassOptions`.
 
     Returns:
         ``(log_probs, entropy)`` shaped like ``labels``, fp32 (fp64 for fp64 inputs), nats; both
@@ -58,8 +57,8 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be 'none' (per-token log-probs and entropy, as verl's actor asks), "
                          f"got {reduction!r}; reduce the returned tensors yourself")
     shard = None if dist_process_group is None else VocabShard(group=dist_process_group)
-    st = vocab_stats(hidden, weight, labels, temperature=float(temperature), entropy=True, shard=shard, impl=impl,
-                     chunk_bytes=chunk_bytes, ignore_index=-(2**62))
+    head = Head(weight, transform=LogitTransform(temperature=float(temperature)), shard=shard)
+    st = vocab_stats(hidden, head, labels, entropy=True, ignore_index=-(2**62), options=options)
     return st.logp, st.entropy
 
 
