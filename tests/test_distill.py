@@ -283,6 +283,31 @@ def test_errors():
         distill_loss(hs, ws, ht, wt, config=DistillConfig(vocab_size=200))
 
 
+def test_topk_errors():
+    """A sparse teacher's ids repeated within a row, a top-k mass above 1 (+1e-4) and k = 0 are
+    refused: each would make the KL over the support meaningless."""
+    hs, ws, *_ = _heads()
+    cfg = DistillConfig(divergence="forward_kl")
+    ids = torch.arange(3).repeat(N, 1)
+    lp = torch.full((N, 3), math.log(0.2), dtype=torch.float64)
+    distill_loss(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=lp, config=cfg)  # valid as given
+    dup = ids.clone()
+    dup[5, 2] = 0
+    with pytest.raises(ValueError, match="must not repeat"):
+        distill_loss(hs, ws, teacher_topk_ids=dup, teacher_topk_logprobs=lp, config=cfg)
+    padded = lp.clone()
+    padded[5, 2] = float("-inf")  # a repeated id at a padding entry is not a duplicate
+    distill_loss(hs, ws, teacher_topk_ids=dup, teacher_topk_logprobs=padded, config=cfg)
+    heavy = lp.clone()
+    heavy[7] = math.log(0.34)  # mass 1.02
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        distill_loss(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=heavy, config=cfg)
+    heavy[7] = math.log((1 + 5e-5) / 3)  # within the tolerance
+    distill_loss(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=heavy, config=cfg)
+    with pytest.raises(ValueError, match="k >= 1"):
+        distill_loss(hs, ws, teacher_topk_ids=ids[:, :0], teacher_topk_logprobs=lp[:, :0], config=cfg)
+
+
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, os, resource, sys, torch
     from logitless import DistillConfig, PassOptions, distill_loss

@@ -24,6 +24,7 @@ from ..ops.distill import distill_stats
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]
 _IGNORE = -100
+_MASS_TOL = 1e-4  # a teacher top-k mass above 1 + this is not a set of log-probabilities
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ def distill_loss(
     Raises:
         TypeError, ValueError: shapes, dtypes, devices, ids out of range, NaN/inf in the heads,
             both or neither teacher kinds, heads of different vocabularies without
-            ``config.vocab_size``, ``ce_weight > 0`` without labels.
+            ``config.vocab_size``, ``ce_weight > 0`` without labels; a sparse teacher with
+            ``k = 0``, an id repeated within a token's top-k, or a top-k mass above ``1 + 1e-4``.
     """
     cfg = DistillConfig() if config is None else config
     head, options = as_head(head), as_options(options)
@@ -305,6 +307,8 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, shape: torch.Size,
     if tuple(ids.shape[:-1]) != tuple(shape) or ids.shape != logprobs.shape or ids.dim() != len(shape) + 1:
         raise ValueError(f"teacher_topk_ids and teacher_topk_logprobs must both be {[*shape, 'k']}, got "
                          f"{tuple(ids.shape)} and {tuple(logprobs.shape)}")
+    if ids.shape[-1] == 0:
+        raise ValueError(f"teacher_topk_ids must hold at least one id per token (k >= 1), got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"teacher_topk_ids must be an integer tensor, got {ids.dtype}")
     if not logprobs.dtype.is_floating_point:
@@ -316,4 +320,15 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, shape: torch.Size,
                          f"found {ids[bad][:5].tolist()}")
     if bool((torch.isnan(logprobs) | (logprobs > 0)).any()):
         raise ValueError("teacher_topk_logprobs must be log-probabilities (<= 0, -inf for padding), found NaN or > 0")
-    return torch.where(valid, ids.long(), -1), logprobs
+    mass = torch.logsumexp(logprobs.double(), dim=-1).exp()
+    if bool((mass > 1 + _MASS_TOL).any()):
+        raise ValueError(f"teacher_topk_logprobs must sum to at most 1 per token (tolerance {_MASS_TOL}); found a "
+                         f"mass of {mass.max().item():.6g}")
+    ids = torch.where(valid, ids.long(), -1)
+    ordered = ids.sort(dim=-1).values
+    dup = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(dup.any()):
+        raise ValueError(f"teacher_topk_ids must not repeat an id within a token's top-k; found "
+                         f"{ordered[..., 1:][dup][:5].tolist()} repeated")
+    return ids, logprobs
+
