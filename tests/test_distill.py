@@ -29,11 +29,11 @@ import pytest
 import torch
 
 import logitless.ops.distill as distill_ops
-from logitless import DistillConfig, Head, LogitTransform, PassOptions, distill_loss
+from logitless import DistillConfig, Head, LogitTransform, PassOptions, VocabShard, distill_loss
 from logitless.ops import torch_backend
 
 N, V, HS, HT = 47, 123, 16, 24
-SMALL_CHUNK = 60_000  # bytes: 32-token chunks, vocabulary blocks of 23 rows (6 per chunk) at these sizes
+SMALL_CHUNK = 60_000  # bytes: 32-token chunks, vocabulary blocks of 19 rows (7 per chunk) at these sizes
 SMALL = PassOptions(chunk_bytes=SMALL_CHUNK)
 TOL = 1e-10
 
@@ -247,7 +247,7 @@ def test_ce_mixed_in_costs_no_extra_pass(monkeypatch):
     monkeypatch.setattr(torch_backend, "chunk_backward", counted("single", torch_backend.chunk_backward))
     hs, ws, _, ht, wt, _ = _heads()
     labels = _labels(p_ignore=0.0)
-    chunk = 60 * V * 8 * 10  # fp64: a token chunk of ~60 rows → one chunk for N = 47 ...
+    chunk = 60 * V * 8 * 10  # fp64, budget chunk // 4: 32-token chunks → 2 chunks for N = 47
     results = {}
     for ce_weight in (0.0, 1.0):
         before = dict(calls)
@@ -257,9 +257,53 @@ def test_ce_mixed_in_costs_no_extra_pass(monkeypatch):
         loss.backward()
         results[ce_weight] = {k: calls[k] - before[k] for k in calls}
     assert results[0.0] == results[1.0]
-    plan = distill_ops.plan_for(N, V, chunk // 4, torch.float64)
+    plan = distill_ops.plan_for(N, V, PassOptions(chunk_bytes=chunk // 4), torch.float64)
     n_chunks = math.ceil(N / plan.token_chunk)
     assert results[1.0] == {"forward": n_chunks, "jsd": n_chunks, "backward": n_chunks, "single": 0}
+
+
+def _mode_case(case):
+    """Inputs of one divergence for the fused/recompute comparison: (student head, teacher args,
+    config, leaves whose gradients are compared)."""
+    hs, ws, bs, ht, wt, bt = _heads(bias=True)
+    st = LogitTransform(temperature=0.8, softcap=6.0)
+    labels = _labels()
+    if case == "topk":
+        top_lp, top_ids = st.apply(ht @ wt.T + bt).log_softmax(-1).topk(5, dim=-1)
+        top_lp = top_lp.masked_fill(torch.rand(N, 5) < 0.2, float("-inf"))
+        teacher = {"teacher_topk_ids": top_ids, "teacher_topk_logprobs": top_lp}
+        cfg = DistillConfig(divergence="forward_kl", ce_weight=0.4)
+    else:
+        teacher = {"teacher_hidden": ht, "teacher": Head(wt, bt, LogitTransform(temperature=1.2))}
+        cfg = DistillConfig(divergence=case if case != "jsd" else "generalized_jsd", beta=0.3, ce_weight=0.4)
+    return hs, Head(ws, bs, st), teacher, labels, cfg, (hs, ws, bs)
+
+
+@pytest.mark.parametrize("case", ["forward_kl", "reverse_kl", "jsd", "topk"])
+def test_fused_equals_recompute(case):
+    """Fused mode (gradient per chunk inside the forward) and recompute mode (logits recomputed
+    in the backward) give the same loss, metrics and gradients to 1e-10 in float64, with
+    several token chunks and vocabulary blocks (small ``chunk_bytes``), a mask and a CE column."""
+    hs, head, teacher, labels, cfg, leaves = _mode_case(case)
+    mask = (torch.rand(N) < 0.8).long()
+    out = {}
+    for mode in ("fused", "recompute"):
+        loss, metrics = distill_loss(hs, head, labels=labels, mask=mask, config=cfg,
+                                     options=PassOptions(mode=mode, chunk_bytes=SMALL_CHUNK // 2), **teacher)
+        out[mode] = (loss, metrics, _grads(loss, *leaves))
+    (lf, mf, gf), (lr, mr, gr) = out["fused"], out["recompute"]
+    _assert_close([lf], [lr], what="loss")
+    _assert_close(gf, gr, what="grads")
+    assert mf.keys() == mr.keys()
+    _assert_close(list(mf.values()), list(mr.values()), what="metrics")
+
+
+def test_mode_errors():
+    hs, ws, _, ht, wt, _ = _heads()
+    with pytest.raises(ValueError, match="reduction='none'"):
+        distill_loss(hs, ws, ht, wt, config=DistillConfig(reduction="none"), options=PassOptions(mode="fused"))
+    with pytest.raises(ValueError, match="vocabulary shard is not supported yet"):
+        distill_loss(hs, ws, ht, Head(wt, shard=VocabShard(vocab_size=V)))
 
 
 def test_errors():
