@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from .backend import Accumulators
-from .engine import PassResult, no_autocast, recompute_stats, resolve_mode, run_fused
+from .engine import ChunkObjective, PassResult, no_autocast, recompute_stats, resolve_mode, run_fused
 from .head import Head, LocalHead
 from .lora import LowRank
 from .options import PassOptions
@@ -403,7 +403,7 @@ class DistillPass:
             return chunk_backward(self.head, self.teacher, rows, plan, self.jsd_beta, saved, grads, acc)
 
 
-def run_distill(p: DistillPass, objective, hidden: torch.Tensor, head: Head, options: PassOptions,
+def run_distill(p: DistillPass, objective: ChunkObjective, hidden: torch.Tensor, head: Head, options: PassOptions,
                 per_token: bool = False) -> PassResult:
     """Run ``objective(rows, stats: DistillStats) -> (loss term, collected)`` over the pass
     ``p`` (made from ``hidden`` and ``head``) in ``options.mode``: fused sums the chunks' terms;
