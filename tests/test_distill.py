@@ -29,11 +29,12 @@ import pytest
 import torch
 
 import logitless.ops.distill as distill_ops
-from logitless import DistillConfig, LogitTransform, distill_loss
+from logitless import DistillConfig, Head, LogitTransform, PassOptions, VocabShard, distill_loss
 from logitless.ops import torch_backend
 
 N, V, HS, HT = 47, 123, 16, 24
-SMALL_CHUNK = 60_000  # bytes: 32-token chunks, vocabulary blocks of 23 rows (6 per chunk) at these sizes
+SMALL_CHUNK = 60_000  # bytes: 32-token chunks, vocabulary blocks of 19 rows (7 per chunk) at these sizes
+SMALL = PassOptions(chunk_bytes=SMALL_CHUNK)
 TOL = 1e-10
 
 with warnings.catch_warnings():
@@ -82,8 +83,8 @@ def test_matches_trl_generalized_jsd(beta):
     hs, ws, _, ht, wt, _ = _heads()
     labels = _labels()
     temp = 1.7
-    loss, metrics = distill_loss(hs, ws, ht, wt, labels=labels, transform=LogitTransform(temperature=temp),
-                                 config=DistillConfig(beta=beta), chunk_bytes=SMALL_CHUNK)
+    loss, metrics = distill_loss(hs, Head(ws, transform=LogitTransform(temperature=temp)), ht, wt, labels=labels,
+                                 config=DistillConfig(beta=beta), options=SMALL)
     ref = GKDTrainer.generalized_jsd_loss((hs @ ws.T)[None], (ht @ wt.T)[None], labels=labels[None], beta=beta,
                                           temperature=temp)
     _assert_close([loss], [ref], what="loss")
@@ -98,8 +99,8 @@ def test_matches_trl_chunked_divergence_with_transforms():
     temp, beta = 0.8, 0.4
     st = LogitTransform(temperature=temp, logit_scale=1.3, softcap=5.0)
     tt = LogitTransform(temperature=temp, logit_scale=0.7, softcap=3.0)
-    ours, _ = distill_loss(hs, ws, ht, wt, bias=bs, teacher_bias=bt, transform=st, teacher_transform=tt,
-                           config=DistillConfig(beta=beta, reduction="none"), chunk_bytes=SMALL_CHUNK)
+    ours, _ = distill_loss(hs, Head(ws, bs, st), ht, Head(wt, bt, tt),
+                           config=DistillConfig(beta=beta, reduction="none"), options=SMALL)
     div, ent = ChunkedDivergenceFunction.apply(hs, ws, bs, ht, wt, bt, beta, temp, 1.3, 5.0, 0.7, 3.0)
     _assert_close([ours], [div], tol=1e-6, what="divergence")  # TRL computes in fp32
     g = torch.randn(N, dtype=torch.float64)
@@ -108,8 +109,8 @@ def test_matches_trl_chunked_divergence_with_transforms():
     g_ref = _grads((g * ref["div"]).sum(), hs, ws, bs)
     _assert_close(_grads((g * ours).sum(), hs, ws, bs), g_ref, what="grads")
     _assert_close(_grads((g * div).sum(), hs, ws, bs), g_ref, tol=1e-5, what="TRL grads vs oracle")
-    _, metrics = distill_loss(hs, ws, ht, wt, bias=bs, teacher_bias=bt, transform=st, teacher_transform=tt,
-                              config=DistillConfig(beta=beta), chunk_bytes=SMALL_CHUNK)
+    _, metrics = distill_loss(hs, Head(ws, bs, st), ht, Head(wt, bt, tt), config=DistillConfig(beta=beta),
+                              options=SMALL)
     assert metrics["entropy"].item() == pytest.approx(ent.double().mean().item(), rel=1e-6)
 
 
@@ -141,9 +142,8 @@ def test_padded_vocabularies_own_teacher_temperature_and_ce(divergence):
     mask = (torch.rand(N) < 0.8).long()
     st, tt = LogitTransform(temperature=1.3), LogitTransform(temperature=0.6, logit_scale=1.1)
     cfg = DistillConfig(divergence=divergence, beta=0.7, ce_weight=0.35, vocab_size=V)
-    loss, metrics = distill_loss(hs, ws, ht, wt, mask=mask, labels=labels, bias=bs, teacher_bias=bt, transform=st,
-                                 teacher_transform=tt, config=cfg, num_items_in_batch=torch.tensor(31.0),
-                                 chunk_bytes=SMALL_CHUNK)
+    loss, metrics = distill_loss(hs, Head(ws, bs, st), ht, Head(wt, bt, tt), mask=mask, labels=labels, config=cfg,
+                                 num_items_in_batch=torch.tensor(31.0), options=SMALL)
     ref = _oracle(hs, ws, bs, ht, wt, bt, st, tt, {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, 0.7), V)
     counted = (mask != 0) & (labels != -100)
     nll = -ref["lp"].gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
@@ -166,7 +166,7 @@ def test_three_dim_inputs_and_reduction_none():
     ht, wt = torch.randn(b, t, HT, dtype=torch.float64), torch.randn(V, HT, dtype=torch.float64)
     mask = (torch.rand(b, t) < 0.7).long()
     per, _ = distill_loss(hs, ws, ht, wt, mask=mask, config=DistillConfig(beta=0.25, reduction="none"),
-                          chunk_bytes=SMALL_CHUNK)
+                          options=SMALL)
     ref = _oracle(hs.reshape(-1, HS), ws, None, ht.reshape(-1, HT), wt, None, LogitTransform(), LogitTransform(),
                   0.25)["div"].reshape(b, t) * mask
     assert per.shape == (b, t)
@@ -189,10 +189,9 @@ def test_sparse_topk_matches_trl_server_forward_kl(add_tail):
     pad[:, 0] = False  # every token keeps its top-1
     top_lp = top_lp.masked_fill(pad, float("-inf"))
     top_ids = top_ids.masked_fill(pad, 0)
-    loss, metrics = distill_loss(hs, ws, labels=labels, teacher_topk_ids=top_ids, teacher_topk_logprobs=top_lp,
-                                 transform=LogitTransform(temperature=temp),
-                                 config=DistillConfig(divergence="forward_kl", topk_add_tail=add_tail),
-                                 chunk_bytes=SMALL_CHUNK)
+    loss, metrics = distill_loss(hs, Head(ws, transform=LogitTransform(temperature=temp)), labels=labels,
+                                 teacher_topk_ids=top_ids, teacher_topk_logprobs=top_lp,
+                                 config=DistillConfig(divergence="forward_kl", topk_add_tail=add_tail), options=SMALL)
     stub = types.SimpleNamespace(loss_add_tail=add_tail,
                                  _reduce_divergence_loss=ServerDistillationTrainer._reduce_divergence_loss)
     student_lp = ((hs @ ws.T) / temp).log_softmax(-1)
@@ -211,7 +210,7 @@ def test_fp32_error_bounded_by_plain_fp32():
     hs, ws, _, ht, wt, _ = _heads(dtype=torch.float32)
     labels = _labels()
     cfg = DistillConfig(beta=0.5, ce_weight=0.5)
-    loss, _ = distill_loss(hs, ws, ht, wt, labels=labels, config=cfg, chunk_bytes=SMALL_CHUNK)
+    loss, _ = distill_loss(hs, ws, ht, wt, labels=labels, config=cfg, options=SMALL)
     g32 = _grads(loss, hs, ws)
 
     def plain(dtype):
@@ -248,18 +247,63 @@ def test_ce_mixed_in_costs_no_extra_pass(monkeypatch):
     monkeypatch.setattr(torch_backend, "chunk_backward", counted("single", torch_backend.chunk_backward))
     hs, ws, _, ht, wt, _ = _heads()
     labels = _labels(p_ignore=0.0)
-    chunk = 60 * V * 8 * 10  # fp64: a token chunk of ~60 rows → one chunk for N = 47 ...
+    chunk = 60 * V * 8 * 10  # fp64, budget chunk // 4: 32-token chunks → 2 chunks for N = 47
     results = {}
     for ce_weight in (0.0, 1.0):
         before = dict(calls)
         loss, _ = distill_loss(hs, ws, ht, wt, labels=labels if ce_weight else None,
-                               config=DistillConfig(beta=0.5, ce_weight=ce_weight), chunk_bytes=chunk // 4)
+                               config=DistillConfig(beta=0.5, ce_weight=ce_weight),
+                               options=PassOptions(chunk_bytes=chunk // 4))
         loss.backward()
         results[ce_weight] = {k: calls[k] - before[k] for k in calls}
     assert results[0.0] == results[1.0]
-    plan = distill_ops.plan_for(N, V, chunk // 4, torch.float64)
+    plan = distill_ops.plan_for(N, V, PassOptions(chunk_bytes=chunk // 4), torch.float64)
     n_chunks = math.ceil(N / plan.token_chunk)
     assert results[1.0] == {"forward": n_chunks, "jsd": n_chunks, "backward": n_chunks, "single": 0}
+
+
+def _mode_case(case):
+    """Inputs of one divergence for the fused/recompute comparison: (student head, teacher args,
+    config, leaves whose gradients are compared)."""
+    hs, ws, bs, ht, wt, bt = _heads(bias=True)
+    st = LogitTransform(temperature=0.8, softcap=6.0)
+    labels = _labels()
+    if case == "topk":
+        top_lp, top_ids = st.apply(ht @ wt.T + bt).log_softmax(-1).topk(5, dim=-1)
+        top_lp = top_lp.masked_fill(torch.rand(N, 5) < 0.2, float("-inf"))
+        teacher = {"teacher_topk_ids": top_ids, "teacher_topk_logprobs": top_lp}
+        cfg = DistillConfig(divergence="forward_kl", ce_weight=0.4)
+    else:
+        teacher = {"teacher_hidden": ht, "teacher": Head(wt, bt, LogitTransform(temperature=1.2))}
+        cfg = DistillConfig(divergence=case if case != "jsd" else "generalized_jsd", beta=0.3, ce_weight=0.4)
+    return hs, Head(ws, bs, st), teacher, labels, cfg, (hs, ws, bs)
+
+
+@pytest.mark.parametrize("case", ["forward_kl", "reverse_kl", "jsd", "topk"])
+def test_fused_equals_recompute(case):
+    """Fused mode (gradient per chunk inside the forward) and recompute mode (logits recomputed
+    in the backward) give the same loss, metrics and gradients to 1e-10 in float64, with
+    several token chunks and vocabulary blocks (small ``chunk_bytes``), a mask and a CE column."""
+    hs, head, teacher, labels, cfg, leaves = _mode_case(case)
+    mask = (torch.rand(N) < 0.8).long()
+    out = {}
+    for mode in ("fused", "recompute"):
+        loss, metrics = distill_loss(hs, head, labels=labels, mask=mask, config=cfg,
+                                     options=PassOptions(mode=mode, chunk_bytes=SMALL_CHUNK // 2), **teacher)
+        out[mode] = (loss, metrics, _grads(loss, *leaves))
+    (lf, mf, gf), (lr, mr, gr) = out["fused"], out["recompute"]
+    _assert_close([lf], [lr], what="loss")
+    _assert_close(gf, gr, what="grads")
+    assert mf.keys() == mr.keys()
+    _assert_close(list(mf.values()), list(mr.values()), what="metrics")
+
+
+def test_mode_errors():
+    hs, ws, _, ht, wt, _ = _heads()
+    with pytest.raises(ValueError, match="reduction='none'"):
+        distill_loss(hs, ws, ht, wt, config=DistillConfig(reduction="none"), options=PassOptions(mode="fused"))
+    with pytest.raises(ValueError, match="vocabulary shard is not supported yet"):
+        distill_loss(hs, ws, ht, Head(wt, shard=VocabShard(vocab_size=V)))
 
 
 def test_errors():
@@ -283,9 +327,34 @@ def test_errors():
         distill_loss(hs, ws, ht, wt, config=DistillConfig(vocab_size=200))
 
 
+def test_topk_errors():
+    """A sparse teacher's ids repeated within a row, a top-k mass above 1 (+1e-4) and k = 0 are
+    refused: each would make the KL over the support meaningless."""
+    hs, ws, *_ = _heads()
+    cfg = DistillConfig(divergence="forward_kl")
+    ids = torch.arange(3).repeat(N, 1)
+    lp = torch.full((N, 3), math.log(0.2), dtype=torch.float64)
+    distill_loss(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=lp, config=cfg)  # valid as given
+    dup = ids.clone()
+    dup[5, 2] = 0
+    with pytest.raises(ValueError, match="must not repeat"):
+        distill_loss(hs, ws, teacher_topk_ids=dup, teacher_topk_logprobs=lp, config=cfg)
+    padded = lp.clone()
+    padded[5, 2] = float("-inf")  # a repeated id at a padding entry is not a duplicate
+    distill_loss(hs, ws, teacher_topk_ids=dup, teacher_topk_logprobs=padded, config=cfg)
+    heavy = lp.clone()
+    heavy[7] = math.log(0.34)  # mass 1.02
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        distill_loss(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=heavy, config=cfg)
+    heavy[7] = math.log((1 + 5e-5) / 3)  # within the tolerance
+    distill_loss(hs, ws, teacher_topk_ids=ids, teacher_topk_logprobs=heavy, config=cfg)
+    with pytest.raises(ValueError, match="k >= 1"):
+        distill_loss(hs, ws, teacher_topk_ids=ids[:, :0], teacher_topk_logprobs=lp[:, :0], config=cfg)
+
+
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, os, resource, sys, torch
-    from logitless import DistillConfig, distill_loss
+    from logitless import DistillConfig, PassOptions, distill_loss
     n, v, hs_, ht_, chunk = (int(x) for x in sys.argv[1:6])
     torch.manual_seed(0)
     hs = (torch.randn(n, hs_) / hs_**0.5).requires_grad_()
@@ -295,7 +364,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     cfg = DistillConfig(divergence="forward_kl", ce_weight=0.5)
-    loss, m = distill_loss(hs, ws, ht, wt, labels=labels, config=cfg, chunk_bytes=chunk)
+    loss, m = distill_loss(hs, ws, ht, wt, labels=labels, config=cfg, options=PassOptions(chunk_bytes=chunk))
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     # spot check a few rows against the materialized float64 path

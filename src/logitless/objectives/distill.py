@@ -4,14 +4,15 @@ The divergences follow TRL 1.16: ``GKDTrainer.generalized_jsd_loss`` /
 ``DistillationTrainer`` (``trl.kernels.chunked_divergence``) for a dense teacher, and
 ``ServerDistillationTrainer._compute_server_forward_kl_loss`` for a teacher given as top-k
 log-probs. Neither side's ``[N, V]`` logits are materialized: the statistics come from one
-blocked vocabulary pass (:func:`logitless.ops.distill.distill_stats`), and a hard-label
-cross-entropy mixed in is a column of the same pass.
+blocked vocabulary pass (the two-head kind :class:`logitless.ops.distill.DistillPass` on the
+vocabulary engine, fused or recompute mode), and a hard-label cross-entropy mixed in is a column
+of the same pass.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -19,11 +20,12 @@ import torch
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
 from ..ops import Head, PassOptions, as_head, as_options, check_head_inputs
-from ..ops.distill import distill_stats
+from ..ops.distill import DistillPass, DistillStats, run_distill
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]
 _IGNORE = -100
+_MASS_TOL = 1e-4  # a teacher top-k mass above 1 + this is not a set of log-probabilities
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,9 @@ def distill_loss(
         config: :class:`DistillConfig`.
         num_items_in_batch: global count of counted tokens (gradient accumulation); ``None``:
             this call's count (clamped to >= 1).
-        options: :class:`logitless.PassOptions` (workspace budget; the pass runs on the torch
-            backend in recompute mode).
+        options: :class:`logitless.PassOptions`: workspace budget and ``mode`` (``"auto"``:
+            fused, or recompute for ``reduction="none"``, whose per-token loss fused mode cannot
+            give). The pass runs torch GEMMs whatever ``impl``.
 
     Returns:
         ``(loss, metrics)``: a scalar loss (or per-token ``[B, T]`` / ``[N]`` with
@@ -134,17 +137,16 @@ def distill_loss(
     Raises:
         TypeError, ValueError: shapes, dtypes, devices, ids out of range, NaN/inf in the heads,
             both or neither teacher kinds, heads of different vocabularies without
-            ``config.vocab_size``, ``ce_weight > 0`` without labels.
+            ``config.vocab_size``, ``ce_weight > 0`` without labels; a sparse teacher with
+            ``k = 0``, an id repeated within a token's top-k, or a top-k mass above ``1 + 1e-4``.
     """
     cfg = DistillConfig() if config is None else config
     head, options = as_head(head), as_options(options)
-    if head.lora is not None or head.shard is not None:
-        raise ValueError("distill_loss: the student head cannot carry a LoRA adapter or a vocabulary shard yet")
-    weight, bias, transform = head.weight, head.bias, head.transform
-    teacher_weight = teacher_bias = teacher_transform = None
+    weight, bias = head.weight, head.bias
+    teacher_weight = teacher_bias = None
     if teacher is not None:
         teacher = teacher if isinstance(teacher, Head) else Head(as_head(teacher).weight, transform=head.transform)
-        teacher_weight, teacher_bias, teacher_transform = teacher.weight, teacher.bias, teacher.transform
+        teacher_weight, teacher_bias = teacher.weight, teacher.bias
     dense = teacher_hidden is not None or teacher_weight is not None
     sparse = teacher_topk_ids is not None or teacher_topk_logprobs is not None
     if dense == sparse:
@@ -188,48 +190,55 @@ def distill_loss(
         if n and bool(bad.any()):
             raise ValueError(f"labels must lie in [0, {vocab}) or equal -100; found {y[bad][:5].tolist()}")
         cols.append(y[:, None])
-    targets = torch.cat(cols, dim=1) if cols else None
+    targets = torch.cat(cols, dim=1) if cols else torch.zeros((n, 0), dtype=torch.long, device=hidden.device)
 
-    stats = distill_stats(
-        h, weight, targets, bias=bias, transform=transform,
-        teacher_hidden=teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if dense else None,
-        teacher_weight=teacher_weight if dense else None, teacher_bias=teacher_bias if dense else None,
-        teacher_transform=teacher_transform, jsd_beta=cfg.beta if dense and cfg.kind == "jsd" else None,
-        chunk_bytes=options.chunk_bytes)
+    th = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if dense else None
+    # The pass reads the heads cut to the shared vocabulary; the gradient goes to the caller's
+    # tensors (padded rows: zero).
+    p = DistillPass.make(h, replace(head, weight=weight, bias=bias), targets, th,
+                         replace(teacher, weight=teacher_weight, bias=teacher_bias) if dense else None,
+                         cfg.beta if dense and cfg.kind == "jsd" else None, options)
+    count = max(n, 1)
+    if cfg.reduction == "mean":
+        denom = count if num_items_in_batch is None else (
+            num_items_in_batch.to(hidden.device) if isinstance(num_items_in_batch, torch.Tensor)
+            else num_items_in_batch)
+    k = topk_ids.shape[1] if sparse else 0
+
+    def divergence(sl: slice, st: DistillStats) -> torch.Tensor:
+        if dense:
+            return {"forward_kl": st.forward_kl, "reverse_kl": st.reverse_kl, "jsd": st.jsd}[cfg.kind]
+        return sparse_forward_kl(st.logp[:, :k], topk_lp[sl], cfg.topk_add_tail)[0]
+
+    def objective(sl: slice, st: DistillStats) -> tuple[torch.Tensor, None]:
+        per = divergence(sl, st)
+        if cfg.ce_weight > 0:
+            per = per - cfg.ce_weight * st.logp[:, -1]
+        if cfg.reduction == "none":
+            return per, None
+        return (per.sum() if cfg.reduction == "sum" else per.sum() / denom), None
+
+    loss, stats, _ = run_distill(p, objective, h, head, options, per_token=cfg.reduction == "none")
 
     metrics: dict[str, torch.Tensor] = {}
+    div = divergence(slice(0, n), stats)
     if dense:
-        div = {"forward_kl": stats.forward_kl, "reverse_kl": stats.reverse_kl, "jsd": stats.jsd}[cfg.kind]
         metrics.update(forward_kl=stats.forward_kl, reverse_kl=stats.reverse_kl,
                        teacher_entropy=stats.teacher_entropy)
         if cfg.kind == "jsd":
             metrics["jsd"] = stats.jsd
     else:
-        k = topk_ids.shape[1]
-        div, mass_t, mass_s = sparse_forward_kl(stats.logp[:, :k], topk_lp, cfg.topk_add_tail)
+        _, mass_t, mass_s = sparse_forward_kl(stats.logp[:, :k], topk_lp, cfg.topk_add_tail)
         metrics.update({"topk_mass/teacher": mass_t, "topk_mass/student": mass_s})
-    per_token = div
     if labels is not None:
-        nll = -stats.logp[:, -1]
-        metrics["nll"] = nll
-        if cfg.ce_weight > 0:
-            per_token = per_token + cfg.ce_weight * nll
+        metrics["nll"] = -stats.logp[:, -1]
     metrics["divergence"] = div
     metrics["entropy"] = stats.entropy
-    count = max(n, 1)
     metrics = {name: v.detach().sum() / count for name, v in metrics.items()}
-
     if cfg.reduction == "none":
-        out = per_token.new_zeros(counted.numel()).index_put((idx,), per_token)
+        out = loss.new_zeros(counted.numel()).index_put((idx,), loss)
         return out.reshape(shape), metrics
-    total = per_token.sum()
-    if cfg.reduction == "sum":
-        return total, metrics
-    if num_items_in_batch is None:
-        return total / count, metrics
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch, metrics
+    return loss, metrics
 
 
 def sparse_forward_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor,
@@ -305,6 +314,8 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, shape: torch.Size,
     if tuple(ids.shape[:-1]) != tuple(shape) or ids.shape != logprobs.shape or ids.dim() != len(shape) + 1:
         raise ValueError(f"teacher_topk_ids and teacher_topk_logprobs must both be {[*shape, 'k']}, got "
                          f"{tuple(ids.shape)} and {tuple(logprobs.shape)}")
+    if ids.shape[-1] == 0:
+        raise ValueError(f"teacher_topk_ids must hold at least one id per token (k >= 1), got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"teacher_topk_ids must be an integer tensor, got {ids.dtype}")
     if not logprobs.dtype.is_floating_point:
@@ -316,4 +327,15 @@ def _check_topk(ids: torch.Tensor, logprobs: torch.Tensor, shape: torch.Size,
                          f"found {ids[bad][:5].tolist()}")
     if bool((torch.isnan(logprobs) | (logprobs > 0)).any()):
         raise ValueError("teacher_topk_logprobs must be log-probabilities (<= 0, -inf for padding), found NaN or > 0")
-    return torch.where(valid, ids.long(), -1), logprobs
+    mass = torch.logsumexp(logprobs.double(), dim=-1).exp()
+    if bool((mass > 1 + _MASS_TOL).any()):
+        raise ValueError(f"teacher_topk_logprobs must sum to at most 1 per token (tolerance {_MASS_TOL}); found a "
+                         f"mass of {mass.max().item():.6g}")
+    ids = torch.where(valid, ids.long(), -1)
+    ordered = ids.sort(dim=-1).values
+    dup = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if bool(dup.any()):
+        raise ValueError(f"teacher_topk_ids must not repeat an id within a token's top-k; found "
+                         f"{ordered[..., 1:][dup][:5].tolist()} repeated")
+    return ids, logprobs
+

@@ -14,6 +14,10 @@ walks the token chunks, and returns the loss and every token's statistics. Two m
   per-chunk terms (global normalizers precomputed by the caller); chunks end only at the
   caller's allowed cut points (sequence boundaries for sequence-level objectives).
 
+The per-chunk work is a **pass kind** (:class:`PassKind`): :class:`_Pass` is the single-head
+softmax run through a backend; :mod:`.distill` adds a two-head (student + teacher) kind. The
+chunk loops, both modes' ``autograd.Function`` and the accumulators below serve every kind.
+
 Under vocabulary parallelism (``Head.shard`` with a group) the partial statistics are reduced
 with one MAX and one SUM all-reduce per pass (recompute) or per chunk (fused), and the
 ``d hidden`` partials are summed in the statistics dtype, then cast once.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -108,9 +112,46 @@ def no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+class PassKind(Protocol):
+    """The per-chunk work of a pass, as the engine's loops and ``autograd.Function`` use it.
+
+    A kind's statistics are a ``NamedTuple`` of ``[n]``/``[n, k]`` tensors (``None``: not
+    computed); the fields named in ``DIFFERENTIABLE`` carry gradients, which come back to
+    :meth:`backward` as ``grads_of`` builds them (a ``NamedTuple`` with ``any()`` and ``rows(sl)``).
+    ``head`` is the differentiable head (its weight, bias and adapter get the gradients).
+    """
+
+    head: LocalHead
+    plan: ChunkPlan
+    DIFFERENTIABLE: tuple[str, ...]
+
+    def fields_present(self) -> tuple[bool, ...]: ...
+
+    def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> Any: ...
+
+    def chunk_stats(self, rows: Any, plan: ChunkPlan, keep_logits: bool) -> tuple[Any, Any, object | None]: ...
+
+    def forward_all(self, hidden: torch.Tensor, low: LowRank | None) -> tuple[Any, Any]: ...
+
+    def empty_stats(self, n: int, device: torch.device) -> Any: ...
+
+    def grads_of(self, named: dict[str, torch.Tensor]) -> Any: ...
+
+    def backward(self, rows: Any, plan: ChunkPlan, saved: Any, grads: Any, acc: Accumulators,
+                 kept: object | None) -> torch.Tensor | None: ...
+
+
+def rows_of(value: NamedTuple, sl: slice) -> NamedTuple:
+    """Rows ``sl`` of every tensor field of ``value`` (``None`` fields stay ``None``)."""
+    return type(value)(*(None if t is None else t[sl] for t in value))
+
+
 @dataclass
 class _Pass:
-    """One call's resolved pass: made once, used by every chunk and by the backward."""
+    """One call's resolved single-head pass (a :class:`PassKind`): made once, used by every
+    chunk and by the backward."""
+
+    DIFFERENTIABLE = ("logp", "lse", "entropy", "sum_z")
 
     backend: Backend
     head: LocalHead
@@ -143,6 +184,29 @@ class _Pass:
                  kept: object | None) -> torch.Tensor | None:
         with no_autocast(rows.hidden.device):
             return self.backend.chunk_backward(self.head, rows, plan, saved, grads, acc, kept)
+
+    def fields_present(self) -> tuple[bool, ...]:
+        return True, True, self.want.entropy, self.want.sum_z, True
+
+    def chunk_stats(self, rows: ChunkRows, plan: ChunkPlan,
+                    keep_logits: bool) -> tuple[ChunkStats, SavedStats, object | None]:
+        """A chunk's statistics over the full vocabulary (reduced over the group), what its
+        backward needs, and the backend's kept logits."""
+        part, kept = self.forward(rows, plan, keep_logits)
+        stats, saved = _stats_of(part.reduce(self.head.group))
+        return stats, saved, kept
+
+    def forward_all(self, hidden: torch.Tensor, low: LowRank | None) -> tuple[ChunkStats, SavedStats]:
+        return _forward_all(self, hidden, low)
+
+    def empty_stats(self, n: int, device: torch.device) -> ChunkStats:
+        sdt = stat_dtype_for(self.head.weight.dtype)
+        return ChunkStats(*(torch.empty(n, dtype=torch.bool if name == "is_top1" else sdt, device=device)
+                            if present else None for name, present in zip(ChunkStats._fields, self.fields_present(),
+                                                                           strict=True)))
+
+    def grads_of(self, named: dict[str, torch.Tensor]) -> StatGrads:
+        return StatGrads(**named)
 
 
 def _stats_of(st: RowStats) -> tuple[ChunkStats, SavedStats]:
@@ -177,30 +241,36 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 
 
 class _RecomputeFn(torch.autograd.Function):
-    """Outputs ``(logp, lse, entropy, sum_z, is_top1)``, ``[n]`` each; ``entropy``/``sum_z`` are
-    zeros (non-differentiable) when not requested."""
+    """Outputs the kind's statistics fields, ``[n]``/``[n, k]`` each; a field the kind did not
+    compute is zeros ``[n]``, and it and every field outside ``DIFFERENTIABLE`` is
+    non-differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, lora_x, lora_b, p: _Pass):
-        stats, saved = _forward_all(p, hidden, p.head.low_rank(lora_x, lora_b))
-        ctx.save_for_backward(hidden, weight, bias, lora_x, lora_b, saved.lse, saved.sum_pz)
-        ctx.p = p
-        zeros = torch.zeros_like(stats.lse)
-        entropy = zeros if stats.entropy is None else stats.entropy
-        sum_z = zeros.clone() if stats.sum_z is None else stats.sum_z
-        top1 = stats.is_top1.clone()
-        ctx.mark_non_differentiable(top1, *([entropy] if stats.entropy is None else []),
-                                    *([sum_z] if stats.sum_z is None else []))
-        return stats.logp, stats.lse, entropy, sum_z, top1
+    def forward(ctx, hidden, weight, bias, lora_x, lora_b, p: PassKind):
+        stats, saved = p.forward_all(hidden, p.head.low_rank(lora_x, lora_b))
+        ctx.save_for_backward(hidden, weight, bias, lora_x, lora_b, *saved)
+        ctx.p, ctx.saved_type, ctx.fields = p, type(saved), stats._fields
+        n, sdt = hidden.shape[0], stat_dtype_for(hidden.dtype)
+        outs, frozen = [], []
+        for name, t in zip(stats._fields, stats, strict=True):
+            if t is None:
+                t = torch.zeros(n, dtype=sdt, device=hidden.device)
+            if name not in p.DIFFERENTIABLE or stats._asdict()[name] is None:
+                frozen.append(t)
+            outs.append(t)
+        ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g_logp, g_lse, g_entropy, g_sum_z, _g_top1):
-        hidden, weight, bias, lora_x, lora_b, lse, sum_pz = ctx.saved_tensors
-        p: _Pass = ctx.p
-        grads = StatGrads(logp=g_logp, lse=g_lse, entropy=None if sum_pz is None else g_entropy,
-                          sum_z=g_sum_z if p.want.sum_z else None)
+    def backward(ctx, *g_stats):
+        hidden, weight, bias, lora_x, lora_b, *saved = ctx.saved_tensors
+        p: PassKind = ctx.p
+        saved = ctx.saved_type(*saved)
+        present = dict(zip(ctx.fields, p.fields_present(), strict=True))
+        grads = p.grads_of({name: g for name, g in zip(ctx.fields, g_stats, strict=True)
+                            if name in p.DIFFERENTIABLE and present[name]})
         need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
-        sdt = lse.dtype
+        sdt = stat_dtype_for(hidden.dtype)
         local = p.head.rows_of(weight, bias)
         rows_w = local.weight.shape[0]
         acc = Accumulators(weight=_zeros(need_w, weight, sdt), bias=_zeros(need_b, bias, sdt),
@@ -216,8 +286,7 @@ class _RecomputeFn(torch.autograd.Function):
             chunk_acc = Accumulators(local_acc.weight, local_acc.bias,
                                      None if local_acc.lora_x is None else local_acc.lora_x[sl], local_acc.lora_b,
                                      need_h)
-            saved = SavedStats(lse[sl], None if sum_pz is None else sum_pz[sl])
-            gh = p.backward(p.rows(hidden, sl, low), p.plan, saved, grads.rows(sl), chunk_acc, None)
+            gh = p.backward(p.rows(hidden, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
             if need_h:
                 grad_hidden[sl] = gh
         if partial:
@@ -226,6 +295,15 @@ class _RecomputeFn(torch.autograd.Function):
             acc.lora_x.copy_(all_reduce(acc.lora_x, "sum", local.group))
         return (grad_hidden, _cast(acc.weight, weight), _cast(acc.bias, bias), _cast(acc.lora_x, lora_x),
                 _cast(acc.lora_b, lora_b), None)
+
+
+def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    lora_x: torch.Tensor | None = None, lora_b: torch.Tensor | None = None) -> NamedTuple:
+    """Every row's statistics of the kind ``p`` in recompute mode, differentiable w.r.t.
+    ``hidden``, ``weight``, ``bias`` and the adapter factors (fields not computed: ``None``)."""
+    outs = _RecomputeFn.apply(hidden, weight, bias, lora_x, lora_b, p)
+    template = p.empty_stats(0, hidden.device)
+    return type(template)(*(t if present else None for t, present in zip(outs, p.fields_present(), strict=True)))
 
 
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
@@ -244,8 +322,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
         :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
     """
     p, x = _Pass.make(hidden, head, targets, want, options)
-    logp, lse, entropy, sum_z, top1 = _RecomputeFn.apply(hidden, head.weight, head.bias, x, p.lora_b, p)
-    return ChunkStats(logp, lse, entropy if want.entropy else None, sum_z if want.sum_z else None, top1)
+    return recompute_stats(p, hidden, head.weight, head.bias, x, p.lora_b)
 
 
 # ----------------------------------------------------------------------------- fused mode
@@ -255,36 +332,33 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
 class _FusedCall:
     """The non-tensor inputs of one fused pass."""
 
-    p: _Pass
+    p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
     collected: list[Any] = field(default_factory=list)
-    stats: ChunkStats | None = None  # every token's, set by the pass
+    stats: NamedTuple | None = None  # every token's, set by the pass
 
 
 def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None,
-               acc: Accumulators | None) -> tuple[torch.Tensor, ChunkStats, torch.Tensor | None]:
+               acc: Accumulators | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
     """A chunk's statistics, its loss term and (``acc`` given) its gradients:
     ``(loss term, detached stats, d hidden rows | None)``."""
     p = call.p
     rows = p.rows(hidden, sl, low)
     plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
     want_grad = acc is not None
-    part, kept = p.forward(rows, plan, keep_logits=want_grad and plan.keep_logits)
-    stats, saved = _stats_of(part.reduce(p.head.group))
-    del part
+    stats, saved, kept = p.chunk_stats(rows, plan, keep_logits=want_grad and plan.keep_logits)
     with torch.enable_grad():
-        def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().requires_grad_(want_grad)
+        def leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or name not in p.DIFFERENTIABLE else t.detach().requires_grad_(want_grad)
 
-        leaves = ChunkStats(leaf(stats.logp), leaf(stats.lse), leaf(stats.entropy), leaf(stats.sum_z),
-                            stats.is_top1)
+        leaves = type(stats)(*(leaf(name, t) for name, t in zip(stats._fields, stats, strict=True)))
         loss, collected = call.objective(sl, leaves)
-        grads = StatGrads()
+        grads = p.grads_of({})
         if want_grad and loss.requires_grad:
-            names = [k for k in ("logp", "lse", "entropy", "sum_z") if getattr(leaves, k) is not None]
+            names = [k for k in p.DIFFERENTIABLE if getattr(leaves, k) is not None]
             got = torch.autograd.grad(loss, [getattr(leaves, k) for k in names], allow_unused=True)
-            grads = StatGrads(**dict(zip(names, got, strict=True)))
+            grads = p.grads_of(dict(zip(names, got, strict=True)))
     call.collected.append(collected)
     grad_hidden = None
     if want_grad and grads.any():
@@ -295,18 +369,14 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
 
 
 def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
-                acc: Accumulators | None, grad_hidden: torch.Tensor | None) -> tuple[torch.Tensor, ChunkStats]:
+                acc: Accumulators | None, grad_hidden: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple]:
     """All chunks in order: the total loss and every token's statistics; with ``acc`` the
     gradients go into it (``grad_hidden`` rows written per chunk)."""
     sdt = stat_dtype_for(hidden.dtype)
     n = hidden.shape[0]
     total = torch.zeros((), dtype=sdt, device=hidden.device)
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
-    def buffer(flag: bool, dtype: torch.dtype = sdt) -> torch.Tensor | None:
-        return torch.empty(n, dtype=dtype, device=hidden.device) if flag else None
-
-    out = ChunkStats(buffer(True), buffer(True), buffer(call.p.want.entropy), buffer(call.p.want.sum_z),
-                     buffer(True, torch.bool))
+    out = call.p.empty_stats(n, hidden.device)
     for sl in call.chunks:
         loss, stats, gh = _run_chunk(call, hidden, sl, low, acc)
         total = total + loss
@@ -394,10 +464,19 @@ def run_objective(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objec
         loss, collected = objective(slice(0, hidden.shape[0]), stats)
         return PassResult(loss, stats.detached(), [collected])
     p, x = _Pass.make(hidden, head, targets, spec.want, options)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], spec.cuts))
-    tensors = (hidden, head.weight, head.bias, x, p.lora_b)
+    return run_fused(p, objective, hidden, head.weight, head.bias, x, p.lora_b, spec.cuts)
+
+
+def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None, lora_x: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
+              cuts: Sequence[int] | None = None) -> PassResult:
+    """Run ``objective`` chunk by chunk over the kind ``p``'s statistics in fused mode (chunks
+    end only at ``cuts`` when given); the loss carries the gradient to ``hidden``, ``weight``,
+    ``bias`` and the adapter factors. Without a gradient to take, only the forward runs."""
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts))
+    tensors = (hidden, weight, bias, lora_x, lora_b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)
-    loss, stats = _run_chunks(call, hidden, p.head.low_rank(x, p.lora_b), None, None)
+    loss, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), None, None)
     return PassResult(loss, stats, call.collected)
