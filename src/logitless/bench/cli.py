@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="input / model dtype (default bfloat16; float32 for --e2e on CPU)")
     parser.add_argument("--entropy", type=positive_float, default=None,
                         help="target mean entropy of the inputs, nats (default 2.0)")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the inputs and weights (default 0)")
     parser.add_argument("--min-time", type=non_negative_float, default=None,
                         help="seconds of timed calls per row (default 1.0; 0.2 with --quick)")
     parser.add_argument("--reps", type=positive_int, default=None,
@@ -104,15 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with random weights, through trl.GRPOTrainer and through LogitlessGRPOTrainer; then the "
                         "largest micro-batch each fits")
     e.add_argument("--completion-lengths", type=csv_of(positive_int), default=None,
-                   help="completion lengths of the grid (default 1024,4096 on GPU)")
+                   help="completion lengths of the grid (default 1024,4096 on GPU, 16,64 on CPU)")
     e.add_argument("--batch-sizes", type=csv_of(positive_int), default=None,
-                   help="sequences per micro-batch of the grid (default 1,4,8 on GPU)")
-    e.add_argument("--prompt-length", type=positive_int, default=None, help="prompt tokens (default 512 on GPU)")
+                   help="sequences per micro-batch of the grid (default 1,4,8; CPU 1,4)")
+    e.add_argument("--prompt-length", type=positive_int, default=None, help="prompt tokens (default 512; CPU 8)")
     e.add_argument("--max-tokens", type=non_negative_int, default=None,
-                   help="cap of the largest-micro-batch search, tokens (default 131072 on GPU; 0 skips the search)")
+                   help="cap of the largest-micro-batch search, tokens (default 131072; CPU 512; 0 skips it)")
     out = parser.add_argument_group("output")
     where = out.add_mutually_exclusive_group()
-    where.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=None,
+    where.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=None, metavar="DIR",
                        help=f"folder of BENCHMARKS.md and benchmarks/ (results, plot) (default: ./{DEFAULT_OUT})")
     where.add_argument("--update-repo", action="store_true",
                        help="write into this source checkout: its benchmarks/results/ and BENCHMARKS.md")
