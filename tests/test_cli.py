@@ -181,3 +181,22 @@ def test_refcache_build_help_documents_every_option_and_the_records(capsys):
     for field in ("input_ids", "loss_mask", "completion_mask", "assistant_masks", "attention_mask", "prompt_ids",
                   "completion_ids", "prompt_mask", ".jsonl", ".parquet"):
         assert field in out, field
+
+
+def test_fresh_build_then_info_and_verify(tmp_path, capsys):
+    from tiny_models import save_tiny_qwen2
+
+    model = save_tiny_qwen2(tmp_path / "m", vocab_size=64, seed=2)
+    g = torch.Generator().manual_seed(5)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt_ids": torch.randint(0, 61, (3,), generator=g).tolist(),
+                                          "completion_ids": torch.randint(0, 61, (4,), generator=g).tolist()})
+                              for _ in range(5)) + "\n")
+    out = tmp_path / "cache"
+    assert main(["refcache", "build", "--model", str(model), "--data", str(data), "--out", str(out),
+                 "--batch-size", "2", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "5 sequences, 35 tokens" in printed  # 5 x (3 prompt + 4 completion) and f"cache ready: {out}" in printed
+    assert "resumed" not in printed  # nothing was resumed
+    assert main(["refcache", "info", str(out)]) == 0 and "sequences      5" in capsys.readouterr().out
+    assert main(["refcache", "verify", str(out)]) == 0

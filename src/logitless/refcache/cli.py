@@ -172,7 +172,7 @@ def _build(args: argparse.Namespace) -> int:
         print(f"{PROG} build: error: {e}", file=sys.stderr)
         return 1
     rate = res.sequences / res.seconds if res.seconds else float("nan")
-    resumed = f"; resumed after {res.resumed_at} of {res.batches} batches" if res.resumed_at else ""
+    resumed = f"; resumed at batch {res.resumed_at}/{res.batches}" if res.resumed_at else ""
     print(f"rank {res.rank}/{res.world_size}: {res.sequences} sequences, {res.tokens} tokens in "
           f"{res.seconds:.1f} s ({rate:.1f} seq/s){resumed}")
     if res.manifest is not None:
