@@ -50,6 +50,9 @@ BENCH_ERRORS = [
     ["--out", "x", "--update-repo"],
     ["--out", str(REPO)],
     ["--report-only", "--out", str(REPO)],
+    ["--report-only"],
+    ["--out", "a-file"],
+    ["--results-dir", "a-file"],
 ]
 if NO_GPU:
     BENCH_ERRORS.append(["--device", "cuda"])
@@ -70,6 +73,7 @@ def _expect_usage_error(argv: list[str], capsys) -> str:
 @pytest.mark.parametrize("argv", BENCH_ERRORS, ids=" ".join)
 def test_bench_usage_errors_exit_2_with_one_line(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("x")
     _expect_usage_error(["bench", *argv], capsys)
     assert not (tmp_path / "bench_out").exists()  # refused before anything was written
 

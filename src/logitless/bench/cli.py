@@ -181,7 +181,14 @@ def _check(args: argparse.Namespace) -> torch.device:
         if root is not None and args.out_dir.resolve() == root:
             usage_error(PROG, f"--out {args.out_dir} is this checkout: its BENCHMARKS.md would be rewritten; "
                               "pass --update-repo to do that on purpose")
+    results_dir = args.results_dir or args.out_dir / report.RESULTS_DIR
+    for flag, path in (("--out", args.out_dir), ("--results-dir", results_dir)):
+        if path.exists() and not path.is_dir():
+            usage_error(PROG, f"{flag} {path}: exists and is not a directory")
     if args.report_only:
+        if not results_dir.is_dir():
+            usage_error(PROG, f"--report-only: no results folder {results_dir}; run logitless bench first, or pass "
+                              "--out / --results-dir")
         return torch.device("cpu")
     given = lambda names: [_flag(n) for n in names if getattr(args, n) is not None]  # noqa: E731
     if args.e2e and given(_OP_ONLY):
@@ -287,7 +294,14 @@ def _run_e2e(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, 
               "settings": {"dtype": dtype, "prompt_length": opts.prompt_length, "reps": opts.reps,
                            "max_tokens": opts.max_tokens, "optimizer": f"SGD(lr={e2e.LR:g}, momentum=0)",
                            "grpo_config": "TRL defaults (loss_type=dapo, beta=0, gradient_checkpointing=True)"},
-              "models": e2e.run(opts, _log)}
+              "models": []}
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny matmuls under a contended thread pool run many times slower
+    try:
+        record["models"] = e2e.run(opts, _log)
+    finally:
+        torch.set_num_threads(threads)
     record["wall_s"] = time.monotonic() - start
     failed = any(s["path"] == "logitless" and s["status"] == "error" for m in record["models"] for s in m["steps"])
     return record, failed

@@ -16,13 +16,13 @@ on). The optimizer is plain SGD without momentum for every model: it keeps no st
 would add 8 bytes per parameter, 61 GB at 7.6B), and the memory difference between the two
 paths is the loss path's alone.
 
-Measured per (model, batch size, completion length) and path: median step time, peak GPU
-memory (``torch.cuda.max_memory_allocated``, weights included), and the bytes autograd saves
-for the backward during the loss's forward (every device; checkpointed layers' own
-activations are recomputed, not saved). Then the largest micro-batch that fits: batch 1, the
-completion length doubled until the step runs out of memory (or the token cap is reached).
-Before any timing, one step's loss and gradient norm on the same weights and batch (with
-off-policy old log-probs, so the loss depends on the log-probs) are compared between paths.
+Per model, in this order: one step's loss and gradients of both paths on the same weights and
+batch (with off-policy old log-probs, so the loss depends on the log-probs); the largest
+micro-batch that fits, per path: batch 1, the completion length doubled until the step runs
+out of memory (or the token cap is reached); then per (batch size, completion length) and
+path: median step time, peak GPU memory (``torch.cuda.max_memory_allocated``, weights
+included), and the bytes autograd saves for the backward during the loss's forward (every
+device; checkpointed layers' own activations are recomputed, not saved).
 """
 
 from __future__ import annotations
@@ -339,6 +339,9 @@ def run_model(name: str, opts: E2EOptions, log: Callable[[str], None]) -> dict[s
         if "loss_abs_diff" in p:
             log(f"  same step, same weights: loss trl {p['trl_loss']:.6f} logitless {p['logitless_loss']:.6f}, "
                 f"grad norm rel diff {p['grad_norm_rel_diff']:.1e}, head grad rel diff {p['head_grad_rel_diff']:.1e}")
+        # The search first: under a time budget, the grid's largest points are what gets cut.
+        if opts.max_tokens > 0:
+            rec["max_fit"] = {path: max_fit(trainers[path], model, opt, opts, log, path) for path in PATHS}
         rec["steps"] = []
         for b in opts.batch_sizes:
             for c in opts.completion_lengths:
@@ -351,8 +354,6 @@ def run_model(name: str, opts: E2EOptions, log: Callable[[str], None]) -> dict[s
                     rec["steps"].append(r)
                     log(_line(r))
                 del batch
-        if opts.max_tokens > 0:
-            rec["max_fit"] = {path: max_fit(trainers[path], model, opt, opts, log, path) for path in PATHS}
     del trainers, opt, model
     _cleanup_all(opts.device)
     rec["model_s"] = time.perf_counter() - t0
