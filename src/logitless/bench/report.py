@@ -186,7 +186,8 @@ def _max_fit_line(fit: dict[str, dict[str, Any]]) -> str:
         if n is None:
             parts.append(f"{path} none (the smallest probe did not fit)")
         else:
-            parts.append(f"{path} {mark}{n:,} tokens (completion {f['max_fit_completion_length']:,})")
+            parts.append(f"{path} {mark}{n:,} tokens (completion {f['max_fit_completion_length']:,})"
+                         + (" (search stopped by the time budget)" if f.get("stopped") else ""))
     line = "Largest micro-batch that fits (batch 1): " + ", ".join(parts)
     a, b = fit.get("trl", {}).get("max_fit_tokens"), fit.get("logitless", {}).get("max_fit_tokens")
     if a and b:
