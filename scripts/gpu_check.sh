@@ -86,8 +86,8 @@ BENCH_ARGS=${BENCH_ARGS:---full --min-time 0}
 # `python3 -m logitless.cli bench` when the top-level CLI imports; else the bench's own entry point.
 if python3 -c "import logitless.cli, logitless.demo" 2>/dev/null; then BENCH=(python3 -m logitless.cli bench);
 else BENCH=(python3 -m logitless.bench); fi
-echo "${BENCH[*]} $BENCH_ARGS --time-budget $budget --out-dir ."
-timeout $(( left - 5 )) "${BENCH[@]}" $BENCH_ARGS --time-budget "$budget" --out-dir .
+echo "${BENCH[*]} $BENCH_ARGS --time-budget $budget --update-repo"
+timeout $(( left - 5 )) "${BENCH[@]}" $BENCH_ARGS --time-budget "$budget" --update-repo
 rc=$?; echo "bench exit status $rc"; [ "$rc" = 0 ] || status=1
 
 newest=$(ls -t benchmarks/results/*.json 2>/dev/null | head -1)

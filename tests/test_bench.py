@@ -21,14 +21,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory) -> tuple[Path, dict]:
+def quick_run(tmp_path_factory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "logitless.bench", "--device", "cpu", "--quick", "--out-dir",
                            str(out)], cwd=out, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = list((out / "benchmarks" / "results").glob("*.json"))
     assert len(files) == 1, files
-    return out, json.loads(files[0].read_text())
+    return out, json.loads(files[0].read_text()), proc.stdout + proc.stderr
 
 
 def _rec(case: dict, objective: str, row: str) -> dict:
@@ -37,7 +37,7 @@ def _rec(case: dict, objective: str, row: str) -> dict:
 
 
 def test_json_has_every_row_and_timings(quick_run):
-    _, run = quick_run
+    _, run, _ = quick_run
     assert run["device"]["type"] == "cpu"
     assert len(run["cases"]) == 2
     must = {"grpo": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
@@ -58,8 +58,17 @@ def test_json_has_every_row_and_timings(quick_run):
             assert rec["status"] == "skipped" and rec["reason"]
 
 
+def test_console_says_cpu_is_not_representative_and_prints_no_nan(quick_run):
+    _, run, console = quick_run
+    assert "not representative" in console
+    table = report.console_table(run)
+    assert "nan" not in table.lower()
+    ref_lines = [ln for ln in table.splitlines() if " logitless-fused " in ln and ln.strip().startswith("grpo")]
+    assert ref_lines and all(ln.rstrip().endswith("(reference)") for ln in ref_lines)
+
+
 def test_rows_agree_with_logitless(quick_run):
-    _, run = quick_run
+    _, run, _ = quick_run
     for case in run["cases"]:
         for objective in ("grpo", "ce"):
             rec = _rec(case, objective, "logitless-recompute")  # same fp32 math on CPU: same numbers
@@ -71,7 +80,7 @@ def test_rows_agree_with_logitless(quick_run):
 
 
 def test_report_regenerated_in_out_dir_only(quick_run):
-    out, run = quick_run
+    out, run, _ = quick_run
     md = (out / "BENCHMARKS.md").read_text()
     assert "logitless-fused" in md and "benchmarks/bench.png" in md and "Same numbers" in md
     assert (out / "benchmarks" / "bench.png").stat().st_size > 1000

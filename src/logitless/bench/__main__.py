@@ -1,15 +1,17 @@
-"""``python -m logitless.bench``: the ``logitless bench`` command without the top-level CLI."""
+"""``python -m logitless.bench``: the bench subcommand without the top-level CLI."""
 
 import argparse
 import sys
 
-from .cli import add_arguments
+from .cli import PROG, add_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="logitless bench")
+    parser = argparse.ArgumentParser(prog=PROG)
     add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     return int(args.func(args) or 0)
 
 

@@ -29,20 +29,24 @@ def write_json(run: dict[str, Any], results_dir: Path) -> Path:
     """Write ``run`` to ``results_dir/<timestamp>-<device>.json``; returns the path."""
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = run["timestamp"].replace(":", "").replace("-", "")
-    path = results_dir / f"{stamp}-{_slug(run['device']['name'])}.json"
-    path.write_text(json.dumps(run, indent=1, sort_keys=False) + "\n")
+    kind = "e2e-" if run.get("kind") == "e2e" else ""
+    path = results_dir / f"{stamp}-{kind}{_slug(run['device']['name'])}.json"
+    tmp = path.with_suffix(".json.tmp")  # a crash leaves no half-written result behind
+    tmp.write_text(json.dumps(run, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
     return path
 
 
-def load_runs(results_dir: Path) -> list[dict[str, Any]]:
-    """Every run JSON under ``results_dir``, oldest first (unreadable files are skipped)."""
+def load_runs(results_dir: Path, kind: str = "heads") -> list[dict[str, Any]]:
+    """Every run JSON of ``kind`` (``"heads"``: the head benchmark; ``"e2e"``: whole GRPO
+    steps) under ``results_dir``, oldest first (unreadable files are skipped)."""
     runs = []
     for path in sorted(results_dir.glob("*.json")):
         try:
             run = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if isinstance(run, dict) and "cases" in run:
+        if isinstance(run, dict) and ("models" in run if kind == "e2e" else "cases" in run):
             run["_file"] = path.name
             runs.append(run)
     runs.sort(key=lambda r: r.get("timestamp", ""))
@@ -143,13 +147,125 @@ def _run_section(run: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_markdown(runs: list[dict[str, Any]], plot_rel: str | None) -> str:
-    """``BENCHMARKS.md`` for ``runs`` (newest first)."""
+
+E2E_CAPTION = (
+    "One GRPO training step of the architecture with random weights (nothing downloaded): the policy's forward "
+    "over prompt + completion, the loss, the backward and the optimizer step, on a batch already generated "
+    "(generation, rewards and rollout log-probs excluded). **trl** is `trl.GRPOTrainer.compute_loss` (TRL 1.16 "
+    "takes its log-probs from the model's forward with transformers' `fused_lm_head=True`), **logitless** "
+    "is `LogitlessGRPOTrainer`, same model, same batch, TRL's default `GRPOConfig` (`loss_type=\"dapo\"`, `beta=0`, "
+    "gradient checkpointing on). Completions have random lengths in [C/2, C] (the first one C). The optimizer is "
+    "plain SGD without momentum for every model: it keeps no state, so a 7-8B model's bf16 weights and gradients "
+    "fit in 80 GB (AdamW's two fp32 moments would add 8 bytes per parameter, 61 GB at 7.6B), and the memory "
+    "difference between the paths is the loss path's alone. Time: median of the timed steps after one warm-up; "
+    "peak: `torch.cuda.max_memory_allocated` during a step, weights included. *Largest micro-batch*: batch 1, "
+    "the completion doubled until the step runs out of GPU memory (`≥`: the search stopped at its token cap).")
+
+
+def _fmt_tokens(n: int | None) -> str:
+    return "—" if n is None else f"{n:,}"
+
+
+def _e2e_cell(s: dict[str, Any] | None) -> tuple[str, str]:
+    if s is None:
+        return "", ""
+    if s["status"] != "ok":
+        return s["status"], s["status"]
+    t = s.get("time_ms")
+    return (f"{t:.0f} ms" if t is not None else "n/a"), (_gib(s["peak_bytes"]) if "peak_bytes" in s else "n/a")
+
+
+def _max_fit_line(fit: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    for path in ("trl", "logitless"):
+        f = fit.get(path)
+        if not f:
+            continue
+        n = f.get("max_fit_tokens")
+        mark = "≥ " if f.get("capped") else ""
+        if n is None:
+            parts.append(f"{path} none (the smallest probe did not fit)")
+        else:
+            parts.append(f"{path} {mark}{n:,} tokens (completion {f['max_fit_completion_length']:,})"
+                         + (" (search stopped by the time budget)" if f.get("stopped") else ""))
+    line = "Largest micro-batch that fits (batch 1): " + ", ".join(parts)
+    a, b = fit.get("trl", {}).get("max_fit_tokens"), fit.get("logitless", {}).get("max_fit_tokens")
+    if a and b:
+        line += f": {b / a:.2g}× the tokens"
+    return line + "."
+
+
+def _e2e_section(run: dict[str, Any]) -> list[str]:
+    dev = run["device"]
+    versions = ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items() if v)
+    st = run.get("settings", {})
+    lines = [f"## End-to-end GRPO step: {dev['name']} — {run['timestamp']}", "",
+             f"`{run.get('command', 'logitless bench --e2e')}` · {versions} · file `{run.get('_file', '')}`", "",
+             E2E_CAPTION + f" Here: {st.get('dtype', '')} weights, prompt {st.get('prompt_length', '?')} tokens, "
+             f"{st.get('optimizer', '')}.", ""]
+    for m in run["models"]:
+        lines += [f"### {m['model']} ({m['params'] / 1e9:.2f}B parameters, H={m['hidden_size']}, "
+                  f"V={m['vocab_size']:,}, {m['layers']} layers)", ""]
+        by = {(s["batch_size"], s["completion_length"], s["path"]): s for s in m["steps"]}
+        rows = []
+        for b, c in dict.fromkeys((s["batch_size"], s["completion_length"]) for s in m["steps"]):
+            (tt, tm), (lt, lm) = _e2e_cell(by.get((b, c, "trl"))), _e2e_cell(by.get((b, c, "logitless")))
+            ta, la = by.get((b, c, "trl"), {}).get("time_ms"), by.get((b, c, "logitless"), {}).get("time_ms")
+            speed = f"{ta / la:.2f}×" if ta and la else "—"
+            tokens = b * (m["prompt_length"] + c)
+            rows.append([f"{b} × {c:,}", f"{tokens:,}", tt, lt, speed, tm, lm])
+        lines += _table(["batch × completion", "tokens", "trl step", "logitless step", "trl / logitless time",
+                         "trl peak GiB", "logitless peak GiB"], rows)
+        lines.append("")
+        if m.get("max_fit"):
+            lines += [_max_fit_line(m["max_fit"]), ""]
+        p = m.get("parity", {})
+        if "loss_abs_diff" in p:
+            lines += [f"Same step, same weights and batch ({p['batch_size']} × {p['completion_length']:,}, old "
+                      f"log-probs 0.1 nats off): loss trl {p['trl_loss']:.6g}, logitless {p['logitless_loss']:.6g} "
+                      f"(|Δ| {p['loss_abs_diff']:.1e}); gradient norm relative difference "
+                      f"{p['grad_norm_rel_diff']:.1e}; head gradient relative difference "
+                      f"{p['head_grad_rel_diff']:.1e}.",
+                      ""]
+        notes = sorted({f"{s['path']} {s['batch_size']} × {s['completion_length']}: {s['status']} ({s['reason']})"
+                        for s in m["steps"] if s["status"] not in ("ok", "oom") and s.get("reason")})
+        lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+    return lines
+
+
+def e2e_console(run: dict[str, Any]) -> str:
+    """Plain-text summary of one ``--e2e`` run."""
+    out = [f"{run['device']['name']}  {run['timestamp']}  (one GRPO training step, trl vs logitless)"]
+    for m in run["models"]:
+        out.append(f"\n{m['model']}  {m['params'] / 1e9:.2f}B parameters")
+        out.append(f"  {'batch x completion':>20s} {'path':10s} {'ms':>10s} {'peak GiB':>9s} {'saved MiB':>10s}")
+        for s in m["steps"]:
+            bc = f"{s['batch_size']} x {s['completion_length']}"
+            if s["status"] != "ok":
+                out.append(f"  {bc:>20s} {s['path']:10s} {s['status']}")
+                continue
+            peak = _gib(s["peak_bytes"]) if "peak_bytes" in s else "n/a"
+            out.append(f"  {bc:>20s} {s['path']:10s} {s.get('time_ms', float('nan')):10.1f} {peak:>9s} "
+                       f"{s['saved_bytes'] / 2**20:10.1f}")
+        if m.get("max_fit"):
+            out.append("  " + _max_fit_line(m["max_fit"]))
+    return "\n".join(out)
+
+
+def render_markdown(runs: list[dict[str, Any]], plot_rel: str | None,
+                    e2e_runs: list[dict[str, Any]] | None = None) -> str:
+    """``BENCHMARKS.md`` for the head benchmark's ``runs`` and the ``--e2e`` runs (each newest
+    first; whole training steps first: they are what a user's run will see)."""
+    e2e_runs = e2e_runs or []
     lines = [
         "# Benchmarks",
         "",
-        f"Generated by `logitless bench` from the {len(runs)} JSON file(s) in `benchmarks/results/`; do not edit "
-        "by hand: add a result with `logitless bench`, or rerun `logitless bench --report-only`.",
+        f"Generated by `logitless bench` from the {len(runs) + len(e2e_runs)} JSON file(s) in `benchmarks/results/`; "
+        "do not edit by hand: add a result with `logitless bench --update-repo` (or `--e2e --update-repo`), or rerun "
+        "`logitless bench --report-only --update-repo`.",
+        "",
+        "*End-to-end GRPO step* sections time a whole training step of a real architecture through TRL and through "
+        "logitless (`logitless bench --e2e`); the others time the head alone, as follows.",
         "",
         "Each row computes the same objective from `hidden [N, H]` and the head `weight [V, H]` (bf16) on one GPU, "
         "in one run. **floor** is the three bf16 cuBLAS GEMMs of the head alone (logits, d hidden, d weight; one "
@@ -162,8 +278,10 @@ def render_markdown(runs: list[dict[str, Any]], plot_rel: str | None) -> str:
     ]
     if plot_rel:
         lines += [f"![time / floor vs N]({plot_rel})", ""]
-    if not runs:
+    if not runs and not e2e_runs:
         lines += ["No results yet.", ""]
+    for run in reversed(e2e_runs):
+        lines += _e2e_section(run)
     for run in reversed(runs):
         lines += _run_section(run)
     return "\n".join(lines).rstrip() + "\n"
@@ -255,12 +373,17 @@ def regenerate(out_dir: Path, results_dir: Path | None = None) -> tuple[Path, Pa
     png = out_dir / PLOT_PATH
     made = plot(runs, png)
     md = out_dir / MARKDOWN
-    md.write_text(render_markdown(runs, PLOT_PATH.as_posix() if made else None))
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text(render_markdown(runs, PLOT_PATH.as_posix() if made else None, load_runs(results_dir, "e2e")))
+    tmp.replace(md)
     return md, png if made else None
 
 
 def console_table(run: dict[str, Any]) -> str:
-    """Plain-text summary of one run: one block per case and objective."""
+    """Plain-text summary of one run: one block per case and objective (``--e2e`` runs: one
+    block per model)."""
+    if run.get("kind") == "e2e":
+        return e2e_console(run)
     out = [f"{run['device']['name']}  {run['timestamp']}"]
     for case in run["cases"]:
         out.append(f"\n{_shape_label(case)}  H={case['hidden_size']} V={case['vocab_size']}  "
@@ -272,8 +395,9 @@ def console_table(run: dict[str, Any]) -> str:
                 out.append(f"  {r['objective']:9s} {r['row']:26s} {r['status']}: {r['reason']}")
                 continue
             diffs = [r[k] for k in _DIFF_KEYS if k in r]
-            out.append(f"  {r['objective']:9s} {r['row']:26s} {r['time_ms']:9.2f} "
-                       f"{r.get('ratio_to_floor', float('nan')):8.2f} {r['tflops']:8.1f} "
-                       f"{_gib(r['extra_bytes']) if 'extra_bytes' in r else 'n/a':>9s} "
-                       f"{max(diffs) if diffs else float('nan'):12.1e}")
+            # The reference row is what the others are compared with; the floor computes no loss.
+            diff = f"{max(diffs):.1e}" if diffs else {"reference": "(reference)"}.get(r.get("role"), "-")
+            ratio = f"{r['ratio_to_floor']:.2f}" if "ratio_to_floor" in r else "-"
+            out.append(f"  {r['objective']:9s} {r['row']:26s} {r['time_ms']:9.2f} {ratio:>8s} {r['tflops']:8.1f} "
+                       f"{_gib(r['extra_bytes']) if 'extra_bytes' in r else 'n/a':>9s} {diff:>12s}")
     return "\n".join(out)
