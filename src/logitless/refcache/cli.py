@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .errors import RefCacheError
+
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -62,8 +64,12 @@ def _build(args: argparse.Namespace) -> int:
         print("note: no tokenizer found; the manifest records none", file=sys.stderr)
     options = BuildOptions(batch_size=args.batch_size, temperature=args.temperature, entropy=args.entropy,
                            part_bytes=args.part_bytes, progress=not args.no_progress)
-    res = build(model, load_records(args.data), args.out, tokenizer=tokenizer, options=options, rank=args.rank,
-                world_size=args.world_size)
+    try:
+        res = build(model, load_records(args.data), args.out, tokenizer=tokenizer, options=options, rank=args.rank,
+                    world_size=args.world_size)
+    except RefCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     rate = res.sequences / res.seconds if res.seconds else float("nan")
     print(f"rank {res.rank}/{res.world_size}: {res.sequences} sequences, {res.tokens} tokens in "
           f"{res.seconds:.1f} s ({rate:.1f} seq/s); resumed at batch {res.resumed_at}/{res.batches}")
@@ -77,7 +83,11 @@ def _build(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from .build import merge
 
-    m = merge(args.path)
+    try:
+        m = merge(args.path)
+    except RefCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"cache ready: {args.path} ({m.num_sequences} sequences, {m.num_tokens} tokens)")
     return 0
 
@@ -85,7 +95,11 @@ def _merge(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from .store import Store, manifest_summary
 
-    d = manifest_summary(Store(args.path).manifest)
+    try:
+        d = manifest_summary(Store(args.path).manifest)
+    except RefCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(d, indent=2, sort_keys=True))
         return 0
@@ -102,7 +116,6 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .errors import RefCacheError
     from .store import Store
 
     try:

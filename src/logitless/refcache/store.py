@@ -156,8 +156,8 @@ class PartWriter:
         }
         if self._entropy:
             cols["entropy"] = _list_array(self._entropy, self.value_dtype)
-        meta = dict(meta or {})
-        table = pa.table(cols).replace_schema_metadata({k: str(v) for k, v in meta.items()})
+        meta = {k: str(v) for k, v in (meta or {}).items()}  # as stored, so a resumed build records the same
+        table = pa.table(cols).replace_schema_metadata(meta)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as w:
             w.write_table(table)
