@@ -219,11 +219,14 @@ class Manifest:
             RefCacheMismatchError: a format version this library cannot read.
         """
         try:
-            body = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
+            body = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
             raise RefCacheCorruptError(path, f"unreadable manifest ({type(e).__name__}: {e})") from None
         if not isinstance(body, dict):
             raise RefCacheCorruptError(path, f"the manifest is a JSON {type(body).__name__}, not an object")
+        if text != json.dumps(body, indent=2, sort_keys=True):  # a flipped space is JSON too
+            raise RefCacheCorruptError(path, "manifest bytes differ from the form it is written in")
         checksum = body.pop("checksum", None)
         if checksum != _json_checksum(body):
             raise RefCacheCorruptError(path, "manifest checksum mismatch")
