@@ -39,6 +39,7 @@ from logitless.refcache import (
     ReferenceModel,
     build,
     finalize,
+    merge,
 )
 from logitless.refcache import files as cache_files
 from logitless.refcache.fingerprint import Fingerprint, _json_checksum
@@ -124,8 +125,9 @@ def write_manifest(root: Path, body: object) -> None:
 
 def assert_named(err: BaseException) -> None:
     assert isinstance(err, RefCacheError), f"{type(err).__name__}: {err}"
-    if isinstance(err, RefCacheCorruptError):
-        assert "Rebuild the cache" in str(err) and "logitless refcache verify" in str(err)
+    if isinstance(err, RefCacheCorruptError):  # ends with what to do
+        advice = str(err).split(f"{err.reason}. ", 1)[1]
+        assert advice.startswith(("Rebuild the cache", "If a build was interrupted, rerun", "Delete ")), advice
 
 
 @pytest.fixture(scope="module")
@@ -709,6 +711,28 @@ def _stop_at(n: int):
         if done == n:
             raise _Crash
     return stop
+
+
+@pytest.mark.parametrize("damage", [b"", b"\xff\xfe{", b"[]", b"{}", b'{"plan": 1}', b'{"parts": 5}',
+                                    b'{"parts": [{"name": "../../../outside.arrow", "bytes": 1, "blake2b": "0", '
+                                    b'"values_at": {}}]}'])
+def test_damaged_build_bookkeeping_is_named(tmp_path, damage):
+    """A partial or sharded build whose state.json / done.json is damaged or crafted: resuming
+    or merging raises a named error saying which rank to redo, and never reads outside."""
+    ref, recs = toy(), records(6, seed=11)
+    for r in (0, 1):
+        build(ref, recs, tmp_path / "c", options=opts(), rank=r, world_size=2)
+    rank1 = tmp_path / "c" / "parts" / "rank-00001"
+    (rank1 / "done.json").write_bytes(damage)
+    with pytest.raises(RefCacheError) as e:
+        merge(tmp_path / "c")
+    assert_named(e.value)
+    assert "rank-00001" in str(e.value) or "parts" in str(e.value)
+    (rank1 / "state.json").write_bytes(damage)
+    (rank1 / "done.json").unlink()
+    with pytest.raises(RefCacheError) as e:
+        build(ref, recs, tmp_path / "c", options=opts(), rank=1, world_size=2)
+    assert "rank-00001" in str(e.value) and isinstance(e.value, (RefCacheCorruptError, RefCacheMismatchError))
 
 
 # --- enumerated options --------------------------------------------------------------------

@@ -149,8 +149,8 @@ def _read_json(directory: Path, name: str) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         obj = e
     if not isinstance(obj, dict):
-        raise RefCacheCorruptError(directory / name, f"not a JSON object ({obj}); delete {directory} to start "
-                                                     "that rank over")
+        raise RefCacheCorruptError(directory / name, f"not a JSON object ({obj})",
+                                   f"Delete {directory} and rerun the build to redo that rank")
     return obj
 
 
@@ -161,7 +161,8 @@ def _check_state(rank_dir: Path, state: dict[str, Any]) -> None:
         return
     old = _read_json(rank_dir, _STATE)
     if not isinstance(old.get("fingerprint"), dict):
-        raise RefCacheCorruptError(path, f"has no fingerprint; delete {rank_dir} to start that rank over")
+        raise RefCacheCorruptError(path, "has no fingerprint",
+                                   f"Delete {rank_dir} and rerun the build to redo that rank")
     diff = {k: (old.get(k), v) for k, v in state.items() if k != "fingerprint" and old.get(k) != v}
     fp_old, fp_new = old.get("fingerprint", {}), state["fingerprint"]
     diff.update({k: (fp_old.get(k), v) for k, v in fp_new.items()
@@ -332,8 +333,8 @@ def merge(path: str | Path):
         fp = Fingerprint(**state["fingerprint"])
         info = {k: state[k] for k in ("plan", "world_size", "batch_size", "entropy")}
     except (KeyError, TypeError, ValueError) as e:
-        raise RefCacheCorruptError(first / _STATE, f"lacks build settings ({e}); delete {root} and build "
-                                                   "again") from None
+        raise RefCacheCorruptError(first / _STATE, f"lacks build settings ({e})",
+                                   f"Delete {root} and run the build again") from None
     parts: list[dict[str, Any]] = []
     for r in range(world):
         d = _rank_dir(root, r)
@@ -345,7 +346,7 @@ def merge(path: str | Path):
         done = _read_json(d, _DONE).get("parts")
         if not isinstance(done, list) or not all(isinstance(p, dict) and {"name", "bytes", "blake2b",
                                                                           "values_at"} <= set(p) for p in done):
-            raise RefCacheCorruptError(d / _DONE, f"does not list parts; delete {d} and build rank {r} again")
+            raise RefCacheCorruptError(d / _DONE, "does not list parts", f"Delete {d} and build rank {r} again")
         parts += done
     with exclusive_lock(root, "merge.lock"):
         remove_stale_temporaries(root)

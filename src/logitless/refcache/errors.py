@@ -46,15 +46,20 @@ class RefCacheCorruptError(RefCacheError):
     """A cache file is missing, truncated, not a regular file inside the cache directory, or
     fails its checksum or its consistency checks. The message ends with what to do.
 
-    Attributes:
+    Args:
         path: the offending file.
         reason: what is wrong with it.
+        advice: what to do (default: rebuild, or run ``logitless refcache verify``).
+
+    Attributes:
+        path, reason: as given.
     """
 
-    def __init__(self, path: object, reason: str) -> None:
+    def __init__(self, path: object, reason: str, advice: str | None = None) -> None:
         self.path, self.reason = str(path), reason
-        super().__init__(f"reference cache file {self.path} is corrupt: {reason}. Rebuild the cache (delete the "
-                         f"directory and run the build again); `logitless refcache verify <dir>` checks every file")
+        advice = advice or ("Rebuild the cache (delete the directory and run the build again); "
+                            "`logitless refcache verify <dir>` checks every file")
+        super().__init__(f"reference cache file {self.path} is corrupt: {reason}. {advice}")
 
 
 class RefCacheLockedError(RefCacheError, RuntimeError):

@@ -288,7 +288,9 @@ class Store:
         self.root = Path(root)
         if not (self.root / MANIFEST).is_file():
             raise RefCacheCorruptError(self.root / MANIFEST,
-                                       "no manifest (not a cache directory, or its build did not finish)")
+                                       "no manifest (not a cache directory, or its build did not finish)",
+                                       "If a build was interrupted, rerun it with the same arguments: it resumes "
+                                       "after the last complete part")
         self.manifest = Manifest.from_json(read_bounded(self.root, MANIFEST), self.root / MANIFEST)
         for name in self.manifest.files:
             os.close(self._open(name))
