@@ -110,7 +110,7 @@ def test_manifest_edit_is_detected(tmp_path):
     m = tmp_path / "c" / "manifest.json"
     body = json.loads(m.read_text())
     body["fingerprint"]["temperature"] = 0.5  # hand-edited to pass a check
-    m.write_text(json.dumps(body))
+    m.write_text(json.dumps(body, indent=2, sort_keys=True))
     with pytest.raises(RefCacheCorruptError, match="manifest checksum"):
         RefCache.open(tmp_path / "c")
 

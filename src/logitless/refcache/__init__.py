@@ -17,7 +17,14 @@ See ``docs/refcache.md`` for alignment, format and integrity guarantees.
 from .build import BuildOptions, BuildResult, build, merge
 from .cache import RefCache
 from .dataset import Example, load_records
-from .errors import RefCacheCorruptError, RefCacheError, RefCacheMismatchError, RefCacheMissError
+from .errors import (
+    RefCacheCorruptError,
+    RefCacheError,
+    RefCacheLockedError,
+    RefCacheMismatchError,
+    RefCacheMissError,
+    RefCacheWriteError,
+)
 from .fingerprint import Fingerprint, Manifest, sequence_key, tokenizer_fingerprint, weights_fingerprint
 from .model import ReferenceModel, free_reference
 from .store import PartWriter, finalize
@@ -32,8 +39,10 @@ __all__ = [
     "RefCache",
     "RefCacheCorruptError",
     "RefCacheError",
+    "RefCacheLockedError",
     "RefCacheMismatchError",
     "RefCacheMissError",
+    "RefCacheWriteError",
     "ReferenceModel",
     "build",
     "finalize",

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .dataset import Example, to_examples
-from .errors import RefCacheMismatchError
+from .errors import RefCacheCorruptError, RefCacheMismatchError
+from .files import exclusive_lock, make_dir, read_bounded
 from .fingerprint import Fingerprint, HashMode, sequence_key
 from .model import ReferenceModel, as_reference, batch_logprobs
 from .store import MANIFEST, PARTS, PartWriter, Store, finalize, remove_stale_temporaries, write_json
@@ -57,10 +59,15 @@ class BuildOptions:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.part_bytes < 1:
-            raise ValueError(f"part_bytes must be >= 1, got {self.part_bytes}")
+        for name in ("batch_size", "part_bytes") + (("chunk_bytes",) if self.chunk_bytes is not None else ()):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        if self.hash_mode not in get_args(HashMode):
+            raise ValueError(f"hash_mode must be one of {get_args(HashMode)}, got {self.hash_mode!r}")
 
 
 @dataclass
@@ -131,12 +138,31 @@ def _rank_dir(root: Path, rank: int) -> Path:
     return root / PARTS / f"rank-{rank:05d}"
 
 
+def _read_json(directory: Path, name: str) -> dict[str, Any]:
+    """A bookkeeping file of a partial build (bounded read, regular files only).
+
+    Raises:
+        RefCacheCorruptError: unreadable, not UTF-8 JSON, or not an object.
+    """
+    try:
+        obj = json.loads(read_bounded(directory, name).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        obj = e
+    if not isinstance(obj, dict):
+        raise RefCacheCorruptError(directory / name, f"not a JSON object ({obj})",
+                                   f"Delete {directory} and rerun the build to redo that rank")
+    return obj
+
+
 def _check_state(rank_dir: Path, state: dict[str, Any]) -> None:
     path = rank_dir / _STATE
     if not path.is_file():
         write_json(path, state)
         return
-    old = json.loads(path.read_text())
+    old = _read_json(rank_dir, _STATE)
+    if not isinstance(old.get("fingerprint"), dict):
+        raise RefCacheCorruptError(path, "has no fingerprint",
+                                   f"Delete {rank_dir} and rerun the build to redo that rank")
     diff = {k: (old.get(k), v) for k, v in state.items() if k != "fingerprint" and old.get(k) != v}
     fp_old, fp_new = old.get("fingerprint", {}), state["fingerprint"]
     diff.update({k: (fp_old.get(k), v) for k, v in fp_new.items()
@@ -183,26 +209,70 @@ def build(
             of other content.
         RefCacheMismatchError: ``path`` holds a partial build of another model, dataset or
             options.
+        RefCacheLockedError: another process is building this rank into ``path``.
+        RefCacheWriteError: ``path`` is not writable or the disk is full (files already there
+            are unchanged; rerun to resume).
+        RefCacheCorruptError: the partial build's bookkeeping files are damaged.
+        TypeError: non-integer token ids or options of the wrong type.
     """
     options = options or BuildOptions()
+    if not isinstance(options, BuildOptions):
+        raise TypeError(f"options must be a BuildOptions, got {type(options).__name__}")
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if not (0 <= rank < world_size):
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     root = Path(path)
     ref = as_reference(model)
+    examples = to_examples(dataset)
+    _check_vocabulary(examples, int(ref.weight.shape[0]))
     fp = ref.fingerprint(tokenizer=tokenizer, temperature=options.temperature, mode=options.hash_mode)
-    plan = _plan(to_examples(dataset), options.batch_size)
+    plan = _plan(examples, options.batch_size)
     state = {"plan": plan.digest, "world_size": world_size, "batch_size": options.batch_size,
              "entropy": options.entropy, "fingerprint": asdict(fp)}
-    if (root / MANIFEST).is_file():
-        done = Store(root).manifest
-        if done.build.get("plan") != plan.digest or done.fingerprint.mismatches(asdict(fp)):
-            raise ValueError(f"{root} already holds a finished cache of other content; use another directory")
-        n = len(range(rank, len(plan.batches), world_size))
-        return BuildResult(root, rank, world_size, n, n, 0, 0, 0.0, None)
+    finished = _finished(root, plan, fp, rank, world_size)
+    if finished is not None:  # before locking: a finished cache on a read-only disk is fine
+        return finished
     rank_dir = _rank_dir(root, rank)
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(rank_dir)
-    _check_state(rank_dir, state)
+    make_dir(rank_dir)
+    with exclusive_lock(rank_dir):
+        finished = _finished(root, plan, fp, rank, world_size)  # another builder may just have finished
+        if finished is not None:
+            return finished
+        remove_stale_temporaries(rank_dir)
+        _check_state(rank_dir, state)
+        return _build_rank(ref, plan, root, options, (rank, world_size), on_batch)
+
+
+def _check_vocabulary(examples: list[Example], vocab_size: int) -> None:
+    for i, ex in enumerate(examples):
+        if int(ex.ids.max()) >= vocab_size:
+            pos = int(np.argmax(ex.ids >= vocab_size))
+            raise ValueError(f"record {i}: token id {int(ex.ids[pos])} at position {pos} is outside the model's "
+                             f"vocabulary (V = {vocab_size}); was the data tokenized with another tokenizer?")
+
+
+def _finished(root: Path, plan: _Plan, fp: Fingerprint, rank: int, world_size: int) -> BuildResult | None:
+    """The result of a build whose finished cache is already in ``root``, else ``None``.
+
+    Raises:
+        ValueError: ``root`` holds a finished cache of other content.
+    """
+    if not (root / MANIFEST).is_file():
+        return None
+    done = Store(root).manifest
+    if done.build.get("plan") != plan.digest or done.fingerprint.mismatches(asdict(fp)):
+        raise ValueError(f"{root} already holds a finished cache of other content; use another directory")
+    n = len(range(rank, len(plan.batches), world_size))
+    return BuildResult(root, rank, world_size, n, n, 0, 0, 0.0, None)
+
+
+def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, options: BuildOptions, shard: tuple[int, int],
+                on_batch: Callable[[int, int], None] | None) -> BuildResult:
+    """The batches of one rank, with its lock held (see :func:`build`)."""
+    rank, world_size = shard
+    rank_dir = _rank_dir(root, rank)
     value_dtype = np.float64 if ref.weight.dtype == torch.float64 else np.float32
     writer = PartWriter(root, rank, value_dtype)
     mine = plan.batches[rank::world_size]
@@ -242,27 +312,46 @@ def build(
 def merge(path: str | Path):
     """Index every rank's parts into one cache (writes ``index.arrow`` then ``manifest.json``).
 
+    A cache already finished from the same parts is left as it is (nothing is rewritten).
+
     Returns:
         The :class:`~.fingerprint.Manifest`.
 
     Raises:
         ValueError: a rank has not finished, or ranks disagree on plan or fingerprint.
+        RefCacheLockedError: another process is merging into ``path``.
+        RefCacheCorruptError: a rank's bookkeeping files are damaged.
+        RefCacheWriteError: the index or manifest cannot be written.
     """
     root = Path(path)
     first = _rank_dir(root, 0)
     if not (first / _STATE).is_file():
         raise ValueError(f"{root} holds no build (no {first / _STATE})")
-    state = json.loads((first / _STATE).read_text())
-    world = int(state["world_size"])
+    state = _read_json(first, _STATE)
+    try:
+        world = int(state["world_size"])
+        fp = Fingerprint(**state["fingerprint"])
+        info = {k: state[k] for k in ("plan", "world_size", "batch_size", "entropy")}
+    except (KeyError, TypeError, ValueError) as e:
+        raise RefCacheCorruptError(first / _STATE, f"lacks build settings ({e})",
+                                   f"Delete {root} and run the build again") from None
     parts: list[dict[str, Any]] = []
     for r in range(world):
         d = _rank_dir(root, r)
         if not (d / _DONE).is_file():
             raise ValueError(f"rank {r} of {world} has not finished building into {d}")
-        other = json.loads((d / _STATE).read_text())
-        if other["plan"] != state["plan"] or other["fingerprint"] != state["fingerprint"]:
+        other = _read_json(d, _STATE)
+        if other.get("plan") != state["plan"] or other.get("fingerprint") != state["fingerprint"]:
             raise ValueError(f"rank {r} built a different plan or model than rank 0")
-        parts += json.loads((d / _DONE).read_text())["parts"]
-    fp = Fingerprint(**state["fingerprint"])
-    info = {k: state[k] for k in ("plan", "world_size", "batch_size", "entropy")}
-    return finalize(root, fp, parts, build=info)
+        done = _read_json(d, _DONE).get("parts")
+        if not isinstance(done, list) or not all(isinstance(p, dict) and {"name", "bytes", "blake2b",
+                                                                          "values_at"} <= set(p) for p in done):
+            raise RefCacheCorruptError(d / _DONE, "does not list parts", f"Delete {d} and build rank {r} again")
+        parts += done
+    with exclusive_lock(root, "merge.lock"):
+        remove_stale_temporaries(root)
+        if (root / MANIFEST).is_file():
+            have = Store(root).manifest
+            if have.parts == [f"{PARTS}/{p['name']}" for p in parts] and have.fingerprint == fp:
+                return have
+        return finalize(root, fp, parts, build=info)

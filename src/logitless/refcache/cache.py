@@ -15,8 +15,9 @@ floating-point rounding of the attention kernels.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -28,6 +29,26 @@ from .store import Store, manifest_summary
 
 Field = Literal["logp", "entropy"]
 VerifyMode = Literal["fast", "full"]
+
+
+def _choice(value: object, name: str, kind: Any) -> None:
+    if value not in get_args(kind):
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, get_args(kind)))}; got {value!r}")
+
+
+def _token_ids(t: object, name: str) -> torch.Tensor:
+    """``t`` if it is an integer tensor; a float id would silently hash as another sequence."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got {t.dtype}")
+    return t
+
+
+def _mask(t: object, name: str) -> torch.Tensor | None:
+    if t is not None and not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    return t
 
 
 class RefCache:
@@ -70,9 +91,18 @@ class RefCache:
                 as they are served); ``"full"`` also rehashes every part file.
 
         Raises:
-            RefCacheCorruptError: missing/truncated/corrupt files.
+            RefCacheCorruptError: missing/truncated/corrupt files, or a manifest edited after the
+                build (it no longer matches the index it was written with).
             RefCacheMismatchError: a compared field differs; ``.fields`` names each one.
+            ValueError: ``verify`` is not ``"fast"``/``"full"``, or ``temperature`` is not > 0.
+            TypeError: ``dtype`` is not a ``torch.dtype``.
         """
+        _choice(verify, "verify", VerifyMode)
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                                        or not math.isfinite(temperature) or temperature <= 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         store = Store(path, full_verify=verify == "full")
         fp = store.manifest.fingerprint
         expected: dict[str, Any] = {}
@@ -125,6 +155,7 @@ class RefCache:
 
     def _fetch(self, seqs: list[np.ndarray], what: Field) -> np.ndarray:
         """Values of each sequence concatenated (``[Σ L]``), raising on a missing one."""
+        _choice(what, "what", Field)
         if what == "entropy" and not self.manifest.has_entropy:
             raise ValueError("this cache was built without entropy (BuildOptions(entropy=True))")
         keys = [sequence_key(s) for s in seqs]
@@ -188,12 +219,15 @@ class RefCache:
             RefCacheMissError: a sequence is not cached, or a served position was not computed
                 at build time; names the batch row, length, leading token ids and key.
             RefCacheCorruptError: a row fails its checksum.
-            ValueError: shapes differ, or entropy requested from a cache without it.
+            ValueError: shapes differ, ``what`` is not ``"logp"``/``"entropy"``, or entropy
+                requested from a cache without it.
+            TypeError: ``input_ids`` is not an integer tensor.
         """
-        if input_ids.dim() != 2:
+        _choice(what, "what", Field)
+        if _token_ids(input_ids, "input_ids").dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         ids = input_ids.detach().cpu().long()
-        m = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
+        m = torch.ones_like(ids, dtype=torch.bool) if _mask(mask, "mask") is None else mask.detach().cpu().bool()
         if m.shape != ids.shape:
             raise ValueError(f"mask shape {tuple(m.shape)} differs from input_ids shape {tuple(ids.shape)}")
         ids_np, m_np = ids.numpy(), m.numpy()
@@ -202,7 +236,7 @@ class RefCache:
         out = torch.zeros(ids.shape, dtype=vals.dtype).masked_scatter_(m, vals)
         first = m & (m.long().cumsum(1) == 1)
         want = m & ~first
-        if loss_mask is not None:
+        if _mask(loss_mask, "loss_mask") is not None:
             lm = loss_mask.detach().cpu().bool()
             if lm.shape != ids.shape:
                 raise ValueError(f"loss_mask shape {tuple(lm.shape)} differs from input_ids shape {tuple(ids.shape)}")
@@ -225,23 +259,47 @@ class RefCache:
 
         Sequence ``s`` is ``input_ids[cu_seqlens[s]:cu_seqlens[s+1]]``; give either
         ``cu_seqlens`` (flash-attention style, non-decreasing, within ``[0, N]``) or
-        ``position_ids`` (TRL/HF padding-free style: a sequence starts where it is 0). Tokens
-        outside ``[cu_seqlens[0], cu_seqlens[-1])`` are padding and get 0.
+        ``position_ids`` (TRL/HF padding-free style: ``0, 1, 2, ...`` within each sequence, a
+        sequence starts where it is 0). Tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` are
+        padding and get 0.
 
         Returns:
             ``[N]`` tensor; otherwise as :meth:`lookup` (same errors).
+
+        Raises:
+            RefCacheMissError: also when ``position_ids`` does not start at 0: the first tokens
+                continue a sequence whose beginning is not in ``input_ids``, so it cannot be
+                looked up (pass whole sequences).
+            ValueError: also ``position_ids`` that do not count up by one within a sequence.
+            TypeError: ``input_ids``, ``cu_seqlens`` or ``position_ids`` is not an integer tensor.
         """
-        if input_ids.dim() != 1:
+        _choice(what, "what", Field)
+        if _token_ids(input_ids, "input_ids").dim() != 1:
             raise ValueError(f"input_ids must be [N], got shape {tuple(input_ids.shape)}")
         ids = input_ids.detach().cpu().long()
         N = ids.shape[0]
         if (cu_seqlens is None) == (position_ids is None):
             raise ValueError("give exactly one of cu_seqlens and position_ids")
         if cu_seqlens is None:
-            starts = (position_ids.detach().cpu().reshape(-1) == 0).nonzero().reshape(-1)
+            pos = _token_ids(position_ids, "position_ids").detach().cpu().long().reshape(-1)
+            if pos.shape[0] != N:
+                raise ValueError(f"position_ids has {pos.shape[0]} entries, input_ids {N}")
+            if N and int(pos[0]) != 0:
+                head = int(pos.numel() if bool((pos != 0).all()) else (pos == 0).nonzero()[0, 0])
+                raise RefCacheMissError(
+                    f"position_ids starts at {int(pos[0])}, not 0: the first {head} token(s) continue a sequence "
+                    "whose beginning is not in input_ids, and the cache keys a sequence by all of its tokens; "
+                    "pass whole sequences (gather a sequence split across ranks before the lookup)",
+                    key=sequence_key(ids[:head]).hex(), row=0, length=head)
+            step = (pos[1:] == pos[:-1] + 1) | (pos[1:] == 0)
+            if not bool(step.all()):
+                i = int((~step).nonzero()[0, 0]) + 1
+                raise ValueError(f"position_ids must count 0, 1, 2, ... within each sequence; position_ids[{i}] = "
+                                 f"{int(pos[i])} follows {int(pos[i - 1])}")
+            starts = (pos == 0).nonzero().reshape(-1)
             cu = torch.cat([starts, torch.tensor([N])]) if starts.numel() else torch.tensor([0, 0])
         else:
-            cu = cu_seqlens.detach().cpu().long().reshape(-1)
+            cu = _token_ids(cu_seqlens, "cu_seqlens").detach().cpu().long().reshape(-1)
         if cu.numel() < 1 or bool((cu[1:] < cu[:-1]).any()) or int(cu[0]) < 0 or int(cu[-1]) > N:
             raise ValueError(f"cu_seqlens must be non-decreasing within [0, {N}], got {cu.tolist()}")
         lens = (cu[1:] - cu[:-1]).tolist()
@@ -257,7 +315,7 @@ class RefCache:
         seg_of = torch.zeros(N, dtype=torch.long)
         seg_of[lo:hi] = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([n for n in lens if n > 0],
                                                                                       dtype=torch.long))
-        if loss_mask is not None:
+        if _mask(loss_mask, "loss_mask") is not None:
             lm = loss_mask.detach().cpu().bool().reshape(-1)
             if lm.shape[0] != N:
                 raise ValueError(f"loss_mask has {lm.shape[0]} entries, input_ids {N}")
@@ -289,6 +347,8 @@ class RefCache:
         Raises:
             RefCacheMissError, RefCacheCorruptError, ValueError: as :meth:`lookup`.
         """
+        _token_ids(prompt_ids, "prompt_ids")
+        _token_ids(completion_ids, "completion_ids")
         if prompt_ids.shape != prompt_mask.shape or completion_ids.shape != completion_mask.shape:
             raise ValueError("prompt_ids/prompt_mask and completion_ids/completion_mask must have equal shapes")
         P = prompt_ids.shape[1]

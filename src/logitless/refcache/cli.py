@@ -10,6 +10,8 @@ from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_float, positive_int, usage_error
 
+from .errors import RefCacheError
+
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 PROG = "logitless refcache"
 DESCRIPTION = ("A reference model's per-token log-probs over a fixed dataset, computed once and stored on disk, "
@@ -222,7 +224,6 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .errors import RefCacheError
     from .store import Store
 
     _existing_dir(args.path, "path")

@@ -45,15 +45,32 @@ def _arr(x: Any, dtype: Any) -> np.ndarray:
     return np.asarray(x, dtype=dtype).reshape(-1)
 
 
+def _ids(x: Any, where: str, name: str) -> np.ndarray:
+    """Token ids as int64, refusing floats, booleans and ragged/object input (which a cast would
+    silently truncate or misread)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    try:
+        a = np.asarray(x).reshape(-1)
+    except ValueError as e:  # ragged nesting
+        raise TypeError(f"{where}: {name} must be a flat sequence of integer token ids ({e})") from None
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"{where}: {name} must be integer token ids, got dtype {a.dtype} (e.g. {a[0]!r}); "
+                        "cast them with int() only if they are whole numbers")
+    return a.astype(np.int64)
+
+
 def to_example(rec: Any, where: str) -> Example:
     """Normalize one record (see the module docstring).
 
     Raises:
         ValueError: empty sequence, negative ids, or a mask of the wrong length.
-        TypeError: an unrecognized record.
+        TypeError: an unrecognized record, or token ids that are not integers.
     """
     if isinstance(rec, dict) and "prompt_ids" in rec:
-        p, c = _arr(rec["prompt_ids"], np.int64), _arr(rec["completion_ids"], np.int64)
+        if "completion_ids" not in rec:
+            raise TypeError(f"{where}: a record with 'prompt_ids' needs 'completion_ids', got {sorted(rec)}")
+        p, c = _ids(rec["prompt_ids"], where, "prompt_ids"), _ids(rec["completion_ids"], where, "completion_ids")
         pm = _arr(rec.get("prompt_mask", np.ones(len(p))), bool)
         cm = _arr(rec.get("completion_mask", np.ones(len(c))), bool)
         if len(pm) != len(p) or len(cm) != len(c):
@@ -63,7 +80,7 @@ def to_example(rec: Any, where: str) -> Example:
     elif isinstance(rec, dict):
         if "input_ids" not in rec:
             raise TypeError(f"{where}: a record needs 'input_ids' or 'prompt_ids'/'completion_ids', got {sorted(rec)}")
-        ids = _arr(rec["input_ids"], np.int64)
+        ids = _ids(rec["input_ids"], where, "input_ids")
         key = next((k for k in _MASK_KEYS if rec.get(k) is not None), None)
         mask = None if key is None else _arr(rec[key], bool)
         if mask is not None and len(mask) != len(ids):
@@ -74,7 +91,7 @@ def to_example(rec: Any, where: str) -> Example:
                 raise ValueError(f"{where}: attention_mask has length {len(keep)} but input_ids has {len(ids)}")
             ids, mask = ids[keep], None if mask is None else mask[keep]
     elif isinstance(rec, (list, tuple, np.ndarray, torch.Tensor)):
-        ids, mask = _arr(rec, np.int64), None
+        ids, mask = _ids(rec, where, "token ids"), None
     else:
         raise TypeError(f"{where}: unsupported record type {type(rec).__name__}")
     if len(ids) == 0:

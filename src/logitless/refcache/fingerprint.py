@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -27,9 +29,10 @@ import numpy as np
 import torch
 
 from .errors import RefCacheCorruptError, RefCacheMismatchError
+from .files import INDEX, check_data_name
 
 FORMAT = "logitless-refcache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the index is stamped with the manifest's binding digest
 _SAMPLE_WINDOWS = 16
 _SAMPLE_BYTES = 4096
 
@@ -37,10 +40,17 @@ HashMode = Literal["auto", "full", "sampled"]
 
 
 def sequence_key(ids: np.ndarray | torch.Tensor | list[int]) -> bytes:
-    """16-byte key of a token-id sequence ``[L]`` (any integer dtype; hashed as ``<i8``)."""
+    """16-byte key of a token-id sequence ``[L]`` (any integer dtype; hashed as ``<i8``).
+
+    Raises:
+        TypeError: the ids are not integers (a float id would be truncated into another key).
+    """
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
-    arr = np.ascontiguousarray(ids, dtype="<i8")
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype="<i8")
     return hashlib.blake2b(arr.tobytes(), digest_size=16, person=b"logitless-seq").digest()
 
 
@@ -138,6 +148,10 @@ class Fingerprint:
     softcap: float | None
     library_version: str
 
+    def digest(self) -> str:
+        """blake2b-128 (hex) of every field, canonical JSON."""
+        return _json_checksum(asdict(self), b"logitless-fp")
+
     def mismatches(self, expected: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """``{field: (ours, expected)}`` for each checked field present (not ``None``) in
         ``expected`` that differs."""
@@ -181,38 +195,106 @@ class Manifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
+    def binding(self) -> str:
+        """Digest of everything the index file cannot check by itself (fingerprint, value
+        dtype, entropy, parts and their value offsets). :func:`~.store.finalize` stamps it into
+        the index, whose blake2b the manifest records, so a manifest edited by hand (and its
+        checksum recomputed) no longer matches its own index."""
+        return _json_checksum({"fingerprint": self.fingerprint.digest(), "value_dtype": self.value_dtype,
+                               "has_entropy": self.has_entropy, "parts": self.parts, "values_at": self.values_at,
+                               "format_version": self.format_version}, b"logitless-bind")
+
     def to_json(self) -> str:
         body = asdict(self)
         body["checksum"] = _json_checksum(body)
         return json.dumps(body, indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, path: object) -> Manifest:
-        """Parse and self-check a manifest.
+    def from_json(cls, data: bytes, path: object) -> Manifest:
+        """Parse, self-check and validate a manifest (types, ranges, file names).
 
         Raises:
-            RefCacheCorruptError: unparsable, wrong format, or its checksum does not match.
+            RefCacheCorruptError: not UTF-8 JSON, wrong format, checksum mismatch, or a field of
+                the wrong type/range, an unsafe file name, or counts that disagree.
             RefCacheMismatchError: a format version this library cannot read.
         """
         try:
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
             body = json.loads(text)
-            checksum = body.pop("checksum")
-        except (ValueError, KeyError, AttributeError) as e:
-            raise RefCacheCorruptError(path, f"unreadable manifest ({e})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RefCacheCorruptError(path, f"unreadable manifest ({type(e).__name__}: {e})") from None
+        if not isinstance(body, dict):
+            raise RefCacheCorruptError(path, f"the manifest is a JSON {type(body).__name__}, not an object")
+        if text != json.dumps(body, indent=2, sort_keys=True):  # a flipped space is JSON too
+            raise RefCacheCorruptError(path, "manifest bytes differ from the form it is written in")
+        checksum = body.pop("checksum", None)
         if checksum != _json_checksum(body):
             raise RefCacheCorruptError(path, "manifest checksum mismatch")
         if body.get("format") != FORMAT:
             raise RefCacheCorruptError(path, f"not a {FORMAT} manifest")
         if body.get("format_version") != FORMAT_VERSION:
             raise RefCacheMismatchError({"format_version": (body.get("format_version"), FORMAT_VERSION)},
-                                        f"{path}")
-        try:
-            body["fingerprint"] = Fingerprint(**body["fingerprint"])
-            return cls(**body)
-        except TypeError as e:
-            raise RefCacheCorruptError(path, f"manifest fields do not match this library ({e})") from None
+                                        f"{path} (written by another logitless version: rebuild it with this one)")
+        _validate(body, path)
+        body["fingerprint"] = Fingerprint(**body["fingerprint"])
+        return cls(**body)
 
 
-def _json_checksum(body: dict[str, Any]) -> str:
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _validate(body: dict[str, Any], path: object) -> None:
+    """Type, range and cross-field checks of a parsed manifest body (checksum already matched)."""
+    def need(ok: object, what: str) -> None:
+        if not ok:
+            raise RefCacheCorruptError(path, f"manifest field {what}")
+
+    def is_int(x: object, lo: int = 0) -> bool:
+        return type(x) is int and x >= lo
+
+    def is_num(x: object) -> bool:
+        return type(x) in (int, float) and math.isfinite(x)
+
+    want = {f.name for f in Manifest.__dataclass_fields__.values()}
+    need(set(body) == want, f"set differs from this format's: extra {sorted(set(body) - want)}, "
+                            f"missing {sorted(want - set(body))}")
+    fp = body["fingerprint"]
+    fields = set(Fingerprint.__dataclass_fields__)
+    need(isinstance(fp, dict) and set(fp) == fields, "'fingerprint' lacks or adds keys")
+    for k in ("model_weights", "model_class", "library_version"):
+        need(isinstance(fp[k], str), f"fingerprint.{k} is not a string")
+    need(fp["weights_hash_mode"] in ("full", "sampled", "given"), "fingerprint.weights_hash_mode is unknown")
+    need(is_int(fp["vocab_size"], 1) and is_int(fp["hidden_size"], 1), "fingerprint vocab/hidden size is not >= 1")
+    need(fp["tokenizer"] is None or isinstance(fp["tokenizer"], str), "fingerprint.tokenizer is not a string")
+    need(fp["dtype"] in _DTYPES, "fingerprint.dtype is not a floating dtype")
+    need(is_num(fp["temperature"]) and fp["temperature"] > 0, "fingerprint.temperature is not positive")
+    need(is_num(fp["logit_scale"]), "fingerprint.logit_scale is not a finite number")
+    need(fp["softcap"] is None or (is_num(fp["softcap"]) and fp["softcap"] > 0), "fingerprint.softcap is not > 0")
+    need(body["value_dtype"] in ("float32", "float64"), "value_dtype is not float32 or float64")
+    need(type(body["has_entropy"]) is bool, "has_entropy is not a boolean")
+    need(is_int(body["num_sequences"]) and is_int(body["num_tokens"]), "num_sequences/num_tokens is not an int >= 0")
+    need(isinstance(body["build"], dict) and isinstance(body["created_at"], str), "build/created_at has a wrong type")
+    files, parts, at = body["files"], body["parts"], body["values_at"]
+    need(isinstance(files, dict) and isinstance(parts, list) and isinstance(at, list),
+         "files/parts/values_at has a wrong type")
+    for name, rec in files.items():
+        check_data_name(name, path)
+        need(isinstance(rec, dict) and set(rec) == {"bytes", "blake2b"} and is_int(rec["bytes"])
+             and isinstance(rec["blake2b"], str) and _HEX32.fullmatch(rec["blake2b"]),
+             f"files[{name!r}] is not {{'bytes': int >= 0, 'blake2b': 32 hex digits}}")
+    for name in parts:
+        need(check_data_name(name, path) != INDEX, "parts lists the index")
+    need(len(set(parts)) == len(parts) and set(files) == {INDEX, *parts},
+         "'files' must list index.arrow and each part exactly once")
+    need(len(at) == len(parts), f"values_at has {len(at)} entries for {len(parts)} parts")
+    cols = {"logp", "entropy"} if body["has_entropy"] else {"logp"}
+    for name, offsets in zip(parts, at, strict=True):
+        need(isinstance(offsets, dict) and set(offsets) == cols
+             and all(is_int(v) and v <= files[name]["bytes"] for v in offsets.values()),
+             f"values_at of {name} is not {{{', '.join(sorted(cols))}: offset within the file}}")
+
+
+def _json_checksum(body: dict[str, Any], person: bytes = b"logitless-man") -> str:
     canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(canon, digest_size=16, person=b"logitless-man").hexdigest()
+    return hashlib.blake2b(canon, digest_size=16, person=person).hexdigest()

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -39,56 +39,31 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import RefCacheCorruptError
+from .files import (
+    INDEX,
+    atomic_write,
+    buffer_digest,
+    check_part_name,
+    digest_fd,
+    file_digest,
+    make_dir,
+    open_regular,
+    read_bounded,
+    remove_stale_temporaries,
+)
 from .fingerprint import Fingerprint, Manifest, key_words
 
 MANIFEST = "manifest.json"
-INDEX = "index.arrow"
 PARTS = "parts"
 _EMPTY_CRC = 0
+_INDEX_SCHEMA = pa.schema([("key_hi", pa.uint64()), ("key_lo", pa.uint64()), ("part", pa.int32()),
+                           ("offset", pa.int64()), ("length", pa.int32()), ("logp_crc", pa.uint64()),
+                           ("entropy_crc", pa.uint64())])
+__all__ = ["INDEX", "MANIFEST", "PARTS", "PartWriter", "Store", "atomic_write", "buffer_digest", "file_digest",
+           "finalize", "remove_stale_temporaries"]
 
 
 # --- files -------------------------------------------------------------------------------
-
-def atomic_write(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory + fsync + rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def remove_stale_temporaries(directory: Path) -> None:
-    """Delete ``.*.tmp`` files an interrupted writer left behind."""
-    for p in directory.glob(".*.tmp"):
-        p.unlink(missing_ok=True)
-
-
-def file_digest(path: Path) -> str:
-    """blake2b-128 of a file, read in 1 MiB blocks (page cache, not this process's RSS)."""
-    h = hashlib.blake2b(digest_size=16)
-    buf = bytearray(1 << 20)
-    view = memoryview(buf)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def buffer_digest(data: bytes | memoryview | pa.Buffer) -> str:
-    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
-
 
 def row_checksum(values: np.ndarray) -> int:
     """blake2b-64 of a row's value bytes, as an unsigned int (0 for an absent row)."""
@@ -142,7 +117,7 @@ class PartWriter:
 
     def __init__(self, root: Path, rank: int, value_dtype: np.dtype) -> None:
         self.dir = Path(root) / PARTS / f"rank-{rank:05d}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.dir)
         self.value_dtype = np.dtype(value_dtype)
         self.parts: list[dict[str, Any]] = [read_part_meta(p) for p in sorted(self.dir.glob("part-*.arrow"))]
         self._keys: list[bytes] = []
@@ -181,8 +156,8 @@ class PartWriter:
         }
         if self._entropy:
             cols["entropy"] = _list_array(self._entropy, self.value_dtype)
-        meta = dict(meta or {})
-        table = pa.table(cols).replace_schema_metadata({k: str(v) for k, v in meta.items()})
+        meta = {k: str(v) for k, v in (meta or {}).items()}  # as stored, so a resumed build records the same
+        table = pa.table(cols).replace_schema_metadata(meta)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as w:
             w.write_table(table)
@@ -228,17 +203,23 @@ def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any
         parts: part records (``name`` relative to ``parts/``, ``bytes``, ``blake2b``).
         build: build settings recorded in the manifest.
 
+    A manifest already in ``root`` is removed first: a crash between the index and the new
+    manifest leaves an unfinished build (rerun the merge), never an index that disagrees with
+    its manifest.
+
     Raises:
         ValueError: parts disagree on value dtype or entropy, or a key appears twice with
             different values.
-        RefCacheCorruptError: a part is unreadable or its size differs from its record.
+        RefCacheCorruptError: a part name is not ``rank-NNNNN/part-NNNNNN.arrow``, a part is
+            unreadable or its size differs from its record.
+        RefCacheWriteError: the index or manifest cannot be written.
     """
     root = Path(root)
     cols: dict[str, list[np.ndarray]] = {k: [] for k in ("key_hi", "key_lo", "part", "offset", "length",
                                                           "logp_crc", "entropy_crc")}
     value_dtype, has_entropy = None, None
     for pid, rec in enumerate(parts):
-        path = root / PARTS / rec["name"]
+        path = root / PARTS / check_part_name(rec["name"], root / PARTS)
         if not path.is_file() or path.stat().st_size != rec["bytes"]:
             raise RefCacheCorruptError(path, "missing or of unexpected size")
         t = _read_table(path)
@@ -264,23 +245,23 @@ def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any
             raise ValueError("a sequence key appears in two parts with different values")
         keep = np.concatenate([[True], ~dup])
         arrays = {k: v[keep] for k, v in arrays.items()}
-    dtypes = {"key_hi": pa.uint64(), "key_lo": pa.uint64(), "part": pa.int32(), "offset": pa.int64(),
-              "length": pa.int32(), "logp_crc": pa.uint64(), "entropy_crc": pa.uint64()}
-    index = pa.table({k: pa.array(arrays[k], type=dtypes[k]) for k in dtypes})
+    manifest = Manifest(
+        fingerprint=fingerprint, value_dtype=value_dtype or "float32", has_entropy=bool(has_entropy),
+        num_sequences=len(arrays["key_hi"]), num_tokens=int(arrays["length"].sum()) if len(order) else 0,
+        files={}, parts=[f"{PARTS}/{r['name']}" for r in parts], values_at=[r["values_at"] for r in parts],
+        build=dict(build or {}),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    index = pa.table({f.name: pa.array(arrays[f.name], type=f.type) for f in _INDEX_SCHEMA},
+                     schema=_INDEX_SCHEMA.with_metadata({"binding": manifest.binding()}))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, index.schema) as w:
         w.write_table(index)
     buf = sink.getvalue()
+    (root / MANIFEST).unlink(missing_ok=True)
     atomic_write(root / INDEX, buf)
-    files = {INDEX: {"bytes": buf.size, "blake2b": buffer_digest(buf)}}
+    manifest.files = {INDEX: {"bytes": buf.size, "blake2b": buffer_digest(buf)}}
     for rec in parts:
-        files[f"{PARTS}/{rec['name']}"] = {"bytes": rec["bytes"], "blake2b": rec["blake2b"]}
-    manifest = Manifest(
-        fingerprint=fingerprint, value_dtype=value_dtype or "float32", has_entropy=bool(has_entropy),
-        num_sequences=int(index.num_rows), num_tokens=int(arrays["length"].sum()) if len(order) else 0,
-        files=files, parts=[f"{PARTS}/{r['name']}" for r in parts], values_at=[r["values_at"] for r in parts],
-        build=dict(build or {}),
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        manifest.files[f"{PARTS}/{rec['name']}"] = {"bytes": rec["bytes"], "blake2b": rec["blake2b"]}
     atomic_write(root / MANIFEST, manifest.to_json().encode())
     return manifest
 
@@ -290,55 +271,98 @@ def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any
 class Store:
     """Read side of a finished cache directory: memory-mapped index and parts.
 
-    Opening reads the manifest, checks every file's size (truncation) and the index's
-    blake2b; part files are mapped lazily. RAM use does not grow with the cache size: only
-    the pages of rows actually served are touched.
+    Opening reads the manifest (bounded, validated: types, ranges, file names), checks every
+    listed file is a regular file inside the directory of its recorded size, the index's
+    blake2b and its stamp of the manifest's binding, and the index's own consistency (schema,
+    counts, sorted keys, every row inside its part). Part files are opened lazily. RAM use does
+    not grow with the cache size: only the pages of rows actually served are touched.
 
     Raises (on construction):
-        RefCacheCorruptError: missing/unparsable manifest, a missing or resized file, an index
-            checksum mismatch.
+        RefCacheCorruptError: missing/unparsable/invalid manifest, a missing, resized or
+            non-regular file, an index that fails its checksum, stamp or consistency checks.
+        RefCacheMismatchError: a manifest of another format version.
     """
 
     def __init__(self, root: str | Path, *, full_verify: bool = False) -> None:
         self._fds: dict[int, int] = {}
         self.root = Path(root)
-        mpath = self.root / MANIFEST
-        if not mpath.is_file():
-            raise RefCacheCorruptError(mpath, "no manifest (not a cache directory, or its build did not finish)")
-        self.manifest = Manifest.from_json(mpath.read_text(), mpath)
-        for name, rec in self.manifest.files.items():
-            p = self.root / name
-            size = p.stat().st_size if p.is_file() else None
-            if size != rec["bytes"]:
-                raise RefCacheCorruptError(p, f"expected {rec['bytes']} bytes, found "
-                                              f"{'no file' if size is None else size} (truncated or replaced)")
+        if not (self.root / MANIFEST).is_file():
+            raise RefCacheCorruptError(self.root / MANIFEST,
+                                       "no manifest (not a cache directory, or its build did not finish)",
+                                       "If a build was interrupted, rerun it with the same arguments: it resumes "
+                                       "after the last complete part")
+        self.manifest = Manifest.from_json(read_bounded(self.root, MANIFEST), self.root / MANIFEST)
+        for name in self.manifest.files:
+            os.close(self._open(name))
         if full_verify:
             self.verify()
         else:
             self._check_digest(INDEX)
-        t = _read_table(self.root / INDEX)
-        self.key_hi = _column(t, "key_hi").to_numpy()
-        self.key_lo = _column(t, "key_lo").to_numpy()
-        self.part = _column(t, "part").to_numpy()
-        self.offset = _column(t, "offset").to_numpy()
-        self.length = _column(t, "length").to_numpy()
-        self.crc = {"logp": _column(t, "logp_crc").to_numpy(), "entropy": _column(t, "entropy_crc").to_numpy()}
+        self._read_index()
         self.value_dtype = np.dtype(self.manifest.value_dtype)
 
+    def _open(self, name: str) -> int:
+        """fd of a listed file, after checking it is regular, inside the root, of its recorded size."""
+        fd, size = open_regular(self.root, name)
+        want = self.manifest.files[name]["bytes"]
+        if size != want:
+            os.close(fd)
+            raise RefCacheCorruptError(self.root / name, f"is {size} bytes, the manifest records {want} "
+                                                         "(truncated, extended or replaced)")
+        return fd
+
     def _check_digest(self, name: str) -> None:
-        if file_digest(self.root / name) != self.manifest.files[name]["blake2b"]:
+        fd = self._open(name)
+        try:
+            ok = digest_fd(fd, self.manifest.files[name]["bytes"]) == self.manifest.files[name]["blake2b"]
+        finally:
+            os.close(fd)
+        if not ok:
             raise RefCacheCorruptError(self.root / name, "blake2b checksum mismatch")
 
+    def _read_index(self) -> None:
+        path, m = self.root / INDEX, self.manifest
+        fd = self._open(INDEX)
+        try:
+            self._index_map = mmap.mmap(fd, m.files[INDEX]["bytes"], prot=mmap.PROT_READ)
+            t = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._index_map))).read_all()
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise RefCacheCorruptError(path, f"not a readable Arrow IPC file ({e})") from None
+        finally:
+            os.close(fd)
+
+        def need(ok: object, what: str) -> None:
+            if not ok:
+                raise RefCacheCorruptError(path, what)
+
+        need(t.schema.remove_metadata().equals(_INDEX_SCHEMA), f"unexpected columns {t.schema.names}")
+        need((t.schema.metadata or {}).get(b"binding") == m.binding().encode(),
+             "its stamp does not match the manifest (the manifest was edited after the cache was built)")
+        need(all(c.null_count == 0 for c in t.columns), "null entries")
+        need(t.num_rows == m.num_sequences, f"{t.num_rows} rows, the manifest records {m.num_sequences} sequences")
+        cols = {name: _column(t, name).to_numpy() for name in _INDEX_SCHEMA.names}
+        part, offset, length = cols["part"], cols["offset"], cols["length"]
+        need(int(length.sum(dtype=np.int64)) == m.num_tokens, f"the manifest records {m.num_tokens} tokens")
+        need(((part >= 0) & (part < len(m.parts))).all() and (offset >= 0).all() and (length >= 0).all(),
+             "a row names a part that does not exist or a negative offset/length")
+        item = np.dtype(m.value_dtype).itemsize
+        for what in ("logp", "entropy") if m.has_entropy else ("logp",):
+            base = np.array([a[what] for a in m.values_at] or [0], np.int64)
+            size = np.array([m.files[p]["bytes"] for p in m.parts] or [0], np.int64)
+            need((base[part] + (offset + length) * item <= size[part]).all(), f"a {what} row lies outside its part")
+        hi, lo = cols["key_hi"], cols["key_lo"]
+        need(((hi[1:] > hi[:-1]) | ((hi[1:] == hi[:-1]) & (lo[1:] > lo[:-1]))).all(), "keys are not sorted")
+        self.key_hi, self.key_lo, self.part, self.offset, self.length = hi, lo, part, offset, length
+        self.crc = {"logp": cols["logp_crc"], "entropy": cols["entropy_crc"]}
+
     def verify(self) -> None:
-        """Rehash every file against the manifest.
+        """Rehash every file against the manifest (regular files inside the directory only,
+        reading no more than each file's recorded size).
 
         Raises:
             RefCacheCorruptError: the first file whose size or checksum differs.
         """
-        for name, rec in self.manifest.files.items():
-            p = self.root / name
-            if not p.is_file() or p.stat().st_size != rec["bytes"]:
-                raise RefCacheCorruptError(p, "missing or of unexpected size")
+        for name in self.manifest.files:
             self._check_digest(name)
 
     def __len__(self) -> int:
@@ -367,7 +391,7 @@ class Store:
     def _fd(self, pid: int) -> int:
         fd = self._fds.get(pid)
         if fd is None:
-            fd = self._fds[pid] = os.open(self.root / self.manifest.parts[pid], os.O_RDONLY)
+            fd = self._fds[pid] = self._open(self.manifest.parts[pid])
         return fd
 
     def gather(self, rows: np.ndarray, what: str = "logp") -> np.ndarray:
@@ -387,9 +411,7 @@ class Store:
         at = 0
         for r in rows.tolist():
             pid, off, n = int(self.part[r]), int(self.offset[r]), int(self.length[r])
-            base = self.manifest.values_at[pid].get(what)
-            if base is None:  # the manifest lists no such column for this part
-                raise RefCacheCorruptError(self.root / self.manifest.parts[pid], f"no {what!r} values")
+            base = self.manifest.values_at[pid][what]
             got = os.preadv(self._fd(pid), [view[at * item:(at + n) * item]], base + off * item)
             if got != n * item or row_checksum(out[at:at + n]) != int(crc[r]):
                 raise RefCacheCorruptError(self.root / self.manifest.parts[pid],
