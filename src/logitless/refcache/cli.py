@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_float, positive_int, usage_error
-
 from .errors import RefCacheError
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
