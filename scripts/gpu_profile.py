@@ -2,7 +2,7 @@
 (torch.profiler): wall time, GPU busy time, kernel count, top kernels.
 
     python3 scripts/gpu_profile.py [N] [H] [V]
-    LOGITLESS_TRITON_LOGITS=input python3 scripts/gpu_profile.py   # bf16 logits (fp32_logits=False)
+    LOGITLESS_LOGITS_PRECISION=input python3 scripts/gpu_profile.py   # bf16 logits
 """
 
 from __future__ import annotations

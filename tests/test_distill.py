@@ -23,7 +23,6 @@ import sys
 import textwrap
 import types
 import warnings
-import zlib
 
 import pytest
 import torch
@@ -44,11 +43,7 @@ with warnings.catch_warnings():
     from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
 
-@pytest.fixture(autouse=True)
-def seed(request) -> int:
-    s = zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(s)
-    return s
+pytestmark = pytest.mark.usefixtures("seed")  # a fresh seed per test (conftest)
 
 
 def _heads(dtype=torch.float64, vs=V, vt=V, bias=False):

@@ -10,36 +10,17 @@ Errors are bounded by the reference's own: ``|ours - fp64| <= |torch backend - f
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from backend_calls import backward, forward
+from interpreter import INTERPRETED, child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
 from logitless.ops.backend import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_under_interpreter's child process")
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases")
-def test_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    for name in ("LOGITLESS_FLASH_FILTER", "LOGITLESS_FLASH_AUTOTUNE"):
-        env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+test_under_interpreter = child_run(__file__)
 
 
 # Odd sizes against the interpreter's tiles (forward 16 rows x 32 entries, backward 32 x 16) and
@@ -324,7 +305,7 @@ def test_chunk_backward_accumulates_and_skips_hidden():
         Accumulators(gw64, None, hidden=False),
     )
     torch.testing.assert_close(gw64, 1 + gw1.double(), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="kept_logits"):
+    with pytest.raises(ValueError, match="keeps no logits"):
         backward(
             flash_backend,
             h,
@@ -548,6 +529,7 @@ def test_policy_loss_matches_torch(mode):
         torch.testing.assert_close(res["flash"][3][k].float(), v.float(), **tol, msg=k)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_matches_torch(dtype):

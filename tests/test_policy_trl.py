@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -51,12 +50,6 @@ def oracle():
             json.dump({k: dict(v) for k, v in WORST.items()}, f, indent=1, sort_keys=True)
 
 
-@pytest.fixture
-def seed(request) -> int:
-    """A fresh seed per test (stable across runs, different between tests and parameters)."""
-    s = zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(s)
-    return s
 
 
 # ----------------------------------------------------------------------------- cases

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import types
 import warnings
-import zlib
 from collections import defaultdict
 
 import pytest
@@ -49,11 +48,7 @@ CHUNK = 20_000
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True)
-def seed(request) -> int:
-    s = zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(s)
-    return s
+pytestmark = pytest.mark.usefixtures("seed")  # a fresh seed per test (conftest)
 
 
 def _batch(rows=2 * B):

@@ -11,35 +11,17 @@ Errors are bounded by the reference's own: ``|ours - fp64| <= |torch backend - f
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from backend_calls import backward, forward
+from interpreter import child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
 from logitless.ops.backend import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_under_interpreter's child process")
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases")
-def test_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("LOGITLESS_LOGITS_PRECISION", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+test_under_interpreter = child_run(__file__)
 
 
 # Odd sizes: V = 123 is not a multiple of the interpreter's 64-wide blocks (masked tail) and
@@ -324,3 +306,40 @@ def test_policy_loss_fused_matches_torch(dtype):
     torch.testing.assert_close(res["triton"][2], res["torch"][2], **tol)
     for k, v in res["torch"][3].items():
         torch.testing.assert_close(res["triton"][3][k].float(), v.float(), **tol, msg=k)
+
+
+def test_autotune_restores_every_running_statistic():
+    """Autotune trials must start from the same buffers: every pointer the statistics kernel
+    updates in place (all but the tile, the bias and the targets) is restored between trials,
+    the running Σz included (it was once missing, so label smoothing summed Σz once per trial)."""
+    from logitless.ops import triton_kernels
+
+    in_place = {a for a in triton_kernels._stats_kernel.arg_names if a.endswith("_ptr")} - {"y_ptr", "bias_ptr",
+                                                                                            "tgt_ptr"}
+    assert in_place == set(triton_kernels._RESTORE["stats"]) and "sz_ptr" in in_place
+    assert triton_kernels._RESTORE["dlogits"] == ["y_ptr"]  # dy is written over the tile
+
+
+def test_settings_are_read_once(monkeypatch):
+    """``LOGITLESS_*`` switches are parsed once (a later change needs ``reload``), so no pass can
+    see a half-applied switch, such as an untuned kernel launched without its block size."""
+    from logitless.ops import settings
+
+    monkeypatch.delenv("LOGITLESS_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.delenv("LOGITLESS_CHUNK_BYTES", raising=False)
+    try:
+        assert settings.reload().triton_autotune is False
+        monkeypatch.setenv("LOGITLESS_TRITON_AUTOTUNE", "1")
+        monkeypatch.setenv("LOGITLESS_CHUNK_BYTES", "12345")
+        assert settings.settings().triton_autotune is False and settings.settings().chunk_bytes == 2**30
+        reloaded = settings.reload()
+        assert reloaded.triton_autotune is True and reloaded.chunk_bytes == 12345
+        assert PassOptions().budget == 12345
+        monkeypatch.setenv("LOGITLESS_LOGITS_PRECISION", "bf16")
+        with pytest.raises(ValueError, match="LOGITLESS_LOGITS_PRECISION"):
+            settings.reload()
+    finally:
+        monkeypatch.delenv("LOGITLESS_TRITON_AUTOTUNE")
+        monkeypatch.delenv("LOGITLESS_CHUNK_BYTES")
+        monkeypatch.delenv("LOGITLESS_LOGITS_PRECISION")
+        settings.reload()

@@ -15,11 +15,6 @@ from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_lo
 V, H = 11, 6
 
 
-@pytest.fixture
-def seed(request) -> int:
-    s = zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(s)
-    return s
 
 
 @pytest.fixture

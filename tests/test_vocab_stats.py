@@ -10,8 +10,6 @@ the online log-sum-exp (6 kB: 32-token chunks of 11-entry blocks).
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -39,11 +37,6 @@ STAT_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-5, tor
 GRAD_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-@pytest.fixture
-def seed(request) -> int:
-    s = zlib.crc32(request.node.nodeid.encode())
-    torch.manual_seed(s)
-    return s
 
 
 def make(shape, dtype, bias=False, ignore=True, **_):

@@ -147,7 +147,41 @@ def policy_loss(
     loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)
     with torch.no_grad():
         _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), stats.logp, stats.entropy)
-    return loss, _finalize_metrics(cfg, tok, sums, group)
+        metrics = _finalize_metrics(cfg, tok, sums, group)
+        if tok.sampling_logp is not None:
+            metrics.update(sampler_mismatch(stats.logp, tok.sampling_logp, group))
+    return loss, metrics
+
+
+def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
+    """How far the trainer's log-probs are from the sampler's, over the tokens the sampler scored.
+
+    The trainer-sampler mismatch RL practitioners track (vLLM ``head_dtype=float32``, SGLang
+    ``enable_fp32_lm_head``): with ``d = logp - sampling_logp`` (NaN sampler entries skipped, as TRL
+    skips them), ``sampling/trainer_sampler_logp_difference/{mean,max}`` are ``mean/max |d|``
+    (nats) and ``sampling/trainer_sampler_ratio_error/{mean,max}`` are ``mean/max |exp(d) - 1|``,
+    the token-level probability-ratio error ``|p_trainer / p_sampler - 1|``. Means are reduced
+    as (sum, count) and maxima as maxima over ``group``.
+
+    Args:
+        logp, sampling_logp: ``[n]`` log-probs (nats) of the same tokens; ``sampling_logp`` may
+            hold NaN.
+        group: data-parallel process group, or ``None``.
+
+    Returns:
+        The four metrics as 0-dim tensors (0 when no token was scored).
+    """
+    d = logp.detach() - sampling_logp
+    ok = ~torch.isnan(d)
+    gap = torch.where(ok, d.abs(), 0.0)
+    err = torch.where(ok, torch.expm1(d).abs(), 0.0)
+    sums = all_reduce(torch.stack([gap.sum(), err.sum(), ok.sum().to(gap.dtype)]), "sum", group)
+    maxima = all_reduce(torch.stack([gap.max(), err.max()]) if gap.numel() else gap.new_zeros(2), "max", group)
+    count = sums[2].clamp(min=1.0)
+    return {"sampling/trainer_sampler_logp_difference/mean": sums[0] / count,
+            "sampling/trainer_sampler_logp_difference/max": maxima[0],
+            "sampling/trainer_sampler_ratio_error/mean": sums[1] / count,
+            "sampling/trainer_sampler_ratio_error/max": maxima[1]}
 
 
 def _as_config(config) -> PolicyConfig:

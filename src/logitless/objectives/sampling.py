@@ -38,7 +38,10 @@ def sampling_correction(
     Returns:
         ``(ratio, metrics)``: ``ratio`` ``[B, T]`` or ``[B, 1]``; metrics
         ``sampling/sampling_logp_difference/{mean,max}`` and
-        ``sampling/importance_sampling_ratio/{min,mean,max}`` (means of per-process values, as TRL).
+        ``sampling/importance_sampling_ratio/{min,mean,max}`` (means of per-process values, as TRL),
+        and ``sampling/importance_sampling_ratio/beyond_clip_fraction``: the fraction of tokens
+        (sequences, in ``sequence_*`` modes) whose uncorrected ratio lies outside
+        ``[clip_min, clip_max]`` (truncated, or masked to 0).
 
     Raises:
         ValueError: unknown mode or mismatched shapes.
@@ -51,12 +54,13 @@ def sampling_correction(
     d = torch.nan_to_num((old_logp - sampling_logp) * mask, nan=0.0)
     sequence = mode.startswith("sequence")
     ratio = torch.exp(d.sum(-1, keepdim=True) if sequence else d)
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    beyond = ((ratio < lo) | (ratio > hi)).to(ratio.dtype)
     if mode.endswith("truncate"):
         ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
     else:
-        lo = -math.inf if clip_min is None else clip_min
-        hi = math.inf if clip_max is None else clip_max
-        ratio = ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+        ratio = ratio.masked_fill(beyond.bool(), 0.0)
 
     with torch.no_grad():
         keep = mask.bool()
@@ -64,6 +68,7 @@ def sampling_correction(
         delta = delta[keep & ~torch.isnan(delta)]
         zero = old_logp.new_zeros(())
         flat = ratio.flatten() if sequence else ratio[keep]
+        flat_beyond = beyond.flatten() if sequence else beyond[keep]
         world = torch.distributed.get_world_size(group) if is_active(group) else 1
         local = {
             "sampling/sampling_logp_difference/mean": (delta.mean() if delta.numel() else zero, "mean"),
@@ -71,6 +76,8 @@ def sampling_correction(
             "sampling/importance_sampling_ratio/min": (flat.min() if flat.numel() else zero, "min"),
             "sampling/importance_sampling_ratio/mean": (flat.mean() if flat.numel() else zero, "mean"),
             "sampling/importance_sampling_ratio/max": (flat.max() if flat.numel() else zero, "max"),
+            "sampling/importance_sampling_ratio/beyond_clip_fraction": (
+                flat_beyond.mean() if flat_beyond.numel() else zero, "mean"),
         }
         metrics = {}
         for name, (value, how) in local.items():

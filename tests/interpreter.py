@@ -1,0 +1,32 @@
+"""The Triton-interpreter harness shared by the kernel test modules.
+
+``TRITON_INTERPRET=1`` only takes effect for kernels decorated after it is set. Without a GPU,
+conftest sets it before anything imports triton, so the cases run in this process; on a GPU
+machine another module may have imported the kernels first, so the cases run in a child pytest
+with the variable set (and the ``LOGITLESS_*`` switches cleared, so they start from defaults).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_under_interpreter's child process")
+
+
+def child_run(path: str):
+    """A test that runs the module at ``path`` under the interpreter in a child pytest."""
+
+    @pytest.mark.skipif(INTERPRETED, reason="this process already runs the cases")
+    def test_under_interpreter():
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOGITLESS_")}
+        env["TRITON_INTERPRET"] = "1"
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+                               "ignore::RuntimeWarning", path], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+
+    return test_under_interpreter
