@@ -315,6 +315,8 @@ class Store:
         fd = self._open(name)
         try:
             ok = digest_fd(fd, self.manifest.files[name]["bytes"]) == self.manifest.files[name]["blake2b"]
+        except OSError as e:  # EIO from a failing disk
+            raise RefCacheCorruptError(self.root / name, f"cannot be read ({e.strerror or e})") from None
         finally:
             os.close(fd)
         if not ok:
@@ -412,7 +414,10 @@ class Store:
         for r in rows.tolist():
             pid, off, n = int(self.part[r]), int(self.offset[r]), int(self.length[r])
             base = self.manifest.values_at[pid][what]
-            got = os.preadv(self._fd(pid), [view[at * item:(at + n) * item]], base + off * item)
+            try:
+                got = os.preadv(self._fd(pid), [view[at * item:(at + n) * item]], base + off * item)
+            except OSError as e:  # EIO from a failing disk
+                raise RefCacheCorruptError(self.root / self.manifest.parts[pid], f"cannot be read ({e})") from None
             if got != n * item or row_checksum(out[at:at + n]) != int(crc[r]):
                 raise RefCacheCorruptError(self.root / self.manifest.parts[pid],
                                            f"row at value offset {off} (length {n}) fails its checksum")
