@@ -6,8 +6,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 
-from ..ops import Impl, Mode, PassOptions
-from ..ops.settings import LogitsPrecision
+from ..ops import Impl, LogitsPrecision, Mode, PassOptions
 
 logger = logging.getLogger("logitless")
 

@@ -3,11 +3,13 @@ Knows nothing about RL; the objectives layer sits on top and talks to it through
 :mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
 from .backend import StatRequest, resolve_backend
+from .distill import DistillPass, DistillStats, run_distill
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, compute_stats, run_objective
 from .head import Head, as_head
 from .lora import HeadLoRA
 from .options import Impl, Mode, PassOptions, as_options
 from .plan import stat_dtype_for
+from .settings import LogitsPrecision
 from .shard import VocabShard
 from .transform import LogitTransform
 from .validate import check_head_inputs
@@ -16,10 +18,13 @@ from .vocab_stats import VocabStats, token_logprobs, vocab_stats
 __all__ = [
     "ChunkObjective",
     "ChunkStats",
+    "DistillPass",
+    "DistillStats",
     "Head",
     "HeadLoRA",
     "Impl",
     "LogitTransform",
+    "LogitsPrecision",
     "Mode",
     "ObjectiveSpec",
     "PassOptions",
@@ -32,6 +37,7 @@ __all__ = [
     "check_head_inputs",
     "compute_stats",
     "resolve_backend",
+    "run_distill",
     "run_objective",
     "stat_dtype_for",
     "token_logprobs",
