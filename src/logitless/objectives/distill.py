@@ -19,8 +19,7 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import Head, PassOptions, as_head, as_options, check_head_inputs
-from ..ops import DistillPass, DistillStats, run_distill
+from ..ops import DistillPass, DistillStats, Head, PassOptions, as_head, as_options, check_head_inputs, run_distill
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]

@@ -389,8 +389,8 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
 
 
 class _FusedFn(torch.autograd.Function):
-    """Outputs ``(loss, logp, entropy)``; the gradients are computed in the forward and only
-    scaled in the backward."""
+    """Outputs the summed loss; the gradients are computed in the forward and only scaled by the
+    incoming gradient in the backward (every token's statistics go to ``call.stats``)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, lora_x, lora_b, call: _FusedCall):
