@@ -16,7 +16,7 @@ stay TRL's own code.
   replaced; TRL's backbone call (``_get_last_hidden_state``, through ``_forward_redirection``),
   ``tool_mask``, the on-policy ``num_items_in_batch`` and the entropy metric are kept. TRL's own
   head here is already chunked (``ChunkedDivergenceFunction``) but keeps fp32 statistics: on a
-  float64 model logitless matches the exact divergence to ~1e-12, TRL's kernel to ~1e-7.
+  float64 model logitless matches the exact divergence to ~1e-16 (relative), TRL's kernel to ~1e-7.
 * ``GKDTrainer`` (``trl.experimental.gkd``): its ``compute_loss`` is replaced; TRL computes
   full student and teacher logits there. Its loss is at temperature 1 whatever
   ``GKDConfig.temperature`` (which TRL 1.16 uses for sampling only), and so is this one.
