@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from logitless import Head, PassOptions
+from logitless import PassOptions
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import this module by name
 
@@ -123,8 +123,8 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
         with torch.no_grad():
             hidden = model(input_ids=ids, logitless_hidden_states=True)[:, PROMPT - 1:-1]
             before = type(model.lm_head.weight)
-            h, w, b = head_inputs(hidden, find_head(model))
-            rollout_logp = token_logprobs(h, Head(w, bias=b), ids[:, PROMPT:], options=PassOptions(impl="torch"))
+            h, ready = head_inputs(hidden, find_head(model))
+            rollout_logp = token_logprobs(h, ready, ids[:, PROMPT:], options=PassOptions(impl="torch"))
             assert type(model.lm_head.weight) is before, variant
         # Training step.
         hidden = model(input_ids=ids, logitless_hidden_states=True)[:, PROMPT - 1:-1]
@@ -133,11 +133,11 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
         if variant == "head":
             with pytest.raises(UnsupportedModelError, match="do not require grad"):
                 head_inputs(hidden.detach(), head)
-        h, w, b = head_inputs(hidden, head)
-        assert not isinstance(w, DTensor)
-        assert w.dtype == (torch.float32 if variant == "mixed" else torch.float64)  # FSDP's param_dtype
+        h, ready = head_inputs(hidden, head)
+        assert not isinstance(ready.weight, DTensor)
+        assert ready.weight.dtype == (torch.float32 if variant == "mixed" else torch.float64)  # FSDP's param_dtype
         cfg = PolicyConfig(**CFG, num_processes=world)
-        loss, _ = policy_loss(h, Head(w, bias=b), ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
+        loss, _ = policy_loss(h, ready, ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
                               o["ref"][sl], config=cfg, num_items_in_batch=case["data"]["mask"].sum(),
                               group=dist.group.WORLD, options=PassOptions(impl="torch"))
         loss.backward()

@@ -21,7 +21,7 @@ GiB = 2**30
 _SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import torch
-    from logitless import token_logprobs, vocab_stats
+    from logitless import PassOptions, token_logprobs, vocab_stats
     from logitless.ops.reference import reference_stats
 
     case, n, v, h = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -32,14 +32,14 @@ _SCRIPT = textwrap.dedent("""
     targets = torch.randint(0, v, (n,))
     rows = torch.randperm(n)[:16]
     if case == "logprobs":
-        logp = token_logprobs(hidden, weight, targets, chunk_bytes=chunk)
+        logp = token_logprobs(hidden, weight, targets, options=PassOptions(chunk_bytes=chunk))
         ref = reference_stats(hidden[rows], weight, targets[rows]).logp
         err = (logp[rows].double() - ref).abs().max().item()
     else:
         hidden.requires_grad_(True)
         weight.requires_grad_(True)
         g = torch.randn(3, n)
-        st = vocab_stats(hidden, weight, targets, chunk_bytes=chunk)
+        st = vocab_stats(hidden, weight, targets, options=PassOptions(chunk_bytes=chunk))
         (g[0] * st.logp + g[1] * st.lse + g[2] * st.entropy).sum().backward()
         # Gradient of the sampled rows: their terms alone, through the materialized reference.
         hr = hidden.detach()[rows].double().requires_grad_(True)

@@ -153,14 +153,9 @@ def _ours(model, ids):
     head = find_head(model)
     with torch.no_grad():
         hidden = model(input_ids=ids, logitless_hidden_states=True)[:, :-1]
-        t = head.transform(TEMPERATURE)
         return token_logprobs(
             hidden,
-            Head(
-                head.weight,
-                bias=head.bias,
-                transform=LogitTransform(temperature=t.temperature, logit_scale=t.logit_scale, softcap=t.softcap),
-            ),
+            head.at_temperature(TEMPERATURE),
             ids[:, 1:],
             return_entropy=True,
         )
@@ -188,14 +183,14 @@ def test_what_each_family_reads_from_its_config():
         _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == cid)
         return find_head(_build(cls, cfg, kw, ties[0]))
 
-    assert (head_of("gemma2").softcap, head_of("gemma2").logit_scale) == (3.0, 1.0)
-    assert head_of("cohere").logit_scale == 0.5
-    assert head_of("granite").logit_scale == 0.25  # Granite divides by logits_scaling
-    assert head_of("hyperclovax").logit_scale == 2.5  # HyperCLOVA X multiplies
-    assert head_of("minicpm3").logit_scale == 8 / 32  # hidden / (hidden_size / dim_model_base)
-    assert head_of("falcon_h1").logit_scale == 0.25
+    assert (head_of("gemma2").transform.softcap, head_of("gemma2").transform.logit_scale) == (3.0, 1.0)
+    assert head_of("cohere").transform.logit_scale == 0.5
+    assert head_of("granite").transform.logit_scale == 0.25  # Granite divides by logits_scaling
+    assert head_of("hyperclovax").transform.logit_scale == 2.5  # HyperCLOVA X multiplies
+    assert head_of("minicpm3").transform.logit_scale == 8 / 32  # hidden / (hidden_size / dim_model_base)
+    assert head_of("falcon_h1").transform.logit_scale == 0.25
     assert head_of("phi-biased").bias is not None and head_of("llama").bias is None
-    assert head_of("llama").softcap is None and head_of("llama").logit_scale == 1.0
+    assert head_of("llama").transform.softcap is None and head_of("llama").transform.logit_scale == 1.0
 
 
 def test_every_supported_class_is_tested_here():
