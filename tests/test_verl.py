@@ -99,7 +99,9 @@ def _tp_rank(rank, world, port, case, queue):
         w = weight[rank * rows:(rank + 1) * rows].clone().requires_grad_()
         lp, ent = linear_cross_entropy(h, w, ids, temperature, "none", dist.group.WORLD)
         (a * lp + b * ent).sum().backward()
-        queue.put((rank, lp.detach(), ent.detach(), h.grad, w.grad))
+        # As numpy arrays: a tensor crosses the queue as a handle into this process's memory,
+        # which is gone once the rank exits before the parent reads it.
+        queue.put((rank, *(t.detach().numpy() for t in (lp, ent, h.grad, w.grad))))
     finally:
         dist.destroy_process_group()
 
@@ -115,6 +117,7 @@ def test_vocab_parallel_over_a_process_group_matches_single_process():
     for p in procs:
         p.start()
     outs = sorted((queue.get(timeout=120) for _ in procs), key=lambda o: o[0])
+    outs = [(rank, *map(torch.from_numpy, arrays)) for rank, *arrays in outs]
     for p in procs:
         p.join(timeout=60)
     for rank, lp, ent, dh, dw in outs:
