@@ -6,6 +6,7 @@ from .backend import StatRequest, resolve_backend
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, compute_stats, run_objective
 from .head import Head, as_head
 from .lora import HeadLoRA
+from .memory import PassOutOfMemoryError
 from .options import Impl, Mode, PassOptions, as_options
 from .plan import stat_dtype_for
 from .shard import VocabShard
@@ -23,6 +24,7 @@ __all__ = [
     "Mode",
     "ObjectiveSpec",
     "PassOptions",
+    "PassOutOfMemoryError",
     "PassResult",
     "StatRequest",
     "VocabShard",
