@@ -63,7 +63,8 @@ def draw_case(rng: random.Random, impl: str, big: bool = False, full: bool = Fal
     return {
         "entry": entry, "impl": impl, "n": n, "V": vocab, "H": hid, "dtype": dtype, "transform": transform,
         # distill_loss refuses a student adapter (a named ValueError, tested in test_distill.py).
-        "bias": rng.random() < 0.4, "lora": entry != "distill_loss" and rng.random() < 0.2, "ignore": rng.random() < 0.4,
+        "bias": rng.random() < 0.4, "lora": entry != "distill_loss" and rng.random() < 0.2,
+        "ignore": rng.random() < 0.4,
         "layout": rng.choice(["contiguous", "contiguous", "strided", "expanded"]),
         # The clipped ratio of policy_loss turns a log-prob's rounding at |logits| ~ 1e4 into a
         # different clip branch, so extreme logits go to the smooth objectives only.
@@ -266,7 +267,7 @@ def run_case(case: dict, device: str = "cpu", worst: dict | None = None) -> str 
             if label == "ours" and _overflows(case, base) and "logits_precision" in str(exc):
                 return None
             return f"{label} raised {type(exc).__name__}: {exc}"
-        except Exception as exc:  # noqa: BLE001 — collected with the case, so one run shows every failure
+        except Exception as exc:
             return f"{label} raised {type(exc).__name__}: {exc}"
         grads = {}
         if obj is not None and obj.requires_grad:
@@ -324,7 +325,8 @@ def _campaign(impl: str, count: int, big: bool = False, device: str = "cpu") -> 
     took = time.perf_counter() - start
     print(f"campaign impl={impl} seed={SEED}: {count} cases in {took:.1f} s, {len(failures)} failed; "
           f"worst error/bound: {', '.join(f'{k} {v:.3f}' for k, v in worst.items())}")
-    assert not failures, f"LOGITLESS_CAMPAIGN_SEED={SEED}: {len(failures)} of {count} failed\n" + "\n".join(failures[:8])
+    head = f"LOGITLESS_CAMPAIGN_SEED={SEED}: {len(failures)} of {count} failed\n"
+    assert not failures, head + "\n".join(failures[:8])
 
 
 def test_campaign_torch():

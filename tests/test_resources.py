@@ -56,7 +56,8 @@ def _all_outputs(h, w, b, t, options=None):
 def _assert_same_bits(a, b):
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert torch.equal(x.reshape(-1).view(torch.uint8) if x.dtype.is_floating_point else x,
-                           y.reshape(-1).view(torch.uint8) if y.dtype.is_floating_point else y), f"output {i} differs, seed {SEED}"
+                           y.reshape(-1).view(torch.uint8) if y.dtype.is_floating_point else y), \
+            f"output {i} differs, seed {SEED}"
 
 
 @pytest.mark.parametrize("chunk_bytes", [None, 20_000])
@@ -92,7 +93,7 @@ def _fake_device_limit(monkeypatch, limit):
 
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
 def test_oom_inside_the_pass_names_a_chunk_bytes_that_fits(monkeypatch, mode):
-    h, w, b, t = _inputs(n=257, vocab=997)
+    h, w, _b, t = _inputs(n=257, vocab=997)
     ref = logitless.cross_entropy(h, w, t, options=PassOptions(mode=mode))[0]
     _fake_device_limit(monkeypatch, limit=150_000)
     opts, tries = PassOptions(mode=mode, impl="torch", chunk_bytes=2**30), 0
@@ -117,13 +118,13 @@ def test_oom_inside_the_pass_names_a_chunk_bytes_that_fits(monkeypatch, mode):
 
 
 def test_workspace_larger_than_the_device_is_refused_before_allocating(monkeypatch):
-    h, w, b, t = _inputs(n=64, vocab=101)
+    h, w, _b, t = _inputs(n=64, vocab=101)
     monkeypatch.setattr(memory, "free_device_bytes", lambda device: 10_000)
     called = []
     monkeypatch.setattr(torch_backend, "chunk_forward", lambda *a, **k: called.append(1))
     with pytest.raises(PassOutOfMemoryError, match=r"refused before allocating.*PassOptions\(chunk_bytes=") as info:
         logitless.vocab_stats(h, w, t)
-    assert info.value.free == 10_000 and info.value.suggested_chunk_bytes <= 10_000 // 2 or \
+    assert (info.value.free == 10_000 and info.value.suggested_chunk_bytes <= 10_000 // 2) or \
         info.value.suggested_chunk_bytes == memory._MIN_SUGGESTION
     assert not called
     # Within the device's memory it runs.
@@ -139,7 +140,7 @@ def test_fp16_input_precision_overflow_is_an_error(impl):
     if impl != "torch" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton needs CUDA or the interpreter")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    h, w, b, t = _inputs(device, n=16, vocab=13, hid=8, dtype=torch.float16)
+    h, w, _b, t = _inputs(device, n=16, vocab=13, hid=8, dtype=torch.float16)
     h, w = h * 1e4, w * 4  # logits of a few 1e4: beyond fp16 in some rows
     for mode in ("fused", "recompute"):
         with pytest.raises(ValueError, match="logits_precision='fp32'"):
