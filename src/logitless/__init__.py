@@ -39,6 +39,7 @@ from .ops import (
     HeadLoRA,
     LogitTransform,
     PassOptions,
+    PassOutOfMemoryError,
     VocabShard,
     VocabStats,
     token_logprobs,
@@ -49,7 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPOLossConfig", "DPOLossConfig", "DistillConfig", "Head", "HeadLoRA", "KTOLossConfig", "LogitTransform",
-    "PassOptions", "PolicyConfig",
+    "PassOptions", "PassOutOfMemoryError", "PolicyConfig",
     "SequenceLogps", "TokenStats", "VocabShard", "VocabStats", "__version__", "cpo_loss", "cross_entropy",
     "distill_loss", "dpo_loss", "head_loss", "kto_loss", "orpo_loss", "policy_loss", "sampling_correction",
     "sequence_logps", "simpo_loss", "token_logprobs", "vocab_stats",

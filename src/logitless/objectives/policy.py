@@ -116,7 +116,7 @@ def policy_loss(
 
     Raises:
         TypeError, ValueError: shapes, dtypes, devices, token ids out of range, NaN/inf in
-            inputs that reach the loss, an empty batch, missing ``ref_logp`` with ``beta``,
+            inputs that reach the loss, missing ``ref_logp`` with ``beta``,
             invalid option combinations.
     """
     cfg = _as_config(config)
@@ -250,8 +250,6 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x is not None and x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
-    if lead.numel() == 0:
-        raise ValueError(f"empty batch: hidden has shape {tuple(hidden.shape)}")
     if cfg.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's per-token log-probs)")
     if not isinstance(advantages, torch.Tensor):

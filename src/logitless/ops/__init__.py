@@ -7,6 +7,7 @@ from .distill import DistillPass, DistillStats, run_distill
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, compute_stats, run_objective
 from .head import Head, as_head
 from .lora import HeadLoRA
+from .memory import PassOutOfMemoryError
 from .options import Impl, Mode, PassOptions, as_options
 from .plan import stat_dtype_for
 from .settings import LogitsPrecision
@@ -28,6 +29,7 @@ __all__ = [
     "Mode",
     "ObjectiveSpec",
     "PassOptions",
+    "PassOutOfMemoryError",
     "PassResult",
     "StatRequest",
     "VocabShard",

@@ -35,6 +35,7 @@ from ..distributed import all_reduce
 from .backend import Accumulators, Backend, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, resolve_backend
 from .head import Head, LocalHead
 from .lora import LowRank
+from .memory import advise_on_oom, check_workspace_fits
 from .options import Mode, PassOptions
 from .plan import ChunkPlan, stat_dtype_for
 
@@ -225,11 +226,31 @@ def _forward_all(p: _Pass, hidden: torch.Tensor, low: LowRank | None) -> tuple[C
     # instead pins the heap between the chunks' large logits blocks on CPU (glibc), and resident
     # memory then grows by about one block per chunk, i.e. with N x V.
     out = RowStats.empty(n, stat_dtype_for(hidden.dtype), hidden.device, p.want)
-    for sl in p.plan.chunks(n):
-        part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
-        out.write(sl, part)
-        del part
-    return _stats_of(out.reduce(p.head.group))
+    with advise_on_oom(p.plan, hidden.device):
+        for sl in p.plan.chunks(n):
+            part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
+            out.write(sl, part)
+            del part
+    stats, saved = _stats_of(out.reduce(p.head.group))
+    check_rounded_logits(p.plan, hidden.dtype, stats)
+    return stats, saved
+
+
+def check_rounded_logits(plan: ChunkPlan, dtype: torch.dtype, stats: NamedTuple) -> None:
+    """With ``logits_precision="input"`` the matmul output is rounded to ``dtype`` first; a
+    logit beyond its range (fp16: ±65504) rounds to ±inf and turns the statistics into NaN, so
+    one check per pass (only in that mode: finite inputs give finite fp32 logits).
+
+    Raises:
+        ValueError: a non-finite ``lse``/``logp``/``entropy``, naming the option to change.
+    """
+    if plan.fp32_logits or dtype not in (torch.float16, torch.bfloat16):
+        return
+    checked = [getattr(stats, name) for name in ("lse", "logp", "entropy") if getattr(stats, name, None) is not None]
+    if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):
+        raise ValueError(f"logits_precision='input' with {dtype} inputs: some logits exceed {dtype}'s range "
+                         f"(max {torch.finfo(dtype).max:g}) and round to inf, which makes the log-probs/entropy NaN; "
+                         f"use PassOptions(logits_precision='fp32') (or LOGITLESS_LOGITS_PRECISION=fp32)")
 
 
 def _zeros(want: bool, like: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -282,13 +303,14 @@ class _RecomputeFn(torch.autograd.Function):
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.reduces_grad_hidden
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
-        for sl in p.plan.chunks(hidden.shape[0]):
-            chunk_acc = Accumulators(local_acc.weight, local_acc.bias,
-                                     None if local_acc.lora_x is None else local_acc.lora_x[sl], local_acc.lora_b,
-                                     need_h)
-            gh = p.backward(p.rows(hidden, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
-            if need_h:
-                grad_hidden[sl] = gh
+        with advise_on_oom(p.plan, hidden.device):
+            for sl in p.plan.chunks(hidden.shape[0]):
+                chunk_acc = Accumulators(local_acc.weight, local_acc.bias,
+                                         None if local_acc.lora_x is None else local_acc.lora_x[sl],
+                                         local_acc.lora_b, need_h)
+                gh = p.backward(p.rows(hidden, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
+                if need_h:
+                    grad_hidden[sl] = gh
         if partial:
             grad_hidden = all_reduce(grad_hidden, "sum", local.group).to(hidden.dtype)
         if acc.lora_x is not None and local.reduces_grad_hidden:
@@ -300,7 +322,12 @@ class _RecomputeFn(torch.autograd.Function):
 def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     lora_x: torch.Tensor | None = None, lora_b: torch.Tensor | None = None) -> NamedTuple:
     """Every row's statistics of the kind ``p`` in recompute mode, differentiable w.r.t.
-    ``hidden``, ``weight``, ``bias`` and the adapter factors (fields not computed: ``None``)."""
+    ``hidden``, ``weight``, ``bias`` and the adapter factors (fields not computed: ``None``).
+
+    Raises:
+        PassOutOfMemoryError: the workspace does not fit the device, or it ran out of memory.
+    """
+    check_workspace_fits(p.plan, hidden.device)
     outs = _RecomputeFn.apply(hidden, weight, bias, lora_x, lora_b, p)
     template = p.empty_stats(0, hidden.device)
     return type(template)(*(t if present else None for t, present in zip(outs, p.fields_present(), strict=True)))
@@ -377,14 +404,16 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     total = torch.zeros((), dtype=sdt, device=hidden.device)
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
     out = call.p.empty_stats(n, hidden.device)
-    for sl in call.chunks:
-        loss, stats, gh = _run_chunk(call, hidden, sl, low, acc)
-        total = total + loss
-        for dst, src in zip(out, stats, strict=True):
-            if dst is not None:
-                dst[sl] = src
-        if grad_hidden is not None and gh is not None:
-            grad_hidden[sl] = gh
+    with advise_on_oom(call.p.plan, hidden.device):
+        for sl in call.chunks:
+            loss, stats, gh = _run_chunk(call, hidden, sl, low, acc)
+            total = total + loss
+            for dst, src in zip(out, stats, strict=True):
+                if dst is not None:
+                    dst[sl] = src
+            if grad_hidden is not None and gh is not None:
+                grad_hidden[sl] = gh
+    check_rounded_logits(call.p.plan, hidden.dtype, out)
     return total, out
 
 
@@ -454,7 +483,10 @@ def run_objective(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objec
 
     Raises:
         ValueError: ``mode="fused"`` for an objective that needs all statistics first; a bad
-            ``impl`` for the device.
+            ``impl`` for the device; ``logits_precision="input"`` and logits beyond the input
+            dtype's range (they would round to inf).
+        PassOutOfMemoryError: (a ``torch.OutOfMemoryError``) the per-chunk workspace does not fit
+            the device, or the pass ran out of memory; the message names a ``chunk_bytes`` to retry.
     """
     mode = resolve_mode(options.mode, spec.needs_all_stats)
     if mode == "recompute":
@@ -472,7 +504,13 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
               cuts: Sequence[int] | None = None) -> PassResult:
     """Run ``objective`` chunk by chunk over the kind ``p``'s statistics in fused mode (chunks
     end only at ``cuts`` when given); the loss carries the gradient to ``hidden``, ``weight``,
-    ``bias`` and the adapter factors. Without a gradient to take, only the forward runs."""
+    ``bias`` and the adapter factors. Without a gradient to take, only the forward runs.
+
+    Raises:
+        PassOutOfMemoryError: the workspace does not fit the device, or it ran out of memory.
+        ValueError: ``logits_precision="input"`` and logits beyond the input dtype's range.
+    """
+    check_workspace_fits(p.plan, hidden.device)
     call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts))
     tensors = (hidden, weight, bias, lora_x, lora_b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
