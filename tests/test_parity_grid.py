@@ -409,7 +409,8 @@ def test_drop_in_trainer_matches_trl_or_falls_back(oracle, trainer, draw):
 def test_vespo_padding_case_is_drawn_and_padding_free(oracle):
     """Padding case (b) on purpose (the grid draws it rarely): logitless's VESPO loss equals TRL's
     with ρ = 1 at padded positions, is the same for any amount of padding, and TRL's own differs."""
-    base = Draw(opts=dict(TRL_DEFAULTS, loss_type="vespo", use_vllm_is=True, is_mode="token_truncate", is_clip=(None, 0.95),
+    base = Draw(opts=dict(TRL_DEFAULTS, loss_type="vespo", use_vllm_is=True, is_mode="token_truncate",
+                          is_clip=(None, 0.95),
                           max_completion_length=MAX_LEN),
                 training=True, shape=(4, 6, ["ragged", "one", "full", "ragged"]),
                 batch=dict(adv="sequence", tool=False, sampling=True, nan_sampler=True, noise=0.3, extra_items=0),
