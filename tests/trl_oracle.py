@@ -5,7 +5,57 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import torch
 from tiny_models import save_tiny_qwen2
+
+TRL_DEFAULTS = dict(loss_type="dapo", importance_sampling_level="token", epsilon=0.2, epsilon_high=None, delta=None,
+                    beta=0.0, use_bias_correction_kl=True, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+                    entropy_coef=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                    vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, max_completion_length=8,
+                    steps_per_generation=1, gradient_accumulation_steps=1, use_vllm_is=False, temperature=1.0,
+                    is_mode="sequence_mask", is_clip=(None, 3.0))
+
+
+def configure_trainer(tr, **opts) -> None:
+    """Set TRL options on a built ``GRPOTrainer`` (or subclass) the way its ``__init__`` stores
+    them, in ``tr.args`` too (a subclass deciding from ``args`` sees the same options)."""
+    unknown = set(opts) - set(TRL_DEFAULTS)
+    assert not unknown, unknown
+    o = {**TRL_DEFAULTS, **opts}
+    args = tr.args
+    eps_high = o["epsilon"] if o["epsilon_high"] is None else o["epsilon_high"]
+    lo, hi = o["is_clip"]
+    for k, v in dict(delta=o["delta"], use_bias_correction_kl=o["use_bias_correction_kl"],
+                     sapo_temperature_pos=o["sapo_temperature_pos"], sapo_temperature_neg=o["sapo_temperature_neg"],
+                     vespo_k_pos=o["vespo_k_pos"], vespo_lambda_pos=o["vespo_lambda_pos"],
+                     vespo_k_neg=o["vespo_k_neg"], vespo_lambda_neg=o["vespo_lambda_neg"],
+                     steps_per_generation=o["steps_per_generation"], loss_type=o["loss_type"],
+                     importance_sampling_level=o["importance_sampling_level"], epsilon=o["epsilon"],
+                     epsilon_high=eps_high, beta=o["beta"], top_entropy_quantile=o["top_entropy_quantile"],
+                     off_policy_mask_threshold=o["off_policy_mask_threshold"], entropy_coef=o["entropy_coef"],
+                     use_adaptive_entropy=False, max_completion_length=o["max_completion_length"],
+                     temperature=o["temperature"], use_vllm=o["use_vllm_is"],
+                     vllm_importance_sampling_correction=o["use_vllm_is"],
+                     vllm_importance_sampling_mode=o["is_mode"], vllm_importance_sampling_clip_min=lo,
+                     vllm_importance_sampling_clip_max=hi).items():
+        object.__setattr__(args, k, v)
+    tr.loss_type = o["loss_type"]
+    tr.importance_sampling_level = o["importance_sampling_level"]
+    tr.epsilon_low = o["epsilon"]
+    tr.epsilon_high = eps_high
+    tr.beta = o["beta"]
+    tr.top_entropy_quantile = o["top_entropy_quantile"]
+    tr.off_policy_mask_threshold = o["off_policy_mask_threshold"]
+    tr.entropy_coef = o["entropy_coef"]
+    tr._entropy_bonus_enabled = o["entropy_coef"] != 0.0
+    tr.use_adaptive_entropy = False
+    tr.max_completion_length = o["max_completion_length"]
+    tr.current_gradient_accumulation_steps = o["gradient_accumulation_steps"]
+    tr.temperature = o["temperature"]
+    tr.use_vllm = o["use_vllm_is"]
+    tr.vllm_importance_sampling_correction = o["use_vllm_is"]
+    tr.vllm_importance_sampling_mode = o["is_mode"]
+    tr.vllm_importance_sampling_clip_min, tr.vllm_importance_sampling_clip_max = lo, hi
 
 
 class TRLOracle:
@@ -45,33 +95,20 @@ class TRLOracle:
 
     def configure(self, **opts) -> None:
         """Set TRL options the way ``GRPOTrainer.__init__`` stores them."""
-        tr, args = self.trainer, self.trainer.args
-        defaults = dict(loss_type="dapo", importance_sampling_level="token", epsilon=0.2, epsilon_high=None,
-                        delta=None, beta=0.0, use_bias_correction_kl=True, top_entropy_quantile=1.0,
-                        off_policy_mask_threshold=None, entropy_coef=0.0, sapo_temperature_pos=1.0,
-                        sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-                        vespo_lambda_neg=2.0, max_completion_length=8, steps_per_generation=1,
-                        gradient_accumulation_steps=1, use_vllm_is=False)
-        unknown = set(opts) - set(defaults)
-        assert not unknown, unknown
-        o = {**defaults, **opts}
-        for k in ("delta", "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                  "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "steps_per_generation"):
-            object.__setattr__(args, k, o[k])
-        tr.loss_type = o["loss_type"]
-        tr.importance_sampling_level = o["importance_sampling_level"]
-        tr.epsilon_low = o["epsilon"]
-        tr.epsilon_high = o["epsilon"] if o["epsilon_high"] is None else o["epsilon_high"]
-        tr.beta = o["beta"]
-        tr.top_entropy_quantile = o["top_entropy_quantile"]
-        tr.off_policy_mask_threshold = o["off_policy_mask_threshold"]
-        tr.entropy_coef = o["entropy_coef"]
-        tr._entropy_bonus_enabled = o["entropy_coef"] != 0.0
-        tr.use_adaptive_entropy = False
-        tr.max_completion_length = o["max_completion_length"]
-        tr.current_gradient_accumulation_steps = o["gradient_accumulation_steps"]
-        tr.use_vllm = o["use_vllm_is"]
-        tr.vllm_importance_sampling_correction = o["use_vllm_is"]
+        configure_trainer(self.trainer, **opts)
+
+    def hidden_states(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """``[B, T, H]`` final hidden states TRL's head consumes at the completion positions."""
+        caught = {}
+        handle = self.model.model.norm.register_forward_hook(lambda _m, _i, out: caught.__setitem__("h", out))
+        try:
+            with torch.no_grad():
+                self.model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                           attention_mask=torch.cat([prompt_mask, completion_mask], 1))
+        finally:
+            handle.remove()
+        p, t = prompt_ids.shape[1], completion_ids.shape[1]
+        return caught["h"][:, p - 1:p + t - 1].clone()
 
     def run(self, inputs: dict, training: bool = True):
         """``(loss, grad_hidden [B, T, H], grad_weight [V, H], metrics, hidden [B, T, H])``."""

@@ -47,7 +47,23 @@ def _unsupported(args, trainer) -> list[str]:
         out.append("MoE router aux loss (output_router_logits)")
     if getattr(args, "use_liger_kernel", False):
         out.append("use_liger_kernel=True")
+    if _vespo_weight_reads_padding(trainer):
+        out.append("loss_type='vespo' with a token-level sampler correction whose clip range excludes 1 (TRL's gamma "
+                   "weight then depends on padding; docs/policy-objectives.md)")
     return out
+
+
+def _vespo_weight_reads_padding(trainer) -> bool:
+    """TRL's VESPO weight sums ``log ρ`` over every position; at a padded one ``ρ`` is the clip of
+    exp(0) = 1, which is not 1 when the clip range excludes 1, so TRL's loss depends on padding."""
+    if getattr(trainer, "loss_type", None) != "vespo" or not (
+            getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)):
+        return False
+    if not str(getattr(trainer, "vllm_importance_sampling_mode", "")).startswith("token"):
+        return False
+    lo = getattr(trainer, "vllm_importance_sampling_clip_min", None)
+    hi = getattr(trainer, "vllm_importance_sampling_clip_max", None)
+    return (lo is not None and lo > 1) or (hi is not None and hi < 1)
 
 
 class LogitlessGRPOTrainer(GRPOTrainer):
@@ -169,6 +185,16 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         sw = self.logitless
         if not sw.fused_loss:
             return GRPOTrainer._compute_loss(self, model, inputs)
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else \
+            inputs["completion_mask"] * inputs["tool_mask"]
+        if mask.size(1) == 1 and not bool(mask.all()):
+            # At completion length 1 TRL's metric helpers average padded positions into entropy, kl and
+            # the clip ratios (docs/policy-objectives.md); logitless never sees padding. The logits are
+            # [B, 1, V] here, so TRL's own path (its head too) costs nothing and gives TRL's numbers.
+            sw.warn_once("fused_loss", "completion length 1 with padded positions: TRL's metrics average the "
+                                       "padding in")
+            with trl_own_path(self):
+                return GRPOTrainer._compute_loss(self, model, inputs)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = inputs["completion_ids"].size(1)
