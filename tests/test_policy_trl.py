@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from trl_oracle import TRLOracle
+from trl_oracle import SAMPLER_MISMATCH, TRLOracle
 
 from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_loss, token_logprobs
 
@@ -171,10 +171,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 CONTROLLER_INPUTS = ("entropy_bonus/entropy_sum", "entropy_bonus/token_count")
-# With sampler log-probs we also report the trainer-sampler mismatch (TRL logs its sampling
-# metrics at generation, from the old log-probs; checked in test_sampler_diagnostics.py).
-SAMPLER_MISMATCH = ("sampling/trainer_sampler_logp_difference/mean", "sampling/trainer_sampler_logp_difference/max",
-                    "sampling/trainer_sampler_ratio_error/mean", "sampling/trainer_sampler_ratio_error/max")
+
 
 
 def assert_matches(ours, ref, loss_type: str) -> None:

@@ -136,3 +136,10 @@ class TRLOracle:
         w = model.lm_head.weight
         return (loss.detach(), h.grad[:, p - 1:p + t - 1].clone(), w.grad.clone(), metrics,
                 h.detach()[:, p - 1:p + t - 1].clone())
+
+
+# With sampler log-probs logitless also reports the trainer-sampler mismatch at the loss (TRL logs
+# its own sampling metrics at generation, from the old log-probs; checked in
+# test_sampler_diagnostics.py): names ours may have beside TRL's.
+SAMPLER_MISMATCH = ("sampling/trainer_sampler_logp_difference/mean", "sampling/trainer_sampler_logp_difference/max",
+                    "sampling/trainer_sampler_ratio_error/mean", "sampling/trainer_sampler_ratio_error/max")
