@@ -13,8 +13,8 @@ CORRECT_KEY = "rewards/correctness_reward/mean"
 
 
 class Progress(TrainerCallback):
-    """A tqdm bar over the GRPO steps with the current mean reward, held-out-free training
-    accuracy (sampled completions) and step time; keeps each step's values."""
+    """A tqdm bar over the GRPO steps showing the step's mean reward, the fraction of its sampled
+    completions that are correct, and its wall time; keeps each step's values."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled

@@ -184,7 +184,8 @@ def _run(args: argparse.Namespace) -> int:
     if not args.verbose:
         trainer.remove_callback(PrinterCallback)
 
-    # The first training prompts, as TRL batches them (each prompt `generations` times).
+    # A batch of the training set (its first prompts, each `generations` times, as TRL groups
+    # them), generated and scored by TRL exactly as in training.
     first = [{"prompt": task.prompt(p), "answer": p.answer} for p in train[:preset.prompts_per_step]
              for _ in range(preset.generations)]
     print("one GRPO step through logitless and through TRL's own path, same batch ...", flush=True)
