@@ -44,13 +44,22 @@ def test_rewards():
     texts = ["17 + 25 = 42", "17 + 25 = 32", " 42", "The answer is 42.", "42 is 17 + 25", "no idea"]
     assert task.correctness_reward([[{"role": "assistant", "content": t}] for t in texts], [42] * 6) == \
         [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
-    assert task.format_reward(texts) == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert task.format_reward(texts, [42] * 6) == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert task.format_reward([" 41", "41."], [41, 42]) == [1.0, 0.0]  # only a correct bare number
     train, held_out = task.split(max_operand=7, n_eval=10, seed=3)
     assert len(train) + len(held_out) == 49 and not set(train) & set(held_out)
 
 
-def test_demo_end_to_end_on_tiny_gguf(tiny_gguf, tmp_path, capsys):
+def test_demo_end_to_end_on_tiny_gguf(tiny_gguf, tmp_path, capsys, monkeypatch):
     path, _ = tiny_gguf
+
+    # A random model never adds correctly, so every advantage would be 0 and the parity check
+    # empty. Reward the completion's length parity instead: it differs within a group, which
+    # is all the loss and gradient comparison needs (held-out scoring still uses task.correct).
+    def correctness_reward(completions, **_):
+        return [float(len(c[0]["content"]) % 2) for c in completions]
+
+    monkeypatch.setattr(task, "correctness_reward", correctness_reward)
     out = tmp_path / "out"
     rc = main(["demo", "--model", str(path), "--device", "cpu", "--steps", "2", "--prompts-per-step", "2",
                "--generations", "4", "--completion-length", "3", "--max-operand", "6", "--eval-size", "8",

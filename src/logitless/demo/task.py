@@ -2,7 +2,9 @@
 
 A completion is correct when the last integer in it is the sum. The model tends to restate
 the question ("17 + 25 = 42"), so the first number is an operand; the last one is its answer.
-A small format term rewards answering with the number alone, as the prompt asks.
+A small format term rewards answering with the number alone, as the prompt asks, but only a
+correct one: an unconditional format term was hacked (at lr 5e-5 the model learned to answer a
+bare, wrong number within 20 steps).
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ def correctness_reward(completions: list, answer: list[int], **_: Any) -> list[f
     return [float(correct(_text(c), a)) for c, a in zip(completions, answer, strict=True)]
 
 
-def format_reward(completions: list, **_: Any) -> list[float]:
-    """1.0 when the completion is a bare integer (what the prompt asks for), else 0.0."""
-    return [float(bool(re.fullmatch(r"\s*-?\d+\.?\s*", _text(c)))) for c in completions]
+def format_reward(completions: list, answer: list[int], **_: Any) -> list[float]:
+    """1.0 when the completion is the correct sum alone (what the prompt asks for), else 0.0."""
+    return [float(bool(re.fullmatch(r"\s*-?\d+\.?\s*", _text(c))) and correct(_text(c), a))
+            for c, a in zip(completions, answer, strict=True)]
 
 
 def prompt(p: Problem) -> list[dict[str, str]]:
