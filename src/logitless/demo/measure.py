@@ -1,0 +1,119 @@
+"""The demo's two measurements on the real model and the real training batch: one GRPO step
+through logitless next to TRL's own path, and the head's peak memory with and without logitless."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Run in a fresh process so that the peak is the head's alone: no allocator cache, no model.
+# "plain" is what TRL's head does (logits materialized in fp32, log_softmax, gathered logp,
+# entropy for its metric); "logitless" is logitless.policy_loss on the same tensors.
+_HEAD_MEMORY = r"""
+import json, os, sys, threading, time, torch
+from logitless import Head, LogitTransform, PolicyConfig, policy_loss
+mode, path = sys.argv[1], sys.argv[2]
+b = torch.load(path, weights_only=True)
+device = b["hidden"].device.type
+hid, w = b["hidden"].requires_grad_(), b["weight"].requires_grad_()
+ids, mask, adv, temp = b["ids"], b["mask"], b["adv"], float(b["temperature"])
+def head_loss(hid, w, ids, mask, adv):
+    if mode == "plain":
+        logits = (hid @ w.T).float() / temp
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+        with torch.no_grad():
+            ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        ratio = torch.exp(logp - logp.detach())
+        return -(ratio * adv[:, None] * mask).sum() / mask.sum()
+    loss, _ = policy_loss(hid, Head(w, transform=LogitTransform(temperature=temp)), ids, mask, adv,
+                          config=PolicyConfig(loss_type="dapo"))
+    return loss
+# Warm up on one token first: lazy imports and first-call set-up are not the head's memory.
+head_loss(hid[:1, :1], w, ids[:1, :1], mask[:1, :1], adv[:1]).backward()
+hid.grad = w.grad = None
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+# ru_maxrss is the whole process's high-water mark (imports, loading); sample the current RSS.
+peak_rss, done = [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak_rss[0] = max(peak_rss[0], rss()); time.sleep(0.0005)
+if device == "cuda":
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+else:
+    base = rss(); threading.Thread(target=sample, daemon=True).start()
+head_loss(hid, w, ids, mask, adv).backward()
+if device == "cuda":
+    torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated() - base
+else:
+    done.set(); peak = max(peak_rss[0], rss()) - base
+print(json.dumps({"peak_bytes": peak}))
+"""
+
+
+def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict]:
+    """Generate and score ``batch`` once, then compute the GRPO loss and its gradient on those
+    same inputs through logitless and through TRL's own code.
+
+    Returns:
+        ``(comparison, inputs)``: loss and gradient norm (all parameters) of each path and the
+        relative L2 difference of the gradients; TRL's scored inputs of the batch.
+    """
+    from ..integrations.trl import trl_own_path
+
+    inputs = trainer._generate_and_score_completions(batch)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    out, flat = {}, {}
+    for name, ctx in (("logitless", contextlib.nullcontext()), ("trl", trl_own_path(trainer))):
+        trainer.model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        flat[name] = torch.cat([p.grad.float().reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
+        out[name] = {"loss": loss.item(), "grad_norm": flat[name].norm().item()}
+    trainer.model.zero_grad(set_to_none=True)
+    out["grad_rel_l2_diff"] = ((flat["logitless"] - flat["trl"]).norm() / flat["trl"].norm().clamp(min=1e-30)).item()
+    return out, inputs
+
+
+def head_memory(trainer: Any, inputs: dict) -> dict:
+    """Peak extra memory (bytes; GPU memory on CUDA, resident memory on CPU) of the head's loss,
+    forward and backward, on the batch's final hidden states and the model's head weight:
+    logits materialized as TRL does vs ``logitless.policy_loss``. Also the batch's token count
+    and vocabulary size."""
+    from ..integrations.hf import find_head
+
+    model = trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    t = inputs["completion_ids"].size(1)
+    with torch.no_grad(), trainer.accelerator.autocast():
+        hidden = model(input_ids=ids, attention_mask=am, logitless_hidden_states=True)[:, -t - 1:-1]
+    weight = find_head(trainer.accelerator.unwrap_model(model)).weight.detach()
+    batch = {"hidden": hidden.to(weight.dtype).contiguous(), "weight": weight.clone(), "ids": inputs["completion_ids"],
+             "mask": inputs["completion_mask"].float(), "adv": inputs["advantages"].float(),
+             "temperature": torch.tensor(float(trainer.temperature))}
+    out = {"tokens": int(inputs["completion_mask"].numel()), "vocab_size": int(weight.shape[0])}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batch.pt"
+        torch.save(batch, path)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+        for mode in ("plain", "logitless"):
+            r = subprocess.run([sys.executable, "-c", _HEAD_MEMORY, mode, str(path)], capture_output=True, text=True,
+                               env=env, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"head memory measurement ({mode}) failed:\n{r.stderr[-2000:]}")
+            out[mode] = json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
+    return out
