@@ -63,19 +63,6 @@ class Case:
     extra: dict = field(default_factory=dict)  # logitless-only keyword arguments
 
 
-def _hidden_states(o: TRLOracle, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    caught = {}
-    handle = o.model.model.norm.register_forward_hook(lambda _m, _i, out: caught.__setitem__("h", out))
-    try:
-        with torch.no_grad():
-            o.model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                    attention_mask=torch.cat([prompt_mask, completion_mask], 1))
-    finally:
-        handle.remove()
-    p, t = prompt_ids.shape[1], completion_ids.shape[1]
-    return caught["h"][:, p - 1:p + t - 1].clone()
-
-
 def is_ratio(old, samp, mask, mode: str, lo: float | None, hi: float | None) -> torch.Tensor:
     """The sampler correction exactly as TRL's `_generate_and_score_completions` builds it."""
     d = torch.nan_to_num((old - samp) * mask, nan=0.0)
@@ -101,7 +88,7 @@ def make_case(o: TRLOracle, *, B=4, T=7, P=3, mask=None, adv_per_token=False, no
     for b in one_token_rows:
         mask[b] = 0
         mask[b, 0] = 1
-    hidden = _hidden_states(o, prompt_ids, prompt_mask, completion_ids, mask)
+    hidden = o.hidden_states(prompt_ids, prompt_mask, completion_ids, mask)
     weight = o.model.lm_head.weight.detach()
     cur = token_logprobs(hidden, Head(weight, transform=LogitTransform(temperature=o.trainer.temperature)),
                          completion_ids)
