@@ -251,10 +251,10 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
         coef = coef + g.lse
     if g.logp is not None:
         coef = coef - g.logp.sum(dim=1)
-    if g.entropy is not None:
-        coef = coef + g.entropy * saved.sum_pz
+    # The entropy and reverse-KL terms stay elementwise against their partners below: folding the
+    # O(|z|) parts (sum_pz, lse) into this per-row constant cancels them against zs in fp32.
     if g.reverse_kl is not None:
-        coef = coef - g.reverse_kl * (saved.lse + saved.reverse_kl)
+        coef = coef - g.reverse_kl * saved.reverse_kl
     if g.jsd is not None:
         coef = coef - g.jsd * (1 - beta) * saved.kl_pm
     teacher_needed = g.forward_kl is not None or g.reverse_kl is not None or g.jsd is not None
@@ -266,11 +266,11 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
         p = torch.exp(log_p)
         a = coef[:, None].expand_as(zs).clone()  # dz = p * a (+ teacher terms, + target scatter)
         if g.entropy is not None:
-            a -= g.entropy[:, None] * zs
+            a -= g.entropy[:, None] * (zs - saved.sum_pz[:, None])
         if teacher_needed:
             log_q = _logits(teacher, ht, plan, start, end) - saved.teacher_lse[:, None]
             if g.reverse_kl is not None:
-                a += g.reverse_kl[:, None] * (zs - log_q)  # log p - log q = zs - log q - lse_s (lse_s in coef)
+                a += g.reverse_kl[:, None] * (log_p - log_q)
             if g.jsd is not None:
                 log_m = _log_mixture(log_p, log_q, beta)
                 a += (g.jsd * (1 - beta))[:, None] * (log_p - log_m)
