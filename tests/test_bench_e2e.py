@@ -44,7 +44,8 @@ def test_record_describes_the_run(e2e_run):
     assert m["model"] == "tiny-qwen2"
     assert m["params"] == _qwen2_params(m["hidden_size"], m["vocab_size"], m["layers"], inter=64, heads=4,
                                         kv_heads=2)
-    assert len(m["steps"]) == 2 * len(LENGTHS) * len(BATCHES)
+    assert len(m["steps"]) == len(e2e.PATHS) * len(LENGTHS) * len(BATCHES)
+    assert {s["path"] for s in m["steps"]} == {"trl", "logitless", "trl-logits"}
 
 
 def test_each_step_is_timed_and_its_loss_is_the_on_policy_grpo_loss(e2e_run):
@@ -74,6 +75,9 @@ def test_logitless_step_equals_trls(e2e_run):
     assert abs(p["logitless_loss"] - p["trl_loss"]) < 1e-5 and p["loss_abs_diff"] < 1e-5
     assert p["grad_norm_rel_diff"] < 1e-5 and p["head_grad_rel_diff"] < 1e-4
     assert p["trl_grad_norm"] > 0
+    # TRL 1.15's materialized-logits path: the same loss and gradient on an fp32 model.
+    assert abs(p["trl-logits_loss"] - p["trl_loss"]) < 1e-5
+    assert abs(p["trl-logits_grad_norm"] - p["trl_grad_norm"]) < 1e-5 * p["trl_grad_norm"]
     # Off-policy old log-probs: the loss now depends on the log-probs (not the on-policy value).
     batch = e2e.make_batch(b, PROMPT, c, run["models"][0]["vocab_size"], torch.device("cpu"), 3)
     mask = batch["completion_mask"].double()
@@ -88,7 +92,7 @@ def test_largest_micro_batch_search_doubles_to_the_cap(e2e_run):
     while PROMPT + c <= CAP:
         fits.append(PROMPT + c)
         c *= 2
-    for path in ("trl", "logitless"):
+    for path in e2e.PATHS:
         f = run["models"][0]["max_fit"][path]
         assert [t["tokens"] for t in f["tried"]] == fits
         assert f["max_fit_tokens"] == fits[-1] and f["max_fit_completion_length"] == fits[-1] - PROMPT

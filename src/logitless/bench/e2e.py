@@ -8,7 +8,11 @@ config with random weights (nothing is downloaded):
 
 * **trl**: a plain ``trl.GRPOTrainer`` (``_compute_loss``; TRL 1.16 asks the model's forward
   for log-probs with transformers' ``fused_lm_head=True``);
-* **logitless**: :class:`~logitless.integrations.trl.LogitlessGRPOTrainer`, same arguments.
+* **logitless**: :class:`~logitless.integrations.trl.LogitlessGRPOTrainer`, same arguments;
+* **trl-logits**: ``trl.GRPOTrainer`` with the log-prob path it had through TRL 1.15 and that
+  frameworks without a fused head still have: the model's ``[B, T, V]`` logits materialized,
+  then TRL's ``selective_log_softmax`` and ``entropy_from_logits`` (what a user who is not on
+  TRL 1.16's fused head pays).
 
 The ``GRPOConfig`` is TRL's default (``loss_type="dapo"``, ``beta=0``, gradient checkpointing
 on). The optimizer is plain SGD without momentum for every model: it keeps no state, so the
@@ -58,7 +62,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 GPU_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
 FULL_GPU_MODELS = (*GPU_MODELS, "llama3-8b")
-PATHS = ("trl", "logitless")
+PATHS = ("trl", "logitless", "trl-logits")
 LR = 1e-6
 
 
@@ -111,9 +115,39 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+def _materialized_logits_trainer() -> type:
+    """``GRPOTrainer`` with TRL 1.15's ``_get_per_token_logps_and_entropies``: the logits of the
+    last ``logits_to_keep + 1`` positions materialized, divided by the temperature, then
+    ``selective_log_softmax`` and (no grad) ``entropy_from_logits`` (TRL 1.15,
+    ``trl/trainer/grpo_trainer.py``)."""
+    from trl import GRPOTrainer
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    class MaterializedLogitsGRPOTrainer(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                               batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                               **_):
+            batch_size = batch_size or input_ids.size(0)
+            all_logps, all_entropies = [], []
+            for start in range(0, input_ids.size(0), batch_size):
+                ids = input_ids[start:start + batch_size]
+                with self.accelerator.autocast():
+                    logits = model(input_ids=ids, attention_mask=attention_mask[start:start + batch_size],
+                                   logits_to_keep=logits_to_keep + 1).logits
+                logits = logits[:, :-1, :][:, -logits_to_keep:, :] / self.temperature
+                all_logps.append(selective_log_softmax(logits, ids[:, -logits_to_keep:]))
+                if compute_entropy:
+                    with torch.no_grad():
+                        all_entropies.append(entropy_from_logits(logits))
+            entropies = torch.cat(all_entropies) if compute_entropy else None
+            return torch.cat(all_logps), entropies, None
+
+    return MaterializedLogitsGRPOTrainer
+
+
 def build_trainers(model: torch.nn.Module, device: torch.device, out_dir: str) -> dict[str, Any]:
-    """``{"trl": GRPOTrainer, "logitless": LogitlessGRPOTrainer}`` over ``model``, TRL's default
-    ``GRPOConfig``; gradient checkpointing enabled as ``Trainer.train`` would."""
+    """One trainer per path of :data:`PATHS` over ``model``, TRL's default ``GRPOConfig``;
+    gradient checkpointing enabled as ``Trainer.train`` would."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -124,7 +158,8 @@ def build_trainers(model: torch.nn.Module, device: torch.device, out_dir: str) -
                       logging_steps=1)
     kw = dict(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
               train_dataset=Dataset.from_dict({"prompt": ["p", "q"]}), processing_class=_tokenizer())
-    trainers = {"trl": GRPOTrainer(**kw), "logitless": LogitlessGRPOTrainer(**kw)}
+    trainers = {"trl": GRPOTrainer(**kw), "logitless": LogitlessGRPOTrainer(**kw),
+                "trl-logits": _materialized_logits_trainer()(**kw)}
     for t in trainers.values():
         t.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop, which is not run here
     if args.gradient_checkpointing:
@@ -245,7 +280,7 @@ def _run_point(trainer: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
 
 def parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[str, torch.Tensor],
            device: torch.device) -> dict[str, Any]:
-    """Loss, gradient norm and head gradient of both paths on the same weights and batch (no
+    """Loss, gradient norm and head gradient of every path on the same weights and batch (no
     optimizer step), with old log-probs 0.1 nats off the current ones (so ratios differ from 1
     and the loss depends on the log-probs)."""
     from ..integrations.hf import find_head
@@ -299,7 +334,7 @@ def max_fit(trainer: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, op
         rec = _run_point(trainer, model, opt, batch, opts, reps=0)
         del batch
         out["tried"].append({"tokens": tokens, "status": rec["status"], "first_step_s": rec.get("first_step_s")})
-        log(f"  max micro-batch {path:9s} {tokens:7d} tokens: {rec['status']}")
+        log(f"  max micro-batch {path:10s} {tokens:7d} tokens: {rec['status']}")
         if rec["status"] != "ok":
             out["first_oom_tokens"] = tokens if rec["status"] == "oom" else None
             break
@@ -367,7 +402,7 @@ def _cleanup_all(device: torch.device) -> None:
 
 
 def _line(r: dict[str, Any]) -> str:
-    head = f"  {r['path']:9s} batch {r['batch_size']:3d} x completion {r['completion_length']:6d}"
+    head = f"  {r['path']:10s} batch {r['batch_size']:3d} x completion {r['completion_length']:6d}"
     if r["status"] != "ok":
         return f"{head}: {r['status']}"
     mem = f", peak {r['peak_bytes'] / 2**30:6.2f} GiB" if "peak_bytes" in r else ""

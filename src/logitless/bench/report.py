@@ -153,7 +153,9 @@ E2E_CAPTION = (
     "over prompt + completion, the loss, the backward and the optimizer step, on a batch already generated "
     "(generation, rewards and rollout log-probs excluded). **trl** is `trl.GRPOTrainer.compute_loss` (TRL 1.16 "
     "takes its log-probs from the model's forward with transformers' `fused_lm_head=True`), **logitless** "
-    "is `LogitlessGRPOTrainer`, same model, same batch, TRL's default `GRPOConfig` (`loss_type=\"dapo\"`, `beta=0`, "
+    "is `LogitlessGRPOTrainer`, **trl-logits** is `trl.GRPOTrainer` with the log-prob path of TRL 1.15 "
+    "(materialized `[B, T, V]` logits, `selective_log_softmax`); same model, same batch, TRL's default "
+    "`GRPOConfig` (`loss_type=\"dapo\"`, `beta=0`, "
     "gradient checkpointing on). Completions have random lengths in [C/2, C] (the first one C). The optimizer is "
     "plain SGD without momentum for every model: it keeps no state, so a 7-8B model's bf16 weights and gradients "
     "fit in 80 GB (AdamW's two fp32 moments would add 8 bytes per parameter, 61 GB at 7.6B), and the memory "
@@ -175,12 +177,16 @@ def _e2e_cell(s: dict[str, Any] | None) -> tuple[str, str]:
     return (f"{t:.0f} ms" if t is not None else "n/a"), (_gib(s["peak_bytes"]) if "peak_bytes" in s else "n/a")
 
 
+def _paths(items) -> list[str]:
+    """The paths present, logitless first (the one the others are compared with)."""
+    found = list(dict.fromkeys(items))
+    return sorted(found, key=lambda p: p != "logitless")
+
+
 def _max_fit_line(fit: dict[str, dict[str, Any]]) -> str:
     parts = []
-    for path in ("trl", "logitless"):
-        f = fit.get(path)
-        if not f:
-            continue
+    for path in _paths(fit):
+        f = fit[path]
         n = f.get("max_fit_tokens")
         mark = "≥ " if f.get("capped") else ""
         if n is None:
@@ -189,9 +195,11 @@ def _max_fit_line(fit: dict[str, dict[str, Any]]) -> str:
             parts.append(f"{path} {mark}{n:,} tokens (completion {f['max_fit_completion_length']:,})"
                          + (" (search stopped by the time budget)" if f.get("stopped") else ""))
     line = "Largest micro-batch that fits (batch 1): " + ", ".join(parts)
-    a, b = fit.get("trl", {}).get("max_fit_tokens"), fit.get("logitless", {}).get("max_fit_tokens")
-    if a and b:
-        line += f": {b / a:.2g}× the tokens"
+    ours = fit.get("logitless", {}).get("max_fit_tokens")
+    ratios = [f"{ours / n:.2g}× {path}'s" for path in _paths(fit)[1:]
+              if ours and (n := fit[path].get("max_fit_tokens"))]
+    if ratios:
+        line += "; logitless fits " + ", ".join(ratios) + " tokens"
     return line + "."
 
 
@@ -207,15 +215,19 @@ def _e2e_section(run: dict[str, Any]) -> list[str]:
         lines += [f"### {m['model']} ({m['params'] / 1e9:.2f}B parameters, H={m['hidden_size']}, "
                   f"V={m['vocab_size']:,}, {m['layers']} layers)", ""]
         by = {(s["batch_size"], s["completion_length"], s["path"]): s for s in m["steps"]}
+        paths = _paths(s["path"] for s in m["steps"])
         rows = []
         for b, c in dict.fromkeys((s["batch_size"], s["completion_length"]) for s in m["steps"]):
-            (tt, tm), (lt, lm) = _e2e_cell(by.get((b, c, "trl"))), _e2e_cell(by.get((b, c, "logitless")))
-            ta, la = by.get((b, c, "trl"), {}).get("time_ms"), by.get((b, c, "logitless"), {}).get("time_ms")
-            speed = f"{ta / la:.2f}×" if ta and la else "—"
-            tokens = b * (m["prompt_length"] + c)
-            rows.append([f"{b} × {c:,}", f"{tokens:,}", tt, lt, speed, tm, lm])
-        lines += _table(["batch × completion", "tokens", "trl step", "logitless step", "trl / logitless time",
-                         "trl peak GiB", "logitless peak GiB"], rows)
+            cells = [_e2e_cell(by.get((b, c, path))) for path in paths]
+            ours = by.get((b, c, "logitless"), {}).get("time_ms")
+            speed = []
+            for path in paths[1:]:
+                t = by.get((b, c, path), {}).get("time_ms")
+                speed.append(f"{t / ours:.2f}×" if t and ours else "—")
+            rows.append([f"{b} × {c:,}", f"{b * (m['prompt_length'] + c):,}", *(t for t, _ in cells), *speed,
+                         *(g for _, g in cells)])
+        lines += _table(["batch × completion", "tokens", *(f"{p} step" for p in paths),
+                         *(f"{p} / logitless time" for p in paths[1:]), *(f"{p} peak GiB" for p in paths)], rows)
         lines.append("")
         if m.get("max_fit"):
             lines += [_max_fit_line(m["max_fit"]), ""]
@@ -235,17 +247,17 @@ def _e2e_section(run: dict[str, Any]) -> list[str]:
 
 def e2e_console(run: dict[str, Any]) -> str:
     """Plain-text summary of one ``--e2e`` run."""
-    out = [f"{run['device']['name']}  {run['timestamp']}  (one GRPO training step, trl vs logitless)"]
+    out = [f"{run['device']['name']}  {run['timestamp']}  (one GRPO training step per path)"]
     for m in run["models"]:
         out.append(f"\n{m['model']}  {m['params'] / 1e9:.2f}B parameters")
-        out.append(f"  {'batch x completion':>20s} {'path':10s} {'ms':>10s} {'peak GiB':>9s} {'saved MiB':>10s}")
+        out.append(f"  {'batch x completion':>20s} {'path':11s} {'ms':>10s} {'peak GiB':>9s} {'saved MiB':>10s}")
         for s in m["steps"]:
             bc = f"{s['batch_size']} x {s['completion_length']}"
             if s["status"] != "ok":
-                out.append(f"  {bc:>20s} {s['path']:10s} {s['status']}")
+                out.append(f"  {bc:>20s} {s['path']:11s} {s['status']}")
                 continue
             peak = _gib(s["peak_bytes"]) if "peak_bytes" in s else "n/a"
-            out.append(f"  {bc:>20s} {s['path']:10s} {s.get('time_ms', float('nan')):10.1f} {peak:>9s} "
+            out.append(f"  {bc:>20s} {s['path']:11s} {s.get('time_ms', float('nan')):10.1f} {peak:>9s} "
                        f"{s['saved_bytes'] / 2**20:10.1f}")
         if m.get("max_fit"):
             out.append("  " + _max_fit_line(m["max_fit"]))
