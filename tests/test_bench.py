@@ -9,13 +9,16 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from logitless.bench import report
-from logitless.bench.cases import Case, make_inputs, parse_shape
+from logitless.bench.cases import Case, Inputs, make_inputs, parse_shape
+from logitless.bench.competitors import ROWS, Unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +45,8 @@ def test_json_has_every_row_and_timings(quick_run):
     assert len(run["cases"]) == 2
     must = {"grpo": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
             "ce": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
-            "rollout": ["floor", "logitless", "torch-plain"]}
+            "rollout": ["floor", "logitless", "torch-plain"],
+            "dpo": ["floor", "logitless", "logitless-bf16", "torch-plain"]}
     if importlib.util.find_spec("trl") is not None:
         for rows in must.values():
             rows.append("trl-chunked")
@@ -53,7 +57,8 @@ def test_json_has_every_row_and_timings(quick_run):
                 rec = _rec(case, objective, row)
                 assert rec["status"] == "ok", rec
                 assert rec["time_ms"] > 0 and rec["tflops"] > 0 and math.isfinite(rec["ratio_to_floor"])
-        for objective, row in (("grpo", "liger"), ("ce", "cce"), ("ce", "torch-compile")):  # recorded, with why
+        for objective, row in (("grpo", "liger"), ("ce", "cce"), ("ce", "torch-compile"), ("dpo", "liger"),
+                               ("dpo", "torch-compile")):  # recorded, with why
             rec = _rec(case, objective, row)
             assert rec["status"] == "skipped" and rec["reason"]
 
@@ -77,6 +82,7 @@ def test_rows_agree_with_logitless(quick_run):
             assert plain["agrees"] is True, plain
             assert 0 < plain["grad_weight_rel_diff"] < 5e-2
         assert _rec(case, "rollout", "torch-plain")["logp_rel_diff"] < 1e-2
+        assert _rec(case, "dpo", "torch-plain")["agrees"] is True
 
 
 def test_report_regenerated_in_out_dir_only(quick_run):
@@ -107,3 +113,74 @@ def test_inputs_are_realistic():
     assert abs(x.true_entropy - 1.5) < 0.3  # uniform random heads would give ~log V = 7.3 nats
     assert x.hidden.shape == (4, 64, 96) and x.hidden.requires_grad and x.weight.requires_grad
     assert int(x.targets.max()) < 1531 and bool((x.old_logp <= 0).all())
+
+
+# ---------------------------------------------------------------- DPO rows against a float64 oracle
+
+_DPO_BETA = 0.1
+
+
+def _dpo_oracle(x: Inputs) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """DPO sigmoid loss (chosen = first half of the rows) from float64 materialized logits, and its
+    gradients w.r.t. hidden and weight."""
+    h = x.hidden.detach().double().requires_grad_(True)
+    w = x.weight.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(h @ w.t(), dim=-1).gather(-1, x.targets[..., None]).squeeze(-1)
+    pc, pr = (logp * x.mask).sum(-1).chunk(2)
+    rc, rr = (x.ref_logp.double() * x.mask).sum(-1).chunk(2)
+    loss = -F.logsigmoid(_DPO_BETA * ((pc - rc) - (pr - rr))).mean()
+    loss.backward()
+    return float(loss.detach()), h.grad, w.grad
+
+
+def _run_dpo_row(name: str, x: Inputs) -> tuple[float, torch.Tensor, torch.Tensor]:
+    (row,) = [r for r in ROWS if r.objective == "dpo" and r.name == name]
+    x.hidden.grad = x.weight.grad = None
+    out = row.prepare(x, "auto").step()
+    return float(out["loss"]), x.hidden.grad.double(), x.weight.grad.double()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def dpo_case() -> tuple[Inputs, tuple[float, torch.Tensor, torch.Tensor]]:
+    # float32 inputs (the bench's --dtype float32): fp32 logits, so only summation order separates the rows
+    # from float64.
+    x = make_inputs(parse_shape("128:tiny-a"), torch.device("cpu"), torch.float32)
+    assert x.targets.shape[0] % 2 == 0
+    return x, _dpo_oracle(x)
+
+
+@pytest.mark.parametrize("row", ["logitless", "torch-plain"])
+def test_dpo_rows_match_float64_oracle(dpo_case, row):
+    x, (loss64, gh64, gw64) = dpo_case
+    loss, gh, gw = _run_dpo_row(row, x)
+    assert abs(loss - loss64) <= 1e-5 * abs(loss64), (loss, loss64)
+    assert _rel(gh, gh64) < 1e-4 and _rel(gw, gw64) < 1e-4
+
+
+def test_dpo_trl_row_matches_float64_oracle(dpo_case):
+    pytest.importorskip("trl.kernels.chunked_logprob", reason="trl is not installed: no TRL row to check")
+    x, (loss64, gh64, gw64) = dpo_case
+    loss, gh, gw = _run_dpo_row("trl-chunked", x)
+    assert abs(loss - loss64) <= 1e-5 * abs(loss64), (loss, loss64)
+    assert _rel(gh, gh64) < 1e-4 and _rel(gw, gw64) < 1e-4
+
+
+def test_dpo_rejects_an_odd_batch(dpo_case):
+    x, _ = dpo_case
+    odd = replace(x, hidden=x.hidden.detach()[:3].requires_grad_(True), targets=x.targets[:3], mask=x.mask[:3],
+                  ref_logp=x.ref_logp[:3])
+    (row,) = [r for r in ROWS if r.objective == "dpo" and r.role == "reference"]
+    with pytest.raises(ValueError, match="even number of sequences"):
+        row.prepare(odd, "auto")
+
+
+def test_dpo_cuda_only_rows_say_why_on_cpu(dpo_case):
+    x, _ = dpo_case
+    for name in ("liger", "torch-compile"):
+        (row,) = [r for r in ROWS if r.objective == "dpo" and r.name == name]
+        with pytest.raises(Unavailable, match="CUDA"):
+            row.prepare(x, "auto")

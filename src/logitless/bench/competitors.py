@@ -10,8 +10,12 @@ Objectives:
 
 * ``grpo``: TRL's GRPO loss (``loss_type="dapo"``, ``beta=0.04`` k3 KL to ``ref_logp`` with the
   bias correction, clip and KL metrics, entropy metric), forward + backward.
-* ``ce``: token-mean cross-entropy, forward + backward.
+* ``ce``: SFT / token-mean cross-entropy, forward + backward.
 * ``rollout``: no-grad target log-probs + entropy (old-policy / reference passes).
+* ``distill``: forward KL(teacher‖student), token mean, forward + backward.
+* ``dpo``: DPO (``sigmoid``, ``beta=0.1``, mean over pairs) with precomputed reference
+  log-probs: per-sequence log-prob sums of the chosen (first half of the batch rows) and
+  rejected (second half) completions + the loss, forward + backward.
 """
 
 from __future__ import annotations
@@ -29,10 +33,20 @@ import logitless
 
 from ..ops import PassOptions, resolve_backend
 from .cases import Inputs
-from .plain import GRPO_CONFIG, grpo_args, grpo_from_logp, plain_ce, plain_grpo, plain_logp_entropy
+from .plain import (
+    DPO_BETA,
+    GRPO_CONFIG,
+    dpo_sigmoid_loss,
+    grpo_args,
+    grpo_from_logp,
+    plain_ce,
+    plain_dpo,
+    plain_grpo,
+    plain_logp_entropy,
+)
 
-Objective = Literal["grpo", "ce", "rollout", "distill"]
-OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill")
+Objective = Literal["grpo", "ce", "rollout", "distill", "dpo"]
+OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill", "dpo")
 Outputs = dict[str, torch.Tensor]
 
 # Workspace of the floor's logits buffer: token chunks of the three GEMMs stay this small.
@@ -63,7 +77,7 @@ class Row:
 
     Attributes:
         name: row name in the tables (``logitless-fused``, ``trl-chunked``, ``floor`` ...).
-        objective: ``grpo``, ``ce`` or ``rollout``.
+        objective: one of :data:`OBJECTIVES`.
         prepare: ``(inputs, impl) -> Prepared``; raises :class:`Unavailable`.
         logit_bytes: bytes per ``(token, vocab)`` element a materializing row holds at its
             peak (0 for rows that never materialize the logits); predicts OOM before trying.
@@ -447,10 +461,125 @@ def floor_four_gemms(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
+# ---------------------------------------------------------------- DPO
+
+# What TRL 1.16 DPOTrainer.__init__ asks its fused LM head for (add_fused_lm_head(..., outputs=...)): the
+# trainer logs entropy, mean logits and top-1 accuracy, so its head computes them on every step.
+_DPO_TRL_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+
+
+def _dpo_reference(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ref_chosen_logps, ref_rejected_logps)``, ``[B/2]`` each: the reference log-prob sums per
+    sequence, computed once outside the timing, as a DPO run with precomputed reference log-probs
+    has them (TRL's ``precompute_ref_log_probs``)."""
+    n_seq = x.targets.shape[0]
+    if n_seq % 2:
+        raise ValueError(f"dpo needs an even number of sequences (chosen = first half of the batch rows, rejected "
+                         f"= second half), got B={n_seq}; pick N a multiple of 2 * T")
+    ref_logps = (x.ref_logp * x.mask).sum(-1)
+    return ref_logps.chunk(2, dim=0)
+
+
+def dpo_logitless(x: Inputs, impl: str, fp32_logits: bool = True) -> Prepared:
+    """logitless ``sequence_logps`` over the whole ``[B, T]`` batch (chosen + rejected) in one
+    fused vocabulary pass, then ``dpo_loss`` (sigmoid, beta 0.1, TRL's metrics and entropy);
+    ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
+    ref_chosen_logps, ref_rejected_logps = _dpo_reference(x)
+    cfg = logitless.DPOLossConfig(beta=DPO_BETA, loss_type="sigmoid")
+    options = _options("fused", impl, fp32_logits)
+
+    def step() -> Outputs:
+        policy = logitless.sequence_logps(x.hidden, x.weight, x.targets, x.mask, options=options)
+        loss, metrics = logitless.dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
+        return _train_outputs(loss, metrics)
+
+    return Prepared(step, _impl_name(impl, x.hidden.device))
+
+
+def dpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL 1.16 ``DPOTrainer``'s own path: its fused LM head (``add_fused_lm_head`` →
+    ``trl.kernels.ChunkedLogProbFunction``, the trainer's vocabulary chunk and outputs: log-probs,
+    entropy, mean logit, top-1), masked sum per sequence, then ``DPOTrainer._compute_loss``'s
+    sigmoid loss (transcribed in ``plain.dpo_sigmoid_loss``)."""
+    fn, chunk = _trl_function()
+    ref_chosen_logps, ref_rejected_logps = _dpo_reference(x)
+    b, t, h = x.hidden.shape
+
+    def step() -> Outputs:
+        per_token_logps, entropy, *_ = fn.apply(x.hidden.reshape(-1, h), x.weight, None, x.targets.reshape(-1), 1.0,
+                                                chunk, None, 1.0, _DPO_TRL_OUTPUTS)
+        logps = per_token_logps.view(b, t).masked_fill(x.mask == 0, 0.0).sum(dim=1)
+        chosen_logps, rejected_logps = logps.chunk(2, dim=0)
+        loss = dpo_sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+        m = x.mask.to(entropy.dtype)
+        return _train_outputs(loss, {"entropy": (entropy.detach().view(b, t) * m).sum() / m.sum()})
+
+    return Prepared(step)
+
+
+def dpo_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch: materialized bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → gather → masked
+    sum per sequence → TRL's sigmoid DPO loss (the per-token math of TRL's
+    ``selective_log_softmax`` on fp32 logits, which pre-1.x ``DPOTrainer`` ran on the model's logits)."""
+    refs = _dpo_reference(x)
+
+    def step() -> Outputs:
+        return _train_outputs(plain_dpo(x.hidden, x.weight, x.targets, x.mask, *refs))
+
+    return Prepared(step)
+
+
+def dpo_torch_compile(x: Inputs, impl: str) -> Prepared:
+    """``torch.compile`` of the plain PyTorch DPO path (Inductor, default mode); compile time is
+    excluded (warm-up)."""
+    if x.hidden.device.type != "cuda":
+        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+    refs = _dpo_reference(x)
+    compiled = torch.compile(plain_dpo, dynamic=False)
+
+    def step() -> Outputs:
+        return _train_outputs(compiled(x.hidden, x.weight, x.targets, x.mask, *refs))
+
+    return Prepared(step)
+
+
+def dpo_liger(x: Inputs, impl: str) -> Prepared:
+    """Liger-Kernel ``LigerFusedLinearDPOLoss`` (sigmoid, beta 0.1, summed log-probs:
+    ``average_log_prob=False``, default chunk of one pair, its ``torch.compile``'d loss math);
+    Liger 0.8.5 takes no precomputed reference log-probs, so it runs reference-free (``0``):
+    same head work, different loss and gradients (does not agree by construction).
+
+    Liger's only reference input is a reference model's hidden states and weight, whose head it
+    would run itself (a fourth GEMM, not the precomputed setting timed here); with
+    ``use_ref_model=False`` it subtracts ``0`` for the reference log-probs. A Liger whose
+    ``forward`` takes ``ref_chosen_logps`` / ``ref_rejected_logps`` gets the precomputed ones.
+    """
+    _need_cuda(x, "Liger-Kernel")
+    mod = _import("liger_kernel.chunked_loss", "liger-kernel")
+    ref_chosen_logps, ref_rejected_logps = _dpo_reference(x)
+    takes_refs = {"ref_chosen_logps", "ref_rejected_logps"} <= set(
+        inspect.signature(mod.LigerFusedLinearDPOLoss.forward).parameters)
+    loss_fn = mod.LigerFusedLinearDPOLoss(beta=DPO_BETA, loss_type="sigmoid", average_log_prob=False,
+                                          use_ref_model=takes_refs)
+    refs = dict(ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps) if takes_refs else {}
+    target = torch.where(x.mask != 0, x.targets, -100)  # Liger's ignore_index marks the non-completion tokens
+
+    def step() -> Outputs:
+        out = loss_fn(x.weight, x.hidden, target, **refs)
+        return _train_outputs(out[0] if isinstance(out, tuple) else out)
+
+    return Prepared(step)
+
+
 # Peak bytes per (token, vocab) element of the materializing rows, as measured on an H200 (torch 2.11)
 # plus 10%: predicts OOM before trying (a wrong guess only costs the try, which is caught).
 _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
-          "distill-plain": 26.0}
+          "distill-plain": 26.0,
+          # Not measured: the DPO plain path holds the same [N, V] tensors as the CE one (bf16 logits, their fp32
+          # copy, the fp32 log_softmax saved for backward, its fp32 gradient, the bf16 logits gradient), and no
+          # entropy (GRPO's 15.0 has an exp(log_softmax) more); compiled, as CE's.
+          "dpo-plain": 13.0, "dpo-compile": 2.5}
+
 
 def _on_flash(prepare: Callable[[Inputs, str], Prepared]) -> Callable[[Inputs, str], Prepared]:
     """The same logitless row on the flash backend (Triton tile-GEMM kernels, logits never in
@@ -490,5 +619,12 @@ ROWS: tuple[Row, ...] = (
     Row("logitless", "distill", distill_logitless, role="reference"),
     Row("trl-chunked", "distill", distill_trl_chunked),
     Row("torch-plain", "distill", distill_torch_plain, logit_bytes=_BYTES["distill-plain"]),
+    Row("floor", "dpo", floor_three_gemms, role="floor"),
+    Row("logitless", "dpo", dpo_logitless, role="reference"),
+    Row("logitless-bf16", "dpo", partial(dpo_logitless, fp32_logits=False)),
+    Row("trl-chunked", "dpo", dpo_trl_chunked),
+    Row("liger", "dpo", dpo_liger),
+    Row("torch-plain", "dpo", dpo_torch_plain, logit_bytes=_BYTES["dpo-plain"]),
+    Row("torch-compile", "dpo", dpo_torch_compile, logit_bytes=_BYTES["dpo-compile"]),
 )
 ROW_NAMES = tuple(dict.fromkeys(r.name for r in ROWS))

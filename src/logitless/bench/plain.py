@@ -5,17 +5,21 @@ materialized-logits heads the competitor rows build on.
 (``loss_type="dapo"``, token-level importance sampling, k3 KL to the reference with the bias
 correction, ``num_items_in_batch`` = the counted tokens), so every row that only produces
 log-probs (TRL's chunked head, plain PyTorch, ``torch.compile``) finishes with the same math.
+``dpo_sigmoid_loss`` is likewise TRL 1.16 ``DPOTrainer._compute_loss`` for ``loss_type="sigmoid"``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..objectives import PolicyConfig
 from .cases import Inputs
 
 # The objective every GRPO row computes.
 GRPO_CONFIG = PolicyConfig(loss_type="dapo", beta=0.04)
+# DPO's beta (TRL's DPOConfig default); the loss is sigmoid, mean over pairs.
+DPO_BETA = 0.1
 
 
 def grpo_from_logp(logp: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor, advantages: torch.Tensor,
@@ -81,3 +85,35 @@ def plain_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) 
     """Plain-path cross-entropy (token mean) from ``hidden [N, H]``: bf16 logits, fp32 loss."""
     logits = hidden @ weight.t()
     return torch.nn.functional.cross_entropy(logits.float(), targets)
+
+
+# ---------------------------------------------------------------- DPO
+
+
+def dpo_sigmoid_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+                     ref_rejected_logps: torch.Tensor, beta: float = DPO_BETA) -> torch.Tensor:
+    """TRL's DPO ``sigmoid`` loss from per-sequence log-prob sums (``[B]`` each), mean over pairs.
+
+    Transcribed from TRL 1.16 ``trl/trainer/dpo_trainer.py``, ``DPOTrainer._compute_loss``
+    (the loss is inline there, not a reusable function) for ``loss_type=["sigmoid"]``,
+    ``f_divergence_type="reverse_kl"``, ``loss_weights=[1.0]``, no ``ld_alpha``, no
+    ``use_weighting``; names as TRL's.
+    """
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    delta_score = chosen_logratios - rejected_logratios
+    per_sequence_loss = -F.logsigmoid(beta * delta_score)
+    return per_sequence_loss.mean()
+
+
+def plain_dpo(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+              ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor) -> torch.Tensor:
+    """Plain-path DPO from ``hidden [2B, T, H]`` (chosen rows first): bf16 logits ``[N, V]`` →
+    fp32 ``log_softmax`` → gather → masked sum per sequence → :func:`dpo_sigmoid_loss`
+    (tensor arguments only, so it compiles cleanly)."""
+    b, t, h = hidden.shape
+    logits = hidden.reshape(-1, h) @ weight.t()  # [N, V] in the input dtype
+    per_token_logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.reshape(-1, 1)).view(b, t)
+    logps = (per_token_logps * mask).sum(dim=1)
+    chosen_logps, rejected_logps = logps.chunk(2, dim=0)
+    return dpo_sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)

@@ -14,9 +14,11 @@ MARKDOWN = "BENCHMARKS.md"
 
 OBJECTIVE_TITLES = {
     "grpo": "GRPO (dapo, beta=0.04 KL to ref, clip + KL metrics, entropy), forward + backward",
-    "ce": "Cross-entropy (token mean), forward + backward",
+    "ce": "SFT / cross-entropy (token mean), forward + backward",
     "rollout": "Rollout (no grad): target log-probs + entropy",
     "distill": "Distillation, forward KL(teacher‖student) token mean, forward + backward (floor: 4 GEMMs)",
+    "dpo": ("DPO (sigmoid, beta=0.1, precomputed reference log-probs): sequence log-probs of chosen + rejected, "
+            "forward + backward"),
 }
 _DIFF_KEYS = ("loss_rel_diff", "logp_rel_diff", "entropy_rel_diff", "grad_hidden_rel_diff", "grad_weight_rel_diff")
 

@@ -36,7 +36,7 @@ class Options:
         dtype: input dtype of ``hidden``/``weight``.
         impls: logitless backends to run (``auto``, ``torch``, ``triton``); several → one
             set of logitless rows each, named ``logitless-fused[torch]`` ...
-        objectives: subset of ``grpo``, ``ce``, ``rollout``.
+        objectives: subset of :data:`~logitless.bench.competitors.OBJECTIVES`.
         rows: row names to run (the floor always runs), or ``None`` for all.
         target_entropy: mean entropy (nats) the inputs are calibrated to.
         seed: input seed.
