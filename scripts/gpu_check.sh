@@ -4,12 +4,13 @@
 #      into /tmp/site, and checks that TRL's chunked head imports;
 #   2. runs the GPU tests (pytest -m cuda: tests/test_gpu.py and the kernel modules' compiled cases);
 #   3. runs `logitless bench`, writing the JSON into benchmarks/results/, regenerating BENCHMARKS.md and
-#      benchmarks/bench.png, and copying all three (and this script's log) to $OUT.
+#      benchmarks/bench.png, and copying all three (and this script's log) to $OUT;
+#   4. with E2E_S > 0: `logitless bench --e2e` (whole GRPO training steps) for E2E_S seconds, its JSON to $OUT.
 # Stays under ~9 minutes on an H100: each step has a time limit, and the bench gets what is left
 # (--time-budget), minus a margin for writing its report.
 #
 # Knobs (environment): BENCH_ARGS (default: the full grid), TOTAL_S (default 530), PYTEST_S (default 150),
-# SKIP_PYTEST=1.
+# SKIP_PYTEST=1, E2E_S (default 0: no e2e step; its seconds come off the bench's budget), E2E_ARGS.
 set -uo pipefail
 
 START=$(date +%s)
@@ -63,18 +64,27 @@ fi
 
 step "3. logitless bench"
 left=$(( TOTAL_S - $(elapsed) ))
-budget=$(( left - 45 ))   # the last row may run past the budget by a few calls, then the report
+E2E_S=${E2E_S:-0}
+budget=$(( left - 45 - E2E_S ))   # the last row may run past the budget by a few calls, then the report
 if [ "$budget" -lt 30 ]; then echo "no time left for the bench"; exit 1; fi
 BENCH_ARGS=${BENCH_ARGS:---full --min-time 0}
 # `python3 -m logitless.cli bench` when the top-level CLI imports; else the bench's own entry point.
 if python3 -c "import logitless.cli, logitless.demo" 2>/dev/null; then BENCH=(python3 -m logitless.cli bench);
 else BENCH=(python3 -m logitless.bench); fi
 echo "${BENCH[*]} $BENCH_ARGS --time-budget $budget --update-repo"
-timeout $(( left - 5 )) "${BENCH[@]}" $BENCH_ARGS --time-budget "$budget" --update-repo
+timeout $(( left - 5 - E2E_S )) "${BENCH[@]}" $BENCH_ARGS --time-budget "$budget" --update-repo
 rc=$?; echo "bench exit status $rc"; [ "$rc" = 0 ] || status=1
 
 newest=$(ls -t benchmarks/results/*.json 2>/dev/null | head -1)
 [ -n "$newest" ] && cp "$newest" "$OUT/"
+
+if [ "$E2E_S" -gt 0 ]; then
+    step "4. logitless bench --e2e (${E2E_S}s)"
+    left=$(( TOTAL_S - $(elapsed) ))
+    timeout $(( left - 5 )) "${BENCH[@]}" --e2e ${E2E_ARGS:-} --time-budget $(( left - 40 )) --out /tmp/e2e --no-report
+    rc=$?; echo "e2e exit status $rc"; [ "$rc" = 0 ] || status=1
+    cp /tmp/e2e/benchmarks/results/*.json "$OUT/" 2>/dev/null
+fi
 [ -f BENCHMARKS.md ] && cp BENCHMARKS.md "$OUT/"
 [ -f benchmarks/bench.png ] && cp benchmarks/bench.png "$OUT/"
 step "done, status $status; files in \$OUT:"

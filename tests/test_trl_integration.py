@@ -63,10 +63,14 @@ def _loss_and_grads(trainer, inputs, trl_own=False):
     return loss.detach(), grads, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
-@pytest.mark.parametrize(("loss_type", "level", "beta"), [("dapo", "token", 0.04), ("grpo", "sequence", 0.0),
-                                                          ("bnpo", "token", 0.1)])
-def test_loss_grads_metrics_match_trl(tmp_path, loss_type, level, beta):
-    tr = _trainer(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_high=0.28)
+@pytest.mark.parametrize(("loss_type", "level", "beta", "extra"), [
+    ("dapo", "token", 0.04, {}), ("grpo", "sequence", 0.0, {}), ("bnpo", "token", 0.1, {}),
+    # the static entropy bonus: its loss term and TRL's `policy_loss` and `entropy_coef` metrics
+    ("grpo", "token", 0.04, dict(entropy_coef=0.05)), ("dapo", "sequence", 0.0, dict(entropy_coef=-0.02))])
+def test_loss_grads_metrics_match_trl(tmp_path, loss_type, level, beta, extra):
+    tr = _trainer(tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_high=0.28,
+                  **extra)
+    assert tr.logitless.fused_loss
     tr.model.train()
     tr.current_gradient_accumulation_steps = 2
     inputs = _inputs(tr, seed=3)
@@ -76,6 +80,7 @@ def test_loss_grads_metrics_match_trl(tmp_path, loss_type, level, beta):
     assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-7)
     assert (ours[1] - theirs[1]).norm() <= 1e-5 * theirs[1].norm()
     assert set(ours[2]) == set(theirs[2])
+    assert ("policy_loss" in theirs[2]) == bool(extra)
     for k, v in theirs[2].items():
         assert ours[2][k] == pytest.approx(v, rel=1e-5, abs=1e-7, nan_ok=True), k
 

@@ -40,9 +40,6 @@ def _unsupported(args, trainer) -> list[str]:
     out = []
     if getattr(args, "use_adaptive_entropy", False):
         out.append("use_adaptive_entropy=True (adaptive entropy controller)")
-    if getattr(args, "entropy_coef", 0.0):
-        out.append(f"entropy_coef={args.entropy_coef} (the entropy bonus is in logitless.policy_loss; the "
-                   "trainer's policy_loss metric is not reproduced yet)")
     if getattr(trainer, "aux_loss_enabled", False):
         out.append("MoE router aux loss (output_router_logits)")
     if getattr(args, "use_liger_kernel", False):
@@ -176,7 +173,7 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             sapo_temperature_neg=a.sapo_temperature_neg, vespo_k_pos=a.vespo_k_pos,
             vespo_lambda_pos=a.vespo_lambda_pos, vespo_k_neg=a.vespo_k_neg, vespo_lambda_neg=a.vespo_lambda_neg,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
-            top_entropy_quantile=self.top_entropy_quantile,
+            top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
             gradient_accumulation_steps=self.current_gradient_accumulation_steps,
             num_processes=self.accelerator.num_processes, steps_per_generation=a.steps_per_generation,
             max_completion_length=self.max_completion_length, training=self.model.training)
@@ -210,7 +207,10 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             group=group, options=sw.options)
         mode = "train" if self.model.training else "eval"
         for k, v in metrics.items():
-            self._metrics[mode][k].append(v.item())
+            if not k.startswith("entropy_bonus/"):  # inputs of the adaptive controller, which TRL does not log
+                self._metrics[mode][k].append(v.item())
+        if self.entropy_coef != 0.0 and mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # as TRL logs it, per optimizer step
         return loss
 
 

@@ -39,7 +39,8 @@ class PolicyConfig:
             (1.0: off; 0.0: only the highest-entropy tokens), TRL's ``get_high_entropy_mask``.
         (The sampler's importance-sampling correction is an input, not an option: build it with
         :func:`logitless.sampling_correction` and pass ``importance_sampling_ratio``.)
-        entropy_coef: entropy bonus coefficient (``loss -= entropy_coef · mean entropy``).
+        entropy_coef: entropy bonus coefficient (``loss -= entropy_coef · mean entropy``); a
+            negative one penalizes entropy (TRL accepts either sign).
         gradient_accumulation_steps: ``G``, TRL's ``current_gradient_accumulation_steps``.
         num_processes: ``P``, data-parallel processes (dapo/cispo/vespo normalizer).
         steps_per_generation: TRL's ``steps_per_generation`` (``None`` → ``G``).
@@ -78,10 +79,12 @@ class PolicyConfig:
         if self.importance_sampling_level not in ("token", "sequence", "sequence_token"):
             raise ValueError("importance_sampling_level must be 'token', 'sequence' or 'sequence_token', "
                              f"got {self.importance_sampling_level!r}")
-        for name in ("epsilon", "beta", "entropy_coef"):
+        for name in ("epsilon", "beta"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not math.isfinite(self.entropy_coef):
+            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
         if self.epsilon_high is not None and not (math.isfinite(self.epsilon_high) and self.epsilon_high >= 0):
             raise ValueError(f"epsilon_high must be a finite number >= 0 or None, got {self.epsilon_high!r}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
