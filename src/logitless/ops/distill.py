@@ -113,9 +113,14 @@ class DistillPartials:
     """Running partials of one token chunk over a vocabulary range (all ``[n]`` but ``zy``).
 
     Student: ``m_s`` max, ``se_s = Σ exp(zs - m_s)``, ``sez_s = Σ exp(zs - m_s) zs``,
-    ``sgap = Σ exp(zs - m_s)(zs - zt)``, ``zy [n, k]`` the targets' logits (0 where not owned).
-    Teacher (``None`` without one): ``m_t``, ``se_t``, ``tez = Σ exp(zt - m_t) zt``,
-    ``tgap = Σ exp(zt - m_t)(zt - zs)``.
+    ``sgap = Σ exp(zs - m_s)((zs - m_s) - (zt - m_t))``, ``zy [n, k]`` the targets' logits (0
+    where not owned). Teacher (``None`` without one): ``m_t``, ``se_t``, ``tez = Σ exp(zt - m_t) zt``,
+    ``tgap = Σ exp(zt - m_t)((zt - m_t) - (zs - m_s))``.
+
+    The gaps are taken between logits centred on their own running maxima, so they are O(KL)
+    rather than O(|z|): ``KL = gap / se - log se + log se_other`` then holds no difference of
+    large numbers (uncentred, ``Σ p (zs - zt) - lse_s + lse_t`` lost the KL of saturated heads
+    with |z| ~ 1e3 to fp32 rounding, and the backward's ``log p - log q - KL`` with it).
     """
 
     m_s: torch.Tensor
@@ -137,8 +142,9 @@ class DistillPartials:
             lse_t = self.m_t + torch.log(self.se_t)
             out["teacher_lse"] = lse_t
             out["teacher_entropy"] = lse_t - self.tez / self.se_t
-            out["forward_kl"] = self.tgap / self.se_t - lse_t + lse
-            out["reverse_kl"] = self.sgap / self.se_s - lse + lse_t
+            log_se_s, log_se_t = torch.log(self.se_s), torch.log(self.se_t)
+            out["forward_kl"] = self.tgap / self.se_t - log_se_t + log_se_s
+            out["reverse_kl"] = self.sgap / self.se_s - log_se_s + log_se_t
         return out
 
 
@@ -178,26 +184,32 @@ def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRo
         m = torch.maximum(part.m_s, zs.amax(dim=1))
         rescale = torch.exp(part.m_s - m)
         es = torch.exp(zs - m[:, None])
-        part.se_s = part.se_s * rescale + es.sum(dim=1)
+        se_old = part.se_s
+        part.se_s = se_old * rescale + es.sum(dim=1)
         part.sez_s = part.sez_s * rescale + (es * zs).sum(dim=1)
-        part.m_s = m
         if targets.shape[1]:
             part.zy = _gather_targets(part.zy, zs, targets, start, end)
         if teacher is None:
+            part.m_s = m
             continue
         zt = _logits(teacher, ht, plan, start, end)
-        gap = zt - zs  # [n, v]
-        del zs
-        part.sgap = part.sgap * rescale - (es * gap).sum(dim=1)
-        del es
         mt = torch.maximum(part.m_t, zt.amax(dim=1))
         rescale_t = torch.exp(part.m_t - mt)
         et = torch.exp(zt - mt[:, None])
+        # Moving either maximum shifts every earlier centred gap by the same amount.
+        shift = _moved(part.m_s, m) - _moved(part.m_t, mt)
+        gap = (zs - m[:, None]) - (zt - mt[:, None])  # [n, v], centred: O(KL), not O(|z|)
+        part.sgap = (part.sgap + se_old * shift) * rescale + (es * gap).sum(dim=1)
+        part.tgap = (part.tgap - part.se_t * shift) * rescale_t - (et * gap).sum(dim=1)
         part.se_t = part.se_t * rescale_t + et.sum(dim=1)
         part.tez = part.tez * rescale_t + (et * zt).sum(dim=1)
-        part.tgap = part.tgap * rescale_t + (et * gap).sum(dim=1)
-        part.m_t = mt
+        part.m_s, part.m_t = m, mt
     return part
+
+
+def _moved(old_max: torch.Tensor, new_max: torch.Tensor) -> torch.Tensor:
+    """``old_max - new_max``, 0 where nothing was summed yet (``old_max = -inf``)."""
+    return torch.where(torch.isfinite(old_max), old_max - new_max, 0.0)
 
 
 def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
