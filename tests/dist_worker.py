@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from logitless import Head, PassOptions, PolicyConfig, VocabShard, cross_entropy, policy_loss, token_logprobs
+from logitless import (
+    DistillConfig,
+    Head,
+    LogitTransform,
+    PassOptions,
+    PolicyConfig,
+    VocabShard,
+    cross_entropy,
+    distill_loss,
+    policy_loss,
+    token_logprobs,
+)
 
 
 def _shard_rows(v: int, world: int, rank: int, sizes: list[int] | None):
@@ -135,3 +146,58 @@ def data_parallel(rank: int, world: int, case: dict) -> dict:
         "grad_weight": weight.grad,
         "metrics": {k: v.detach() for k, v in metrics.items()},
     }
+
+
+def _distill_call(case: dict, run: dict, hidden, head, teacher_head):
+    """One ``distill_loss`` of ``case`` for ``run = {"divergence", "mode"}`` ("topk": the sparse teacher)."""
+    dense = run["divergence"] != "topk"
+    teacher = (dict(teacher_hidden=case["teacher_hidden"], teacher=teacher_head) if dense else
+               dict(teacher_topk_ids=case["topk_ids"], teacher_topk_logprobs=case["topk_logprobs"]))
+    cfg = DistillConfig(divergence=run["divergence"] if dense else "forward_kl", beta=0.3, ce_weight=0.4)
+    return distill_loss(hidden, head, labels=case["labels"], mask=case["mask"], config=cfg,
+                        options=PassOptions(mode=run["mode"], chunk_bytes=case["chunk"]), **teacher)
+
+
+def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
+    """``distill_loss`` with this rank's rows of both heads (padding rows on the last rank), for
+    each of ``case["runs"]``; returns each run's loss, grads, metrics and all-reduce counts, and
+    the message of a teacher sharded differently from the student."""
+    pad = case["pad"]
+    vocab = case["weight"].shape[0] - pad
+    start, rows = _shard_rows(vocab, world, rank, case.get("sizes"))
+    if rank == world - 1:
+        rows += pad  # padding rows live on the last rank
+    shard = VocabShard(group=dist.group.WORLD, vocab_start=start, vocab_size=vocab)
+    teacher_head = Head(case["teacher_weight"][start:start + rows], case["teacher_bias"][start:start + rows],
+                        LogitTransform(temperature=1.2), shard=shard)
+    counts = {"max": 0, "sum": 0, "other": 0}
+    orig = dist.all_reduce
+
+    def counting(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        counts["max" if op == dist.ReduceOp.MAX else "sum" if op == dist.ReduceOp.SUM else "other"] += 1
+        return orig(t, op=op, group=group, async_op=async_op)
+
+    out = {"start": start, "rows": rows, "runs": []}
+    for run in case["runs"]:
+        hidden = case["hidden"].clone().requires_grad_()
+        weight = case["weight"][start:start + rows].clone().requires_grad_()
+        bias = case["bias"][start:start + rows].clone().requires_grad_()
+        head = Head(weight, bias, LogitTransform(temperature=0.8, softcap=6.0), shard=shard)
+        counts.update(max=0, sum=0, other=0)
+        dist.all_reduce = counting
+        try:
+            loss, metrics = _distill_call(case, run, hidden, head, teacher_head)
+            loss.backward()
+        finally:
+            dist.all_reduce = orig
+        out["runs"].append(dict(loss=loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad,
+                                grad_bias=bias.grad, metrics={k: v.detach() for k, v in metrics.items()},
+                                counts=dict(counts)))
+    other = VocabShard(group=dist.group.WORLD, vocab_start=start + 1, vocab_size=vocab)
+    try:
+        _distill_call(case, case["runs"][0], case["hidden"], Head(case["weight"][start:start + rows], shard=shard),
+                      Head(case["teacher_weight"][start:start + rows], shard=other))
+        out["mismatch_error"] = None
+    except ValueError as e:
+        out["mismatch_error"] = str(e)
+    return out

@@ -297,8 +297,47 @@ def test_mode_errors():
     hs, ws, _, ht, wt, _ = _heads()
     with pytest.raises(ValueError, match="reduction='none'"):
         distill_loss(hs, ws, ht, wt, config=DistillConfig(reduction="none"), options=PassOptions(mode="fused"))
-    with pytest.raises(ValueError, match="vocabulary shard is not supported yet"):
-        distill_loss(hs, ws, ht, Head(wt, shard=VocabShard(vocab_size=V)))
+
+
+def test_shard_errors():
+    """Student and teacher must split the vocabulary alike: a shard on one head only, different
+    layouts, and ``DistillConfig(vocab_size=...)`` next to a shard are refused, naming the fix."""
+    hs, ws, _, ht, wt, _ = _heads()
+    shard = VocabShard(vocab_size=V - 3)
+    with pytest.raises(ValueError, match=r"the teacher has a vocabulary shard and the head has none.*same VocabShard"):
+        distill_loss(hs, ws, ht, Head(wt, shard=shard))
+    with pytest.raises(ValueError, match="the head has a vocabulary shard and the teacher has none"):
+        distill_loss(hs, Head(ws, shard=shard), ht, Head(wt))
+    with pytest.raises(ValueError, match=r"sharded differently \(\(vocab_start, vocab_size, local rows\) = "
+                                         r"\(0, 120, 123\) vs \(0, 121, 123\)\)"):
+        distill_loss(hs, Head(ws, shard=shard), ht, Head(wt, shard=VocabShard(vocab_size=V - 2)))
+    with pytest.raises(ValueError, match="sharded differently"):
+        distill_loss(hs, Head(ws, shard=shard), ht, Head(wt[:-1], shard=shard))
+    with pytest.raises(ValueError, match=r"VocabShard\(vocab_size=...\) instead"):
+        distill_loss(hs, Head(ws, shard=shard), ht, wt, config=DistillConfig(vocab_size=V - 3))
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_padded_shard_without_group(mode):
+    """A single-process ``VocabShard(vocab_size=...)`` (padded heads): the padding rows of both
+    heads take no part (a bare teacher weight takes the student's shard), labels are checked
+    against the true vocabulary, and the padding rows get a zero gradient."""
+    hs, ws, bs, ht, wt, _ = _heads(bias=True)
+    real = V - 4
+    labels = torch.randint(0, real, (N,))
+    cfg = DistillConfig(beta=0.3, ce_weight=0.4)
+    opts = PassOptions(mode=mode, chunk_bytes=SMALL_CHUNK // 2)
+    loss, metrics = distill_loss(hs, Head(ws, bs, shard=VocabShard(vocab_size=real)), ht, wt, labels=labels,
+                                 config=cfg, options=opts)
+    ref, ref_metrics = distill_loss(hs, Head(ws[:real], bs[:real]), ht, wt[:real], labels=labels, config=cfg,
+                                    options=opts)
+    g, g_ref = _grads(loss, hs, ws, bs), _grads(ref, hs, ws, bs)
+    _assert_close([loss, *metrics.values()], [ref, *ref_metrics.values()], what="loss, metrics")
+    _assert_close([g[0], g[1][:real], g[2][:real]], [g_ref[0], g_ref[1][:real], g_ref[2][:real]], what="grads")
+    assert (g[1][real:] == 0).all() and (g[2][real:] == 0).all()
+    with pytest.raises(ValueError, match=f"labels must lie in \\[0, {real}\\)"):
+        distill_loss(hs, Head(ws, shard=VocabShard(vocab_size=real)), ht, wt, labels=torch.full((N,), real),
+                     config=cfg)
 
 
 def test_errors():

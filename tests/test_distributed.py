@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from logitless import PolicyConfig, cross_entropy, policy_loss, token_logprobs
+from logitless import Head, LogitTransform, PolicyConfig, cross_entropy, policy_loss, token_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker
@@ -185,3 +185,70 @@ def test_data_parallel_normalizers_and_metrics(quantile):
     for o in outs:
         for k, v in metrics.items():
             assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
+
+
+_DISTILL_RUNS = [dict(divergence=d, mode=m) for d in ("forward_kl", "reverse_kl", "generalized_jsd", "topk")
+                 for m in ("fused", "recompute")]
+
+
+def _distill_case(gen, n=47, hs=16, ht=24, v=123, pad=5):
+    """fp64 student and teacher heads with ``pad`` large padding rows after the ``v`` real ones
+    (they would dominate both softmaxes if they took part), labels with ignored tokens, a mask,
+    and a sparse teacher's top-k (with padding entries) taken from the dense teacher."""
+    f64 = dict(generator=gen, dtype=torch.float64)
+    weight = torch.cat([torch.randn(v, hs, **f64) / 2, 3 * torch.randn(pad, hs, **f64)])
+    teacher_weight = torch.cat([torch.randn(v, ht, **f64) / 2, 3 * torch.randn(pad, ht, **f64)])
+    bias, teacher_bias = torch.randn(v + pad, **f64) * 0.3, torch.randn(v + pad, **f64) * 0.3
+    teacher_hidden = 1.5 * torch.randn(n, ht, **f64)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.2] = -100
+    teacher_logits = LogitTransform(temperature=1.2).apply(teacher_hidden @ teacher_weight[:v].T + teacher_bias[:v])
+    topk_logprobs, topk_ids = teacher_logits.log_softmax(-1).topk(5, dim=-1)
+    topk_logprobs = topk_logprobs.masked_fill(torch.rand(n, 5, generator=gen) < 0.2, float("-inf"))
+    return dict(hidden=1.5 * torch.randn(n, hs, **f64), weight=weight, bias=bias, teacher_hidden=teacher_hidden,
+                teacher_weight=teacher_weight, teacher_bias=teacher_bias, labels=labels,
+                mask=(torch.rand(n, generator=gen) < 0.85).long(), topk_ids=topk_ids, topk_logprobs=topk_logprobs,
+                pad=pad, chunk=20_000, runs=_DISTILL_RUNS)
+
+
+def _reference_distill(case, run):
+    """The unsharded run on the real rows only: ``(loss, d hidden, d weight, d bias, metrics)``."""
+    v = case["weight"].shape[0] - case["pad"]
+    hidden = case["hidden"].clone().requires_grad_()
+    weight = case["weight"][:v].clone().requires_grad_()
+    bias = case["bias"][:v].clone().requires_grad_()
+    head = Head(weight, bias, LogitTransform(temperature=0.8, softcap=6.0))
+    teacher = Head(case["teacher_weight"][:v], case["teacher_bias"][:v], LogitTransform(temperature=1.2))
+    loss, metrics = dist_worker._distill_call(case, run, hidden, head, teacher)
+    loss.backward()
+    return loss.detach(), hidden.grad, weight.grad, bias.grad, metrics
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, None), (3, [40, 50, 33])])
+def test_vocab_parallel_distill_matches_single_process(world, sizes):
+    """Sharded student and teacher (even and uneven splits, 5 padding rows on the last rank):
+    forward/reverse KL, the generalized JSD and a sparse top-k teacher, each with a hard-label CE
+    mixed in, fused and recompute, several token chunks and vocabulary blocks: the loss, metrics,
+    ``d hidden`` and each rank's ``d weight``/``d bias`` rows equal the unsharded run's (fp64)."""
+    gen = torch.Generator().manual_seed(16)
+    case = _distill_case(gen)
+    case["sizes"] = sizes
+    refs = [_reference_distill(case, run) for run in case["runs"]]
+    v = case["weight"].shape[0] - case["pad"]
+    for o in _spawn("distill_vocab_parallel", world, case):
+        start, real = o["start"], min(o["rows"], v - o["start"])
+        assert "sharded differently" in o["mismatch_error"] and "same VocabShard" in o["mismatch_error"]
+        for run, got, (loss, gh, gw, gb, metrics) in zip(case["runs"], o["runs"], refs, strict=True):
+            what = f"{run} rank {start}"
+            assert _close(got["loss"], loss) and _close(got["grad_hidden"], gh), what
+            assert _close(got["grad_weight"][:real], gw[start:start + real]), what
+            assert _close(got["grad_bias"][:real], gb[start:start + real]), what
+            assert (got["grad_weight"][real:] == 0).all() and (got["grad_bias"][real:] == 0).all(), what
+            assert got["metrics"].keys() == metrics.keys(), what
+            for k, val in metrics.items():
+                assert _close(got["metrics"][k], val), f"{what} {k}"
+            if run["mode"] == "recompute":
+                # several token chunks, yet one MAX and one SUM for the first pass (one more SUM for
+                # the JSD pass) and one SUM of the d hidden partials
+                jsd = run["divergence"] == "generalized_jsd"
+                assert got["counts"] == {"max": 1, "sum": 2 + jsd, "other": 0}, what

@@ -20,6 +20,7 @@ import torch
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
 from ..ops import DistillPass, DistillStats, Head, PassOptions, as_head, as_options, check_head_inputs, run_distill
+from ..ops.distill import check_shards
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]
@@ -109,6 +110,15 @@ def distill_loss(
     applies one temperature to both); give the teacher a :class:`Head` of its own to differ.
     Gradients flow to the student's ``hidden``, weight and bias only; the teacher is detached.
 
+    Vocabulary (tensor) parallelism: give the student head a :class:`logitless.VocabShard` and
+    this rank's rows; a dense teacher must hold the same rows under the same shard (a bare
+    teacher weight takes the student's shard, a teacher :class:`Head` needs its own equal one).
+    Labels and top-k ids are global; padding rows (``VocabShard.vocab_size``) get no
+    probability. The statistics combine over the group (one MAX and one SUM all-reduce per
+    chunk, fused, or per pass, recompute; one more SUM for the JSD), the ``d hidden`` partials
+    are summed unless ``reduce_grad_hidden=False``, ``d weight`` is this rank's rows. With a
+    shard, ``config.vocab_size`` is refused: the shard's ``vocab_size`` says where padding starts.
+
     Args:
         hidden: the student's final hidden states (each predicting the token at its position).
         head: the student's :class:`logitless.Head` (weight ``[V_s, H_s]``, bias, transform) or
@@ -137,14 +147,18 @@ def distill_loss(
         TypeError, ValueError: shapes, dtypes, devices, ids out of range, NaN/inf in the heads,
             both or neither teacher kinds, heads of different vocabularies without
             ``config.vocab_size``, ``ce_weight > 0`` without labels; a sparse teacher with
-            ``k = 0``, an id repeated within a token's top-k, or a top-k mass above ``1 + 1e-4``.
+            ``k = 0``, an id repeated within a token's top-k, or a top-k mass above ``1 + 1e-4``;
+            a vocabulary shard on one head only, student and teacher shards of different
+            layouts, or ``config.vocab_size`` with a shard.
     """
     cfg = DistillConfig() if config is None else config
     head, options = as_head(head), as_options(options)
     weight, bias = head.weight, head.bias
     teacher_weight = teacher_bias = None
     if teacher is not None:
-        teacher = teacher if isinstance(teacher, Head) else Head(as_head(teacher).weight, transform=head.transform)
+        # A bare weight is this rank's rows under the student's shard, as it takes its transform.
+        teacher = teacher if isinstance(teacher, Head) else Head(as_head(teacher).weight, transform=head.transform,
+                                                                 shard=head.shard)
         teacher_weight, teacher_bias = teacher.weight, teacher.bias
     dense = teacher_hidden is not None or teacher_weight is not None
     sparse = teacher_topk_ids is not None or teacher_topk_logprobs is not None
@@ -161,8 +175,16 @@ def distill_loss(
     if cfg.ce_weight > 0 and labels is None:
         raise ValueError("ce_weight > 0 needs labels")
 
+    sharded = head.shard is not None or (dense and teacher.shard is not None)
+    if sharded and cfg.vocab_size is not None:
+        raise ValueError("DistillConfig(vocab_size=...) cuts whole heads; with a vocabulary shard give the true "
+                         "vocabulary as VocabShard(vocab_size=...) instead (its padding rows get no probability)")
+    if dense:
+        check_shards(head, teacher)
     vocab = _common_vocab(weight, teacher_weight if dense else None, cfg.vocab_size)
     weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
+    # Labels and top-k ids are global: checked against the whole vocabulary, padding excluded.
+    id_bound = head.local().vocab_size if head.shard is not None else vocab
     shape = hidden.shape[:-1]
     check_head_inputs(hidden, Head(weight, bias), torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
     if dense:
@@ -180,14 +202,14 @@ def distill_loss(
     h = hidden.reshape(-1, hidden.shape[-1])[idx]
     cols: list[torch.Tensor] = []
     if sparse:
-        topk_ids, topk_lp = _check_topk(teacher_topk_ids, teacher_topk_logprobs, shape, vocab)
+        topk_ids, topk_lp = _check_topk(teacher_topk_ids, teacher_topk_logprobs, shape, id_bound)
         topk_ids, topk_lp = topk_ids.reshape(-1, topk_ids.shape[-1])[idx], topk_lp.reshape(-1, topk_lp.shape[-1])[idx]
         cols.append(topk_ids)
     if labels is not None:
         y = labels.reshape(-1)[idx].long()
-        bad = (y < 0) | (y >= vocab)
+        bad = (y < 0) | (y >= id_bound)
         if n and bool(bad.any()):
-            raise ValueError(f"labels must lie in [0, {vocab}) or equal -100; found {y[bad][:5].tolist()}")
+            raise ValueError(f"labels must lie in [0, {id_bound}) or equal -100; found {y[bad][:5].tolist()}")
         cols.append(y[:, None])
     targets = torch.cat(cols, dim=1) if cols else torch.zeros((n, 0), dtype=torch.long, device=hidden.device)
 

@@ -23,21 +23,28 @@ The generalized JSD (TRL's ``GKDTrainer.generalized_jsd_loss``: mixture
 element: it does not decompose into a few per-token sums, so it is computed by a **second pass**
 over the vocabulary (same token chunk) once both final ``lse`` are known.
 
-Partials are kept as (running max, sums) per side, so under vocabulary parallelism a shard's
-partials would combine with one all-reduce MAX and one SUM (after rescaling by
-``exp(m_local - m_global)``), and the JSD pass with a plain SUM; not implemented yet (a shard
-on either head raises ``ValueError``). Gradients flow to the student only (the teacher is
-frozen). Torch GEMMs whatever ``PassOptions.impl`` (no Triton kernel for two heads).
+Vocabulary parallelism (a :class:`~logitless.VocabShard` on both heads, the same layout): each
+rank folds its valid local rows (padding rows beyond ``vocab_size`` take no part) into partials
+kept as (running max, sums) per side; one all-reduce MAX of both sides' stacked maxima and one
+SUM of the sums rescaled by ``exp(m_local - m_global)`` (the target logits riding along, 0 where
+another rank owns the id) make them global, per chunk (fused) or once per pass (recompute). The
+JSD pass sums its per-rank partials with one more SUM. The backward writes ``dz`` for the local
+rows only (the target scatter where owned); the engine sums the ``d hidden`` partials over the
+group unless ``reduce_grad_hidden=False``, and ``d weight`` stays local. Gradients flow to the
+student only (the teacher is frozen). Torch GEMMs whatever ``PassOptions.impl`` (no Triton
+kernel for two heads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from ..distributed import all_reduce, is_active
 from .backend import Accumulators
 from .engine import ChunkObjective, PassResult, no_autocast, recompute_stats, resolve_mode, run_fused
 from .head import Head, LocalHead
@@ -53,8 +60,9 @@ _WORKSPACE_ARRAYS = 3
 
 
 class DistillRows(NamedTuple):
-    """The token side of a chunk: the student's ``hidden [n, H_s]``, ``targets [n, k]`` int64
-    (ids outside ``[0, V)`` are not gathered), the teacher's ``teacher_hidden [n, H_t]`` or ``None``."""
+    """The token side of a chunk: the student's ``hidden [n, H_s]``, ``targets [n, k]`` int64 rows
+    local to the head (outside ``[0, V_local)``: another rank's id or none, not gathered), the
+    teacher's ``teacher_hidden [n, H_t]`` or ``None``."""
 
     hidden: torch.Tensor
     targets: torch.Tensor
@@ -132,6 +140,55 @@ class DistillPartials:
     se_t: torch.Tensor | None = None
     tez: torch.Tensor | None = None
     tgap: torch.Tensor | None = None
+
+    _FIELDS = ("m_s", "se_s", "sez_s", "zy", "sgap", "m_t", "se_t", "tez", "tgap")
+
+    @classmethod
+    def empty(cls, n: int, k: int, teacher: bool, dtype: torch.dtype, device: torch.device) -> DistillPartials:
+        """Uninitialized whole-pass buffers, filled chunk by chunk with :meth:`write`."""
+        def new(*shape: int) -> torch.Tensor:
+            return torch.empty(shape or (n,), dtype=dtype, device=device)
+
+        part = cls(m_s=new(), se_s=new(), sez_s=new(), zy=new(n, k))
+        if teacher:
+            part.sgap, part.m_t, part.se_t, part.tez, part.tgap = new(), new(), new(), new(), new()
+        return part
+
+    def write(self, sl: slice, part: DistillPartials) -> None:
+        """Copy a chunk's partials into rows ``sl``."""
+        for name in self._FIELDS:
+            dst = getattr(self, name)
+            if dst is not None:
+                dst[sl] = getattr(part, name)
+
+    def rows(self, sl: slice) -> DistillPartials:
+        """Rows ``sl`` of every field (views)."""
+        return DistillPartials(*(None if getattr(self, f) is None else getattr(self, f)[sl] for f in self._FIELDS))
+
+    def reduce(self, group) -> DistillPartials:
+        """Every rank's partials combined into the full vocabulary's: one all-reduce MAX of the
+        stacked maxima and one SUM of the rescaled sums (with the owners' target logits) over
+        the vocabulary-parallel ``group``; ``self`` without a group."""
+        if not is_active(group):
+            return self
+        teacher = self.m_t is not None
+        m = all_reduce(torch.stack([self.m_s, self.m_t] if teacher else [self.m_s]), "max", group)
+        # 0 for a rank without valid rows (local max -inf): it adds nothing to the sums.
+        scale_s = torch.exp(self.m_s - m[0])
+        sums = [self.se_s * scale_s, self.sez_s * scale_s]
+        if teacher:
+            scale_t = torch.exp(self.m_t - m[1])
+            # The gaps are centred on this rank's maxima: re-centre them on the global ones.
+            shift = _moved(self.m_s, m[0]) - _moved(self.m_t, m[1])
+            sums += [(self.sgap + self.se_s * shift) * scale_s, self.se_t * scale_t, self.tez * scale_t,
+                     (self.tgap - self.se_t * shift) * scale_t]
+        # zy is 0 where another rank owns the id, so the SUM leaves the owner's logit.
+        total = all_reduce(torch.cat([torch.stack(sums), self.zy.t()]), "sum", group)
+        p = len(sums)
+        out = DistillPartials(m_s=m[0], se_s=total[0], sez_s=total[1], zy=total[p:].t())
+        if teacher:
+            out.sgap, out.m_t, out.se_t, out.tez, out.tgap = total[2], m[1], total[3], total[4], total[5]
+        return out
 
     def finalize(self) -> dict[str, torch.Tensor]:
         """Per-token statistics from the partials (names of :class:`DistillStats`, plus ``sum_pz``)."""
@@ -311,7 +368,28 @@ def plan_for(n_tokens: int, vocab: int, options: PassOptions, dtype: torch.dtype
                           arrays=_WORKSPACE_ARRAYS)
 
 
-_SHARD_ERROR = "distillation with a vocabulary shard is not supported yet"
+def check_shards(head: Head, teacher: Head | None) -> None:
+    """Both heads split the vocabulary the same way: a shard on both or neither, the same group,
+    ``vocab_start``, ``vocab_size`` and local row count (each rank folds the same rows of both
+    softmaxes).
+
+    Raises:
+        ValueError: a shard on one head only, or two different layouts.
+    """
+    if teacher is None or (head.shard is None and teacher.shard is None):
+        return
+    fix = ("give the student and the teacher the same VocabShard (same group, vocab_start and vocab_size) "
+           "over the same local rows of the vocabulary")
+    if head.shard is None or teacher.shard is None:
+        which, other = ("head", "teacher") if teacher.shard is None else ("teacher", "head")
+        raise ValueError(f"distillation: the {which} has a vocabulary shard and the {other} has none; {fix}")
+    s, t = head.local(), teacher.local()
+    layout_s = (s.vocab_start, s.vocab_size, head.weight.shape[0])
+    layout_t = (t.vocab_start, t.vocab_size, teacher.weight.shape[0])
+    if s.group is not t.group or layout_s != layout_t:
+        raise ValueError(f"distillation: the student and teacher heads are sharded differently "
+                         f"((vocab_start, vocab_size, local rows) = {layout_s} vs {layout_t}"
+                         f"{', different groups' if s.group is not t.group else ''}); {fix}")
 
 
 @dataclass
@@ -322,7 +400,7 @@ class DistillPass:
     head: LocalHead
     teacher: LocalHead | None
     teacher_hidden: torch.Tensor | None  # [n, H_t], detached
-    targets: torch.Tensor  # [n, k] int64
+    targets: torch.Tensor  # [n, k] int64, local to the head's rows (another rank's ids fall outside)
     jsd_beta: float | None
     plan: ChunkPlan
 
@@ -331,14 +409,16 @@ class DistillPass:
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, teacher_hidden: torch.Tensor | None,
              teacher: Head | None, jsd_beta: float | None, options: PassOptions) -> DistillPass:
-        """Raises:
-            ValueError: a shard or adapter on either head; ``jsd_beta`` outside ``(0, 1)`` or
-                without a teacher; a teacher of other rows or tokens than the student's."""
+        """``targets`` are global ids; a shard must be on both heads, laid out alike (:func:`check_shards`).
+
+        Raises:
+            ValueError: an adapter on either head; shards of different layouts, or on one head
+                only; ``jsd_beta`` outside ``(0, 1)`` or without a teacher; a teacher of other
+                rows or tokens than the student's."""
         for name, h in (("head", head), ("teacher", teacher)):
-            if h is not None and h.shard is not None:
-                raise ValueError(f"{_SHARD_ERROR} ({name}.shard={h.shard})")
             if h is not None and h.lora is not None:
                 raise ValueError(f"distillation with a LoRA adapter on the {name} is not supported yet")
+        check_shards(head, teacher)
         n, vocab = hidden.shape[0], head.weight.shape[0]
         if jsd_beta is not None:
             if teacher is None:
@@ -353,11 +433,12 @@ class DistillPass:
                                  f"{None if teacher_hidden is None else tuple(teacher_hidden.shape)} and "
                                  f"{tuple(teacher.weight.shape)}")
             teacher_hidden = teacher_hidden.detach()
-            teacher = Head(teacher.weight.detach(), None if teacher.bias is None else teacher.bias.detach(),
-                           teacher.transform)
+            teacher = dataclasses.replace(teacher, weight=teacher.weight.detach(),
+                                          bias=None if teacher.bias is None else teacher.bias.detach())
             local_teacher = teacher.local()
-        return cls(head.local(), local_teacher, teacher_hidden, targets.long(), jsd_beta,
-                   plan_for(n, vocab, options, hidden.dtype))
+        local = head.local()
+        return cls(local, local_teacher, teacher_hidden, local.local_targets(targets.long()), jsd_beta,
+                   plan_for(n, local.weight.shape[0], options, hidden.dtype))
 
     def fields_present(self) -> tuple[bool, ...]:
         t = self.teacher is not None
@@ -369,18 +450,27 @@ class DistillPass:
 
     def chunk_stats(self, rows: DistillRows, plan: ChunkPlan,
                     keep_logits: bool) -> tuple[DistillStats, DistillSaved, None]:
-        """A chunk's statistics (both passes); logits are never kept (the backward recomputes both sides)."""
+        """A chunk's statistics over the full vocabulary (both passes, reduced over the group);
+        logits are never kept (the backward recomputes both sides)."""
         with no_autocast(rows.hidden.device):
-            out = chunk_forward(self.head, self.teacher, rows, plan).finalize()
-            jsd = kl_pm = None
-            if self.jsd_beta is not None:
-                jsd, kl_pm = chunk_jsd(self.head, self.teacher, rows, plan, out["lse"], out["teacher_lse"],
-                                       self.jsd_beta)
+            part = chunk_forward(self.head, self.teacher, rows, plan).reduce(self.head.group)
+            return (*self._finish(part, rows, plan, reduce_jsd=True), None)
+
+    def _finish(self, part: DistillPartials, rows: DistillRows, plan: ChunkPlan,
+                reduce_jsd: bool) -> tuple[DistillStats, DistillSaved]:
+        """Statistics from full-vocabulary partials, running the JSD pass (its per-rank sums
+        reduced over the group only with ``reduce_jsd``)."""
+        out = part.finalize()
+        jsd = kl_pm = None
+        if self.jsd_beta is not None:
+            jsd, kl_pm = chunk_jsd(self.head, self.teacher, rows, plan, out["lse"], out["teacher_lse"], self.jsd_beta)
+            if reduce_jsd and is_active(self.head.group):
+                jsd, kl_pm = all_reduce(torch.stack([jsd, kl_pm]), "sum", self.head.group)
         stats = DistillStats(lse=out["lse"], logp=out["logp"], entropy=out["entropy"],
                              forward_kl=out.get("forward_kl"), reverse_kl=out.get("reverse_kl"), jsd=jsd,
                              teacher_lse=out.get("teacher_lse"), teacher_entropy=out.get("teacher_entropy"))
         saved = DistillSaved(out["lse"], out["sum_pz"], out.get("teacher_lse"), out.get("reverse_kl"), kl_pm)
-        return stats, saved, None
+        return stats, saved
 
     def empty_stats(self, n: int, device: torch.device) -> DistillStats:
         sdt = stat_dtype_for(self.head.weight.dtype)
@@ -390,20 +480,32 @@ class DistillPass:
                               for name, present in zip(DistillStats._fields, self.fields_present(), strict=True)))
 
     def forward_all(self, hidden: torch.Tensor, low: LowRank | None) -> tuple[DistillStats, DistillSaved]:
-        """Every row's statistics, chunk by chunk, written into whole-pass buffers."""
-        n = hidden.shape[0]
-        stats = self.empty_stats(n, hidden.device)
+        """Every row's statistics, written into whole-pass buffers: the first pass's partials of
+        every chunk, reduced over the group once, then each chunk's statistics (and JSD pass),
+        the JSD sums reduced once."""
+        n, dev = hidden.shape[0], hidden.device
         sdt = stat_dtype_for(hidden.dtype)
-        saved = DistillSaved(stats.lse, torch.empty(n, dtype=sdt, device=hidden.device), stats.teacher_lse,
-                             stats.reverse_kl,
-                             None if self.jsd_beta is None else torch.empty(n, dtype=sdt, device=hidden.device))
-        for sl in self.plan.chunks(n):
-            part, part_saved, _ = self.chunk_stats(self.rows(hidden, sl, low), self.plan, False)
-            for dst, src in ((stats, part), (saved, part_saved)):
-                for d, s in zip(dst, src, strict=True):
-                    if d is not None:
-                        d[sl] = s
-            del part, part_saved
+        stats = self.empty_stats(n, dev)
+        saved = DistillSaved(stats.lse, torch.empty(n, dtype=sdt, device=dev), stats.teacher_lse, stats.reverse_kl,
+                             None if self.jsd_beta is None else torch.empty(n, dtype=sdt, device=dev))
+        chunks = self.plan.chunks(n)
+        parts = DistillPartials.empty(n, self.targets.shape[1], self.teacher is not None, sdt, dev)
+        with no_autocast(dev):
+            for sl in chunks:
+                parts.write(sl, chunk_forward(self.head, self.teacher, self.rows(hidden, sl, low), self.plan))
+            parts = parts.reduce(self.head.group)
+            for sl in chunks:
+                part, part_saved = self._finish(parts.rows(sl), self.rows(hidden, sl, low), self.plan,
+                                                reduce_jsd=False)
+                for dst, src in ((stats, part), (saved, part_saved)):
+                    for d, s in zip(dst, src, strict=True):
+                        if d is not None:
+                            d[sl] = s
+                del part, part_saved
+        if self.jsd_beta is not None and is_active(self.head.group):
+            total = all_reduce(torch.stack([stats.jsd, saved.kl_pm]), "sum", self.head.group)
+            stats.jsd.copy_(total[0])
+            saved.kl_pm.copy_(total[1])
         return stats, saved
 
     def grads_of(self, named: dict[str, torch.Tensor]) -> DistillGrads:
