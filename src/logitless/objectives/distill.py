@@ -19,8 +19,17 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import DistillPass, DistillStats, Head, PassOptions, as_head, as_options, check_head_inputs, run_distill
-from ..ops.distill import check_shards
+from ..ops import (
+    DistillPass,
+    DistillStats,
+    Head,
+    PassOptions,
+    as_head,
+    as_options,
+    check_head_inputs,
+    check_shards,
+    run_distill,
+)
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]

@@ -3,7 +3,7 @@ Knows nothing about RL; the objectives layer sits on top and talks to it through
 :mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
 from .backend import StatRequest, resolve_backend
-from .distill import DistillPass, DistillStats, run_distill
+from .distill import DistillPass, DistillStats, check_shards, run_distill
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, compute_stats, run_objective
 from .head import Head, as_head
 from .lora import HeadLoRA
@@ -37,6 +37,7 @@ __all__ = [
     "as_head",
     "as_options",
     "check_head_inputs",
+    "check_shards",
     "compute_stats",
     "resolve_backend",
     "run_distill",
