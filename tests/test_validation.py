@@ -194,7 +194,7 @@ def test_policy_inputs_rejected(no_kernel, case):
     ("epsilon_high", -1.0, "epsilon_high"),
     ("beta", -0.01, "beta"),
     ("beta", math.inf, "beta"),
-    ("entropy_coef", -1.0, "entropy_coef"),
+    ("entropy_coef", math.inf, "entropy_coef"),  # a negative one is an entropy penalty (TRL accepts it)
     ("top_entropy_quantile", -0.1, "top_entropy_quantile"),
     ("delta", 0.0, "delta"),
     ("top_entropy_quantile", 1.5, "top_entropy_quantile"),
