@@ -63,7 +63,9 @@ print(json.dumps({"peak_bytes": peak}))
 
 def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict]:
     """Generate and score ``batch`` once, then compute the GRPO loss and its gradient on those
-    same inputs through logitless and through TRL's own code.
+    same inputs through logitless and through TRL's own code. The old-policy log-probs are set
+    0.1 nats (random, fixed seed) off the current ones: on-policy, every ratio is 1 and the loss
+    is ``-mean(advantage)`` whatever the log-probs, which would compare nothing.
 
     Returns:
         ``(comparison, inputs)``: loss and gradient norm (all parameters) of each path and the
@@ -72,6 +74,13 @@ def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict]:
     from ..integrations.trl import trl_own_path
 
     inputs = trainer._generate_and_score_completions(batch)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        current, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask,
+                                                                   inputs["completion_ids"].size(1))
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(1234)).to(current.device)
+    inputs = dict(inputs, old_per_token_logps=current.float() + 0.1 * noise)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     out, flat = {}, {}

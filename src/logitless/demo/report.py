@@ -86,7 +86,8 @@ def print_result(s: dict, out_dir: Path) -> None:
           f"{s['seconds']:.0f} s ({s['train_seconds']:.0f} s training)")
     print(f"held-out accuracy (greedy, {ev['size']} problems): {ev['before']:.1%} -> {ev['after']:.1%}")
     lg, tr = one["logitless"], one["trl"]
-    print("one GRPO step, same real batch, before training:   loss          grad norm (all params)")
+    print("one GRPO step, same real batch, before training (old log-probs 0.1 nats off):")
+    print("                                                   loss          grad norm (all params)")
     print(f"  logitless                                       {lg['loss']: .6e}   {lg['grad_norm']:.6e}")
     print(f"  TRL 1.16 own path                               {tr['loss']: .6e}   {tr['grad_norm']:.6e}")
     print(f"  |loss difference| = {abs(lg['loss'] - tr['loss']):.1e};  "
