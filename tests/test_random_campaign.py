@@ -226,8 +226,11 @@ def _outputs(case: dict, aux: dict, z: torch.Tensor | None, t: dict, teacher_z: 
 
 def _overflows(case: dict, t: dict) -> bool:
     """``logits_precision="input"`` rounds the matmul output to the input dtype: does it leave
-    that dtype's range (logitless must then refuse with a ValueError)?"""
-    if case["precision"] != "input" or case["dtype"] not in (torch.float16, torch.bfloat16) or case["n"] == 0:
+    that dtype's range (logitless must then refuse with a ValueError)? Not under a soft-cap: a
+    logit that large is capped at ``softcap`` (value and zero gradient) whether it rounded to inf
+    or not, so the statistics stay right and are compared as any others."""
+    if case["precision"] != "input" or case["dtype"] not in (torch.float16, torch.bfloat16) or case["n"] == 0 \
+            or case["transform"].get("softcap"):
         return False
     with torch.no_grad():
         y = _logits({**case, "transform": {}, "bias": False}, {k: v for k, v in t.items() if k != "bias"},
