@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
-from trl_head_oracle import PassCounter, flat_grads, install_plain_head, rel_err
+from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.config import LogitlessConfig
 from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, trl_own_path
@@ -44,11 +44,7 @@ def _float64_oracle_trainer(tr):
 
 
 def _step(tr, batch):
-    tr.model.zero_grad(set_to_none=True)
-    tr._metrics["train"].clear()
-    loss = tr.compute_loss(tr.model, batch)
-    loss.backward()
-    return loss.detach(), flat_grads(tr.model), {k: v[-1] for k, v in tr._metrics["train"].items()}
+    return trainer_step(tr, lambda model: tr.compute_loss(model, batch))
 
 
 # Seeded draws over TRL's DPO options that change the loss (loss types, their mixture and weights,

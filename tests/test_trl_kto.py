@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
-from trl_head_oracle import PassCounter, flat_grads, install_plain_head, rel_err
+from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.trl_kto import LogitlessKTOTrainer, patch_kto_trainer, trl_own_path
 
@@ -33,11 +33,7 @@ def _kto(tmp_path, seed, cls=None, **opts):
 
 
 def _step(tr, batch):
-    tr.model.zero_grad(set_to_none=True)
-    tr._metrics["train"].clear()
-    loss = tr.compute_loss(tr.model, batch)
-    loss.backward()
-    return loss.detach(), flat_grads(tr.model), {k: v[-1] for k, v in tr._metrics["train"].items()}
+    return trainer_step(tr, lambda model: tr.compute_loss(model, batch))
 
 
 # Seeded draws over the KTO options that change the loss: loss type (with / without the KL

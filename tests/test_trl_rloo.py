@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
-from trl_head_oracle import PassCounter, flat_grads, install_plain_head, rel_err
+from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.config import LogitlessConfig
 from logitless.integrations.trl_rloo import LogitlessRLOOTrainer, patch_rloo_trainer, trl_own_path
@@ -42,11 +42,7 @@ def _inputs(seed, b=4, p=3, t=6):
 
 
 def _step(tr, inputs):
-    tr.model.zero_grad(set_to_none=True)
-    tr._metrics["train"].clear()
-    loss = tr._compute_loss(tr.model, inputs)
-    loss.backward()
-    return loss.detach(), flat_grads(tr.model), {k: v[-1] for k, v in tr._metrics["train"].items()}
+    return trainer_step(tr, lambda model: tr._compute_loss(model, inputs))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

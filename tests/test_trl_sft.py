@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
-from trl_head_oracle import flat_grads, install_plain_head, rel_err
+from trl_head_oracle import install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.config import LogitlessConfig
 from logitless.integrations.trl_sft import LogitlessSFTTrainer, patch_sft_trainer, trl_own_path
@@ -40,12 +40,9 @@ def _sft(tmp_path, seed, cls=None, logitless_config=None, prompt_completion=Fals
 
 
 def _step(tr, batch, num_items_in_batch):
-    tr.model.zero_grad(set_to_none=True)
-    tr._metrics["train"].clear()
-    loss = tr.compute_loss(tr.model, dict(batch), num_items_in_batch=num_items_in_batch)
-    loss.backward()
-    metrics = {k: v[-1] for k, v in tr._metrics["train"].items() if k != "num_tokens"}
-    return loss.detach(), flat_grads(tr.model), metrics
+    loss, grads, metrics = trainer_step(
+        tr, lambda model: tr.compute_loss(model, dict(batch), num_items_in_batch=num_items_in_batch))
+    return loss, grads, {k: v for k, v in metrics.items() if k != "num_tokens"}
 
 
 # Seeded draws over what changes SFT's loss: NLL or DFT, label smoothing (NLL only, as in TRL),

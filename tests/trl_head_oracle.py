@@ -49,6 +49,16 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def trainer_step(tr, loss_of) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(loss, every parameter's gradient flattened, last logged train metrics)`` of one
+    ``loss_of(tr.model)`` on a trainer, gradients and metrics cleared first."""
+    tr.model.zero_grad(set_to_none=True)
+    tr._metrics["train"].clear()
+    loss = loss_of(tr.model)
+    loss.backward()
+    return loss.detach(), flat_grads(tr.model), {k: v[-1] for k, v in tr._metrics["train"].items()}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-300))
 
