@@ -260,78 +260,24 @@ def test_chunk_backward_accumulates_and_skips_hidden():
     partials, _ = forward(flash_backend, h, w, b, t, tr, _plan(), False, keep_logits=False)
     lse = partials.finalize()[0]
     g = torch.ones(N)
+    saved = SavedStats(lse, None)
+
+    def step(grads: StatGrads, acc: Accumulators, kept=None):
+        return backward(flash_backend, h, w, b, t, tr, _plan(), saved, grads, acc, kept)
+
     gw1, gb1 = torch.zeros(V, H), torch.zeros(V)
-    assert (
-        backward(
-            flash_backend,
-            h,
-            w,
-            b,
-            t,
-            tr,
-            _plan(),
-            SavedStats(lse, None),
-            StatGrads(logp=g),
-            Accumulators(gw1, gb1, hidden=False),
-        )
-        is None
-    )
+    assert step(StatGrads(logp=g), Accumulators(gw1, gb1, hidden=False)) is None
     gw2, gb2 = gw1.clone(), gb1.clone()
-    backward(
-        flash_backend,
-        h,
-        w,
-        b,
-        t,
-        tr,
-        _plan(),
-        SavedStats(lse, None),
-        StatGrads(logp=g),
-        Accumulators(gw2, gb2, hidden=False),
-    )
+    step(StatGrads(logp=g), Accumulators(gw2, gb2, hidden=False))
     torch.testing.assert_close(gw2, 2 * gw1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gb2, 2 * gb1, rtol=1e-5, atol=1e-6)
     gw64 = torch.ones(V, H, dtype=torch.float64)
-    backward(
-        flash_backend,
-        h,
-        w,
-        b,
-        t,
-        tr,
-        _plan(),
-        SavedStats(lse, None),
-        StatGrads(logp=g),
-        Accumulators(gw64, None, hidden=False),
-    )
+    step(StatGrads(logp=g), Accumulators(gw64, None, hidden=False))
     torch.testing.assert_close(gw64, 1 + gw1.double(), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="keeps no logits"):
-        backward(
-            flash_backend,
-            h,
-            w,
-            b,
-            t,
-            tr,
-            _plan(),
-            SavedStats(lse, None),
-            StatGrads(logp=g),
-            Accumulators(gw1, None, hidden=False),
-            torch.zeros(N, V),
-        )
+        step(StatGrads(logp=g), Accumulators(gw1, None, hidden=False), torch.zeros(N, V))
     with pytest.raises(ValueError, match="sum_pz"):
-        backward(
-            flash_backend,
-            h,
-            w,
-            b,
-            t,
-            tr,
-            _plan(),
-            SavedStats(lse, None),
-            StatGrads(entropy=g),
-            Accumulators(gw1, None, hidden=False),
-        )
+        step(StatGrads(entropy=g), Accumulators(gw1, None, hidden=False))
 
 
 @interpreted

@@ -198,33 +198,15 @@ def test_chunk_backward_accumulates_and_skips_hidden():
     partials, kept = forward(triton_backend, h, w, b, t, tr, plan, False, keep_logits=True)
     lse = partials.finalize()[0]
     g = torch.ones(N)
+    saved = SavedStats(lse, None)
+
+    def step(acc: Accumulators, kept=None):
+        return backward(triton_backend, h, w, b, t, tr, plan, saved, StatGrads(logp=g), acc, kept)
+
     gw1, gb1 = torch.zeros(V, 16), torch.zeros(V)
-    backward(
-        triton_backend,
-        h,
-        w,
-        b,
-        t,
-        tr,
-        plan,
-        SavedStats(lse, None),
-        StatGrads(logp=g),
-        Accumulators(gw1, gb1, hidden=False),
-    )
+    step(Accumulators(gw1, gb1, hidden=False))
     gw2, gb2 = gw1.clone(), gb1.clone()
-    out = backward(
-        triton_backend,
-        h,
-        w,
-        b,
-        t,
-        tr,
-        plan,
-        SavedStats(lse, None),
-        StatGrads(logp=g),
-        Accumulators(gw2, gb2, hidden=False),
-        kept,
-    )
+    out = step(Accumulators(gw2, gb2, hidden=False), kept)
     assert out is None
     torch.testing.assert_close(gw2, 2 * gw1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gb2, 2 * gb1, rtol=1e-5, atol=1e-6)
