@@ -56,9 +56,20 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .settings import on_reload, settings
+from .tile_gemm import (
+    Tiles,
+    check_operands,
+    dot_precision,
+    grouped,
+    load_tile,
+    logits_tile,
+    mma,
+    operand_src,
+    sm_count,
+    tma_ready,
+)
 from .transform import LogitTransform
 from .triton_common import interpreting, raw_grad, to_logits, transform_args
 
@@ -68,18 +79,6 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------
 # Launch configs
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """Launch shape of one kernel: a program's ``block_n`` token rows x ``block_v`` vocabulary
-    entries, ``tl.dot`` steps of ``block_k`` along ``H``, ``warps`` and software-pipeline ``stages``."""
-
-    block_n: int
-    block_v: int
-    block_k: int
-    warps: int
-    stages: int
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ class FlashConfig:
     def splits(self, n: int, vocab: int, tiles: Tiles, device: torch.device) -> int:
         """Vocabulary splits of the forward (``tiles``) for ``n`` tokens (1 to the number of tiles)."""
         n_tiles = triton.cdiv(vocab, tiles.block_v)
-        want = triton.cdiv(self.programs_per_sm * _sm_count(device), triton.cdiv(n, tiles.block_n))
+        want = triton.cdiv(self.programs_per_sm * sm_count(device), triton.cdiv(n, tiles.block_n))
         per_split = triton.cdiv(n_tiles, max(1, min(n_tiles, want)))
         return triton.cdiv(n_tiles, per_split)
 
@@ -166,13 +165,6 @@ def flash_config() -> FlashConfig:
 on_reload(flash_config.cache_clear)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2  # the interpreter: a couple of "SMs" keeps the split count small but above one
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 # LOGITLESS_FLASH_AUTOTUNE=1: both kernels pick among these (BLOCK_N, BLOCK_V, BLOCK_K, warps,
 # stages); the ones that do not fit in shared memory are skipped by the autotuner.
 _TUNE = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -187,45 +179,6 @@ _TUNE = [triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=
 
 
 @triton.jit
-def _grouped(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
-    """``(token block, column)`` of program ``pid``: ``GROUP_N`` consecutive token blocks sweep
-    the columns together (Triton's matmul-tutorial ordering), so column operands hit L2."""
-    per_group = GROUP_N * n_cols
-    first = (pid // per_group) * GROUP_N
-    size = tl.minimum(n_blocks - first, GROUP_N)
-    r = pid % per_group
-    return first + r % size, r // size
-
-
-@triton.jit
-def _mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b (+ acc)`` in fp32. ``UPCAST`` (the interpreter only): Triton's interpreter
-    multiplies bf16 operands as raw bit patterns, so they are widened first (exact)."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _load_tile(src, stride, idx, idx_ok, first, k0, hidden_size, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows ``idx`` (``first`` = ``idx[0]``), columns ``k0 : k0 + BLOCK_K`` of a ``[rows, H]``
-    operand, ``[len(idx), BLOCK_K]``, zero outside. ``src``: a tensor descriptor (``USE_TMA``,
-    the copy engine fills out-of-range rows with zeros) or a pointer with row stride ``stride``."""
-    if USE_TMA:
-        tile = src.load([first, k0])
-    else:
-        ks = k0 + tl.arange(0, BLOCK_K)
-        ptrs = src + idx.to(tl.int64)[:, None] * stride + ks[None, :]  # int64: V * H exceeds 2**31
-        if EVEN_K:
-            tile = tl.load(ptrs, mask=idx_ok[:, None], other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=idx_ok[:, None] & (ks < hidden_size)[None, :], other=0.0)
-    return tile
-
-
-@triton.jit
 def _add_tile(dst_ptr, stride, val, idx, idx_ok, k0, hidden_size, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """``dst[idx, k0 : k0 + BLOCK_K] += val``: fp32 atomics (relaxed; vectorized by 4 on Hopper).
     The copy engine's bulk reductions (``desc.atomic_add``) measured no faster on an H100."""
@@ -236,20 +189,6 @@ def _add_tile(dst_ptr, stride, val, idx, idx_ok, k0, hidden_size, BLOCK_K: tl.co
     else:
         mask = idx_ok[:, None] & (ks < hidden_size)[None, :]
     tl.atomic_add(ptrs, val, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def _logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``hidden[rows] @ weight[cols].T`` as a ``[BLOCK_N, BLOCK_V]`` fp32 tile (0 where masked);
-    ``row0``/``col0`` are ``rows[0]``/``cols[0]``."""
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for k0 in range(0, hidden_size, BLOCK_K):
-        a = _load_tile(h_src, stride_hn, rows, row_ok, row0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
-        b = _load_tile(w_src, stride_wv, cols, col_ok, col0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
-        acc = _mma(a, tl.trans(b), acc, DOT_PRECISION, UPCAST)
-    return acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +211,7 @@ def _flash_stats_kernel(
     UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
 ):
-    pid_n, split = _grouped(tl.program_id(0), tl.cdiv(n, BLOCK_N), n_splits, GROUP_N)
+    pid_n, split = grouped(tl.program_id(0), tl.cdiv(n, BLOCK_N), n_splits, GROUP_N)
     n_tiles = tl.cdiv(vocab, BLOCK_V)
     per_split = tl.cdiv(n_tiles, n_splits)
     tile_lo = split * per_split
@@ -292,7 +231,7 @@ def _flash_stats_kernel(
     for tile in range(tile_lo, tile_hi):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < vocab
-        y = _logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, pid_n * BLOCK_N,
+        y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, pid_n * BLOCK_N,
                          tile * BLOCK_V, hidden_size, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION,
                          UPCAST)
         if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
@@ -344,7 +283,7 @@ def _flash_grad_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
 ):
     n_blocks = tl.cdiv(n, BLOCK_N)
-    pid_n, pid_v = _grouped(tl.program_id(0), n_blocks, tl.cdiv(vocab, BLOCK_V), GROUP_N)
+    pid_n, pid_v = grouped(tl.program_id(0), n_blocks, tl.cdiv(vocab, BLOCK_V), GROUP_N)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < n
@@ -352,7 +291,7 @@ def _flash_grad_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     row0 = pid_n * BLOCK_N
     col0 = pid_v * BLOCK_V
-    y = _logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
                      BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
     if USE_TMA:
         in_dtype = h_src.dtype
@@ -405,49 +344,18 @@ def _flash_grad_kernel(
         for kk in range(0, num_k):
             k0 = ((kk + k_shift) % num_k) * BLOCK_K
             if NEED_DH:
-                w_k = _load_tile(w_src, stride_wv, cols, col_ok, col0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
-                dh = _mma(dy_mm, w_k, None, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_K]
+                w_k = load_tile(w_src, stride_wv, cols, col_ok, col0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
+                dh = mma(dy_mm, w_k, None, DOT_PRECISION, UPCAST)  # [BLOCK_N, BLOCK_K]
                 _add_tile(dh_ptr, stride_dhn, dh, rows, row_ok, k0, hidden_size, BLOCK_K, EVEN_K)
             if NEED_DW:
-                h_k = _load_tile(h_src, stride_hn, rows, row_ok, row0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
-                dw = _mma(tl.trans(dy_mm), h_k, None, DOT_PRECISION, UPCAST)  # [BLOCK_V, BLOCK_K]
+                h_k = load_tile(h_src, stride_hn, rows, row_ok, row0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
+                dw = mma(tl.trans(dy_mm), h_k, None, DOT_PRECISION, UPCAST)  # [BLOCK_V, BLOCK_K]
                 _add_tile(dw_ptr, stride_dwv, dw, cols, col_ok, k0, hidden_size, BLOCK_K, EVEN_K)
 
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: three TF32 products (about fp32 accuracy, as the cuBLAS fp32 GEMM of the other
-    # backends); bf16/fp16 ignore the setting.
-    return "tf32x3" if dtype == torch.float32 else "tf32"
-
-
-def _check_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
-    assert hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert hidden.stride(1) == 1 and weight.stride(1) == 1 and hidden.shape[1] == weight.shape[1]
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    """The copy engine's tensor descriptors: Hopper and later (the interpreter emulates them)."""
-    if device.type != "cuda":
-        return interpreting()
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether every ``[rows, H]`` tensor can be read through a descriptor: 16-byte aligned base
-    and row stride, unit stride along ``H``."""
-    return all(_has_tma(t.device) and t.data_ptr() % 16 == 0 and t.stride(1) == 1
-               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
-
-
-def _src(t: torch.Tensor, block_rows: int, tiles: Tiles, tma: bool):
-    """``t`` as a kernel operand: a descriptor of ``[block_rows, BLOCK_K]`` blocks, or itself."""
-    return TensorDescriptor.from_tensor(t, [block_rows, tiles.block_k]) if tma else t
 
 
 @functools.cache
@@ -486,7 +394,7 @@ def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``zy`` the target's logit if it lies
         in the range (else 0), ``sz = Σ z``.
     """
-    _check_operands(hidden, weight)
+    check_operands(hidden, weight)
     n, hidden_size = hidden.shape
     vocab = weight.shape[0]
     t = cfg.tiles("fwd", hidden.dtype)
@@ -494,16 +402,16 @@ def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     names = ("m", "se", "zy") + (("sez",) if want_entropy else ()) + (("sz",) if want_sum_z else ())
     out = {k: torch.empty((splits, n), dtype=torch.float32, device=hidden.device) for k in names}
     scalars, flags = transform_args(transform)
-    tma = cfg.tma and _tma_ready(hidden, weight)
+    tma = cfg.tma and tma_ready(hidden, weight)
     _launch(_flash_stats_kernel, cfg, t, lambda bn, _bv: triton.cdiv(n, bn) * splits,
-            _src(hidden, t.block_n, t, tma), hidden.stride(0), _src(weight, t.block_v, t, tma),
+            operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
             weight.stride(0), hidden if bias is None else bias, targets,
             out["m"], out["se"], out.get("sez", out["se"]), out["zy"], out.get("sz", out["se"]),
             n, vocab, hidden_size, splits, *scalars,
             HAS_BIAS=bias is not None, WANT_ENTROPY=want_entropy, WANT_SUM_Z=want_sum_z,
             ROUND_Y=not fp32_logits and hidden.dtype != torch.float32,
             EVEN_K=hidden_size % t.block_k == 0 and not cfg.autotune, USE_TMA=tma,
-            DOT_PRECISION=_dot_precision(hidden.dtype), UPCAST=interpreting(), **flags)
+            DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(), **flags)
     return out
 
 
@@ -522,7 +430,7 @@ def launch_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         grads: :class:`FlashGrads`, fp32 accumulators updated in place.
         cfg: ``cfg.filter`` turns on gradient filtering (module docstring).
     """
-    _check_operands(hidden, weight)
+    check_operands(hidden, weight)
     lse, sum_pz, coef, g_logp, g_entropy, g_sum_z = rc
     grad_hidden, grad_weight, grad_bias, fp32_logits = grads
     assert (sum_pz is None) == (g_entropy is None)
@@ -531,11 +439,11 @@ def launch_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, hidden_size = hidden.shape
     vocab = weight.shape[0]
     scalars, flags = transform_args(transform)
-    tma = cfg.tma and _tma_ready(hidden, weight)
+    tma = cfg.tma and tma_ready(hidden, weight)
     dummy = lse
     t = cfg.tiles("bwd", hidden.dtype)
     _launch(_flash_grad_kernel, cfg, t, lambda bn, bv: triton.cdiv(n, bn) * triton.cdiv(vocab, bv),
-            _src(hidden, t.block_n, t, tma), hidden.stride(0), _src(weight, t.block_v, t, tma),
+            operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
             weight.stride(0), dummy if bias is None else bias, targets,
             lse, dummy if sum_pz is None else sum_pz, coef, dummy if g_logp is None else g_logp,
             dummy if g_entropy is None else g_entropy, dummy if g_sum_z is None else g_sum_z,
@@ -548,4 +456,4 @@ def launch_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             NEED_DH=grad_hidden is not None, NEED_DW=grad_weight is not None, NEED_DB=grad_bias is not None,
             FILTER=cfg.filter, ROUND_Y=not fp32_logits and hidden.dtype != torch.float32,
             EVEN_K=hidden_size % t.block_k == 0 and not cfg.autotune, USE_TMA=tma,
-            DOT_PRECISION=_dot_precision(hidden.dtype), UPCAST=interpreting(), **flags)
+            DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(), **flags)

@@ -1,0 +1,121 @@
+"""Triton tile-GEMM helpers shared by the kernels that compute logits tiles with ``tl.dot``
+(:mod:`.flash_kernels`, :mod:`.gemm_kernels`): launch shapes, program ordering, operand loads
+through tensor descriptors (the Hopper copy engine) or pointers, and the tile GEMM itself."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .triton_common import interpreting
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape of one kernel: a program's ``block_n`` token rows x ``block_v`` vocabulary
+    entries, ``tl.dot`` steps of ``block_k`` along ``H``, ``warps`` and software-pipeline ``stages``."""
+
+    block_n: int
+    block_v: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (2 for the interpreter's CPU tensors)."""
+    if device.type != "cuda":
+        return 2  # the interpreter: a couple of "SMs" keeps the split count small but above one
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def grouped(pid, n_blocks, n_cols, GROUP_N: tl.constexpr):
+    """``(token block, column)`` of program ``pid``: ``GROUP_N`` consecutive token blocks sweep
+    the columns together (Triton's matmul-tutorial ordering), so column operands hit L2."""
+    per_group = GROUP_N * n_cols
+    first = (pid // per_group) * GROUP_N
+    size = tl.minimum(n_blocks - first, GROUP_N)
+    r = pid % per_group
+    return first + r % size, r // size
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b (+ acc)`` in fp32. ``UPCAST`` (the interpreter only): Triton's interpreter
+    multiplies bf16 operands as raw bit patterns, so they are widened first (exact)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def load_tile(src, stride, idx, idx_ok, first, k0, hidden_size, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows ``idx`` (``first`` = ``idx[0]``), columns ``k0 : k0 + BLOCK_K`` of a ``[rows, H]``
+    operand, ``[len(idx), BLOCK_K]``, zero outside. ``src``: a tensor descriptor (``USE_TMA``,
+    the copy engine fills out-of-range rows with zeros) or a pointer with row stride ``stride``."""
+    if USE_TMA:
+        tile = src.load([first, k0])
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ptrs = src + idx.to(tl.int64)[:, None] * stride + ks[None, :]  # int64: V * H exceeds 2**31
+        if EVEN_K:
+            tile = tl.load(ptrs, mask=idx_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=idx_ok[:, None] & (ks < hidden_size)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``hidden[rows] @ weight[cols].T`` as a ``[BLOCK_N, BLOCK_V]`` fp32 tile (0 where masked);
+    ``row0``/``col0`` are ``rows[0]``/``cols[0]``."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        a = load_tile(h_src, stride_hn, rows, row_ok, row0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
+        b = load_tile(w_src, stride_wv, cols, col_ok, col0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
+        acc = mma(a, tl.trans(b), acc, DOT_PRECISION, UPCAST)
+    return acc
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for ``dtype`` operands."""
+    # fp32 inputs: three TF32 products (about fp32 accuracy, as the cuBLAS fp32 GEMM of the other
+    # backends); bf16/fp16 ignore the setting.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def check_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """The kernels' operand contract (asserted: callers convert before)."""
+    assert hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert hidden.stride(1) == 1 and weight.stride(1) == 1 and hidden.shape[1] == weight.shape[1]
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """The copy engine's tensor descriptors: Hopper and later (the interpreter emulates them)."""
+    if device.type != "cuda":
+        return interpreting()
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether every ``[rows, H]`` tensor can be read through a descriptor: 16-byte aligned base
+    and row stride, unit stride along ``H``."""
+    return all(_has_tma(t.device) and t.data_ptr() % 16 == 0 and t.stride(1) == 1
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def operand_src(t: torch.Tensor, block_rows: int, tiles: Tiles, tma: bool):
+    """``t`` as a kernel operand: a descriptor of ``[block_rows, BLOCK_K]`` blocks, or itself."""
+    return TensorDescriptor.from_tensor(t, [block_rows, tiles.block_k]) if tma else t
