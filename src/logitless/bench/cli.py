@@ -46,7 +46,7 @@ DESCRIPTION = ("Benchmark logitless against the cuBLAS floor of the head and oth
                "Results go to a JSON file and a BENCHMARKS.md under --out.")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _QUICK_GPU = ("4096:qwen2.5-7b", "8192:gemma2-2b")
-_IMPLS = ("auto", "torch", "triton")
+_IMPLS = ("auto", "torch", "triton", "gemm", "flash")
 DEFAULT_OUT = Path("bench_out")
 CPU_NOTE = ("note: CPU run at tiny shapes: times, ratios and memory are not representative of a GPU; it checks "
             "that every row runs and agrees")

@@ -15,7 +15,8 @@ chain rule through the head's :class:`~logitless.ops.transform.LogitTransform`.
 
 Backends: :mod:`.torch_backend` (the specification; CPU and any GPU), :mod:`.triton_backend`
 (cuBLAS GEMMs around Triton row kernels), :mod:`.flash_backend` (Triton tile GEMMs, logits never
-in memory). :func:`resolve_backend` makes every choice between them, delegations included.
+in memory), :mod:`.gemm_backend` (statistics in a Triton GEMM's epilogue, 2-byte kept logits).
+:func:`resolve_backend` makes every choice between them, delegations included.
 """
 
 from __future__ import annotations
@@ -93,6 +94,20 @@ class RowStats:
 
         return cls(max_logit=new(), sum_exp=new(), sum_exp_logit=new(want.entropy), target_logit=new(),
                    owned=new(dt=torch.bool), sum_logit=new(want.sum_z))
+
+    @classmethod
+    def combine(cls, parts: dict[str, torch.Tensor], owned: torch.Tensor) -> RowStats:
+        """Merge ``[parts, n]`` partials of disjoint vocabulary ranges into ``[n]``:
+        ``max_logit = max_s m_s``, ``sum_exp = Σ_s se_s e^(m_s - max_logit)`` (likewise ``sez``),
+        the target logit ``zy`` and ``Σ z`` (``sz``) summed (``zy`` is nonzero in at most one
+        range). Keys ``m``, ``se``, ``zy`` and optionally ``sez``, ``sz``."""
+        m_s = parts["m"]
+        m = m_s.max(dim=0).values
+        weight = torch.exp(m_s - m)  # a range that is empty has m_s = -inf: weight 0
+        return cls(max_logit=m, sum_exp=(parts["se"] * weight).sum(dim=0),
+                   sum_exp_logit=(parts["sez"] * weight).sum(dim=0) if "sez" in parts else None,
+                   target_logit=parts["zy"].sum(dim=0), owned=owned,
+                   sum_logit=parts["sz"].sum(dim=0) if "sz" in parts else None)
 
     def write(self, sl: slice, part: RowStats) -> None:
         """Copy a chunk's statistics into rows ``sl``."""
@@ -235,13 +250,14 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
 
     ``"auto"`` is Triton on CUDA when it imports, the torch backend otherwise. fp64 inputs always
     run on the torch backend (no fp64 tensor-core GEMMs to gain from); a head adapter under
-    ``"flash"`` runs on the Triton backend (the flash kernels have no low-rank term).
+    ``"flash"``/``"gemm"`` runs on the Triton backend (those kernels have no low-rank term), as
+    do fp32 inputs under ``"gemm"`` (its GEMM is written for 16-bit tensor-core operands).
 
     Raises:
-        ValueError: unknown ``impl``, or ``"triton"``/``"flash"`` where Triton cannot run.
+        ValueError: unknown ``impl``, or ``"triton"``/``"flash"``/``"gemm"`` where Triton cannot run.
     """
-    if impl not in ("auto", "torch", "triton", "flash"):
-        raise ValueError(f"impl must be 'auto', 'torch', 'triton' or 'flash', got {impl!r}")
+    if impl not in ("auto", "torch", "triton", "flash", "gemm"):
+        raise ValueError(f"impl must be 'auto', 'torch', 'triton', 'flash' or 'gemm', got {impl!r}")
     if impl == "auto":
         impl = "triton" if hidden.device.type == "cuda" and triton_available() else "torch"
     if impl != "torch":
@@ -253,6 +269,8 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
         return _module("torch_backend")
     if impl == "flash" and not has_lora:
         return _module("flash_backend")
+    if impl == "gemm" and not has_lora and hidden.dtype in (torch.bfloat16, torch.float16):
+        return _module("gemm_backend")
     return _module("triton_backend")
 
 

@@ -40,19 +40,6 @@ def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return hidden, weight, None if bias is None else bias.contiguous(), targets.to(torch.int64).contiguous()
 
 
-def _combine(parts: dict[str, torch.Tensor], owned: torch.Tensor) -> RowStats:
-    """Merge ``[splits, n]`` partials into ``[n]``: ``max_logit = max_s m_s``,
-    ``sum_exp = Σ_s se_s e^(m_s - max_logit)`` (likewise ``Σ exp·z``), the target logit and
-    ``Σ z`` summed (the target logit is nonzero in at most one split)."""
-    m_s = parts["m"]
-    m = m_s.max(dim=0).values
-    weight = torch.exp(m_s - m)  # a split whose range is empty has m_s = -inf: weight 0
-    return RowStats(max_logit=m, sum_exp=(parts["se"] * weight).sum(dim=0),
-                    sum_exp_logit=(parts["sez"] * weight).sum(dim=0) if "sez" in parts else None,
-                    target_logit=parts["zy"].sum(dim=0), owned=owned,
-                    sum_logit=parts["sz"].sum(dim=0) if "sz" in parts else None)
-
-
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
                   keep_logits: bool) -> tuple[RowStats, None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows. Nothing is kept
@@ -70,7 +57,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         return RowStats.start(n, torch.float32, hidden.device, want, owned), None
     parts = launch_stats(hidden, weight, bias, targets, head.transform, want.entropy, want.sum_z,
                          plan.fp32_logits, flash_config())
-    return _combine(parts, owned), None
+    return RowStats.combine(parts, owned), None
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

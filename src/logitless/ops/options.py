@@ -8,10 +8,10 @@ from typing import Literal
 from .settings import LogitsPrecision, settings
 
 Mode = Literal["auto", "fused", "recompute"]
-Impl = Literal["auto", "torch", "triton", "flash"]
+Impl = Literal["auto", "torch", "triton", "flash", "gemm"]
 
 _MODES = ("auto", "fused", "recompute")
-_IMPLS = ("auto", "torch", "triton", "flash")
+_IMPLS = ("auto", "torch", "triton", "flash", "gemm")
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class PassOptions:
             backward: 4 GEMMs), or ``"auto"`` (fused unless the objective needs every token's
             statistics before its loss).
         impl: backend: ``"auto"`` (Triton on CUDA when it imports, else torch), ``"torch"``,
-            ``"triton"`` (cuBLAS GEMMs + Triton row kernels) or ``"flash"`` (Triton tile GEMMs
-            that never write logits).
+            ``"triton"`` (cuBLAS GEMMs + Triton row kernels), ``"flash"`` (Triton tile GEMMs
+            that never write logits) or ``"gemm"`` (statistics in a Triton GEMM's epilogue,
+            logits kept in fp16 centred per tile, cuBLAS gradient GEMMs).
         chunk_bytes: workspace budget of the pass in bytes; ``None``: ``LOGITLESS_CHUNK_BYTES``,
             else 1 GiB.
         logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 (statistics within

@@ -15,9 +15,9 @@ import torch
 # does not fit is cut along the vocabulary instead of shrinking the token chunk further. On GPUs
 # the token chunk is the inner dimension of the fp32 ``d weight += dy^T @ h`` accumulation, whose
 # [V, H] read-modify-write dominates below ~1k tokens, hence the larger floor for Triton.
-_MIN_TOKENS = {"torch": 32, "triton": 1024}
+_MIN_TOKENS = {"torch": 32, "triton": 1024, "gemm": 1024}
 
-PlanKind = Literal["torch", "triton"]
+PlanKind = Literal["torch", "triton", "gemm"]
 _ALIGN = 128  # token chunks are multiples of this (when a chunk is not the whole input)
 
 

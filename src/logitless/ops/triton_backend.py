@@ -84,25 +84,35 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     block = vocab if kept is not None else plan.vocab_block
     for start in range(0, vocab, block):
         end = min(start + block, vocab)
-        w = head.weight[start:end]
         tile = kept if kept is not None else _tile(hidden, head.weight, start, end, cfg, rows.low)
         # dy goes over the tile's own storage; an fp32 tile is reinterpreted as twice as many
         # bf16/fp16 columns and dy fills the first half of each row (see triton_kernels).
         dy = tile if tile.dtype == hidden.dtype else tile.view(hidden.dtype)[:, :end - start]
         launch_dlogits(tile, dy, bias, targets, start, head.transform, rc, cfg)
         del tile
-        if acc.bias is not None:
-            acc.bias[start:end] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
-        if acc.hidden:
-            if grad_hidden is None:
-                grad_hidden = gemm.mm(dy, w, torch.float32)
-            else:
-                gemm.addmm_(grad_hidden, dy, w)
-        if acc.weight is not None:
-            gemm.addmm_(acc.weight[start:end], dy.t(), hidden)
+        grad_hidden = block_grads(dy, head.weight, hidden, slice(start, end), acc, grad_hidden)
         if rows.low is not None:
             low_rank_grads(dy, rows.low, start, end, acc.lora_x, acc.lora_b)
         del dy
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return grad_hidden
+
+
+def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, block: slice, acc: Accumulators,
+                grad_hidden: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradients of one vocabulary block from its ``dy [n, v]`` (GEMM dtype) in cuBLAS:
+    ``d bias[block] += Σ_n dy``, ``d weight[block] += dyᵀ @ hidden`` (fp32 accumulator), and
+    ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
+    the first block, or without ``acc.hidden``)."""
+    if acc.bias is not None:
+        acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
+    if acc.hidden:
+        w = weight[block]
+        if grad_hidden is None:
+            grad_hidden = gemm.mm(dy, w, torch.float32)
+        else:
+            gemm.addmm_(grad_hidden, dy, w)
+    if acc.weight is not None:
+        gemm.addmm_(acc.weight[block], dy.t(), hidden)
     return grad_hidden

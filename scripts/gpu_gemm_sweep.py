@@ -1,0 +1,82 @@
+"""Tile shapes of the GEMM-epilogue forward kernel against cuBLAS, on one head (GPU only).
+
+    python3 scripts/gpu_gemm_sweep.py [N] [H] [V]
+
+Prints, in ms: cuBLAS's logits GEMM (bf16 and fp32 output), the flash forward, and the epilogue
+kernel for each tile shape with and without storing the centred fp16 tile, then the row kernel
+that turns a stored tile into ``dy`` for a few step widths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from logitless.ops import gemm
+from logitless.ops.backend import RowCoefficients, RowStats, SavedStats, StatGrads
+from logitless.ops.flash_kernels import flash_config
+from logitless.ops.flash_kernels import launch_stats as flash_stats
+from logitless.ops.gemm_kernels import gemm_config, launch_centred_grad, launch_forward
+from logitless.ops.tile_gemm import Tiles
+from logitless.ops.transform import LogitTransform
+
+SHAPES = [Tiles(128, 128, 64, 8, 4), Tiles(128, 256, 64, 8, 3), Tiles(128, 256, 64, 8, 4), Tiles(256, 128, 64, 8, 3),
+          Tiles(128, 256, 32, 8, 4), Tiles(128, 128, 128, 8, 3), Tiles(128, 128, 64, 4, 4), Tiles(64, 256, 64, 4, 4),
+          Tiles(256, 128, 64, 8, 4), Tiles(128, 256, 64, 4, 3)]
+
+
+def main() -> None:
+    n, h, v = (int(x) for x in (sys.argv[1:4] if len(sys.argv) > 3 else (8192, 4096, 128256)))
+    torch.manual_seed(0)
+    hid = (torch.randn(n, h, device="cuda") * 2).to(torch.bfloat16)
+    w = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16)
+    tgt = torch.randint(0, v, (n,), device="cuda")
+    tr = LogitTransform()
+    z = torch.empty((n, v), dtype=torch.float16, device="cuda")
+    ms = {}
+    ms["cublas bf16 out"] = do_bench(lambda: torch.mm(hid, w.t()))
+    ms["cublas fp32 out"] = do_bench(lambda: gemm.mm(hid, w.t(), torch.float32))
+    ms["flash forward"] = do_bench(lambda: flash_stats(hid, w, None, tgt, tr, True, False, True, flash_config()))
+    base = gemm_config()
+    best = (float("inf"), None)
+    for t in SHAPES:
+        for group in (8, 16):
+            cfg = dataclasses.replace(base, fwd=t, group_n=group)
+            name = f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} g{group}"
+            try:
+                a = do_bench(lambda cfg=cfg: launch_forward(hid, w, None, tgt, tr, (True, False), True, None, cfg))
+                b = do_bench(lambda cfg=cfg: launch_forward(hid, w, None, tgt, tr, (True, False), True, z, cfg))
+            except Exception as e:  # a shape that does not fit is reported and skipped
+                print(f"{name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            ms[name + " stats"] = a
+            ms[name + " +store"] = b
+            print(f"{name}: stats {a:.3f}  +store {b:.3f}", flush=True)
+            if b < best[0]:
+                best = (b, cfg)
+    cfg = best[1]
+    parts = launch_forward(hid, w, None, tgt, tr, (True, False), True, z, cfg)
+    m = parts["m"]
+    lse, _, sum_pz = RowStats.combine(parts, torch.ones(n, dtype=torch.bool, device="cuda")).finalize()[:3]
+    g = torch.randn(n, device="cuda")
+    rc = RowCoefficients.make(SavedStats(lse, sum_pz), StatGrads(logp=g, lse=None, entropy=0.01 * g))
+    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (2048, 4)):
+        c = dataclasses.replace(cfg, grad_block_v=block, grad_warps=warps)
+        zz = z.clone()
+        ms[f"centred grad {block} w{warps}"] = do_bench(
+            lambda c=c, zz=zz: launch_centred_grad(zz, m, zz.view(torch.bfloat16), tgt, 0, tr, rc, c))
+    dy = torch.randn(n, v, device="cuda").to(torch.bfloat16)
+    acc = torch.zeros(v, h, device="cuda")
+    ms["cublas dh (bf16 dy @ W, fp32 out)"] = do_bench(lambda: gemm.mm(dy, w, torch.float32))
+    ms["cublas dW += dyT h (fp32 acc)"] = do_bench(lambda: gemm.addmm_(acc, dy.t(), hid))
+    ms["cublas dW = dyT h (bf16 out)"] = do_bench(lambda: torch.mm(dy.t(), hid))
+    print(f"\nN={n} H={h} V={v}; best forward: {best[1].fwd} g{best[1].group_n} {best[0]:.3f} ms")
+    for k, val in ms.items():
+        print(f"{val:9.3f} ms  {k}")
+
+
+if __name__ == "__main__":
+    main()

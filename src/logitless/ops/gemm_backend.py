@@ -1,0 +1,112 @@
+"""GEMM-epilogue backend of the vocabulary pass: the statistics are computed inside the logits
+GEMM, and the kept logits take 2 bytes each.
+
+The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backend`:
+
+* :func:`chunk_forward`: one Triton GEMM over the whole local vocabulary writes per-tile partial
+  statistics from its fp32 accumulator (combined by a few torch ops on ``[tiles, n]``); with
+  ``keep_logits`` it also stores the chunk's logits as fp16 centred on each tile's maximum
+  (:mod:`logitless.ops.gemm_kernels` says why that keeps ~2e-3 nats where it matters). No fp32
+  logits are written, and no separate statistics kernel reads them back.
+* :func:`chunk_backward`: a row kernel turns the kept tile (or one recomputed block by block
+  with the same GEMM) into ``dy`` in place, then ``d hidden``/``d weight`` run in cuBLAS as in
+  :mod:`.triton_backend` (fp32 accumulation of ``d weight`` across chunks).
+
+Against the Triton backend at default precision (fp32 logits) this halves the tile's bytes
+(so token chunks are twice as long in the same budget, and ``d weight`` is read and written half
+as often) and removes the fp32 logits' write and two reads. The statistics stay as accurate as
+the fp32 path's; the gradient sees the fp16-centred logits (module above).
+
+bf16/fp16 inputs only: fp32 inputs, fp64 inputs and heads with a LoRA adapter run on the
+Triton or torch backend (:func:`~logitless.ops.backend.resolve_backend`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
+from .gemm_kernels import gemm_config, launch_centred_grad, launch_forward
+from .head import LocalHead
+from .plan import ChunkPlan
+from .triton_backend import block_grads
+
+NAME = "gemm"
+PLAN = "gemm"
+
+
+class KeptLogits(NamedTuple):
+    """A chunk's stored logits: ``z`` ``[n, V]`` fp16 centred on ``tile_max`` ``[tiles, n]`` fp32."""
+
+    z: torch.Tensor
+    tile_max: torch.Tensor
+
+
+def _operands(head: LocalHead, rows: ChunkRows):
+    if rows.low is not None:
+        raise ValueError("the gemm backend has no LoRA adapter term; resolve_backend sends such heads to triton")
+    hidden, weight = rows.hidden, head.weight
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the gemm backend takes bf16/fp16 inputs, got {hidden.dtype}; resolve_backend sends "
+                         "others to triton or torch")
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    bias = None if head.bias is None else head.bias.contiguous()
+    return hidden, weight, bias, rows.targets.to(torch.int64).contiguous()
+
+
+def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
+                  keep_logits: bool) -> tuple[RowStats, KeptLogits | None]:
+    """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
+    the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
+
+    Raises:
+        ValueError: adapter rows, or inputs that are not bf16/fp16.
+    """
+    hidden, weight, bias, targets = _operands(head, rows)
+    n, vocab = hidden.shape[0], weight.shape[0]
+    owned = (targets >= 0) & (targets < vocab)
+    if n == 0 or vocab == 0:
+        return RowStats.start(n, torch.float32, hidden.device, want, owned), None
+    keep = keep_logits and plan.vocab_block >= vocab
+    z = torch.empty((n, vocab), dtype=torch.float16, device=hidden.device) if keep else None
+    parts = launch_forward(hidden, weight, bias, targets, head.transform, (want.entropy, want.sum_z),
+                           plan.fp32_logits, z, gemm_config())
+    return RowStats.combine(parts, owned), None if z is None else KeptLogits(z, parts["m"])
+
+
+def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
+                   acc: Accumulators, kept: KeptLogits | None) -> torch.Tensor | None:
+    """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
+    **overwritten** with ``dy``.
+
+    Raises:
+        ValueError: an entropy gradient without ``saved.sum_pz``; adapter rows; inputs that
+            are not bf16/fp16.
+    """
+    hidden, weight, bias, targets = _operands(head, rows)
+    rc = RowCoefficients.make(saved, grads)
+    cfg = gemm_config()
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_hidden = None
+    block = vocab if kept is not None else max(1, plan.vocab_block)
+    for start in range(0, vocab, block):
+        end = min(start + block, vocab)
+        if kept is None:
+            z = torch.empty((n, end - start), dtype=torch.float16, device=hidden.device)
+            parts = launch_forward(hidden, weight[start:end], None if bias is None else bias[start:end],
+                                   targets - start, head.transform, (False, False), plan.fp32_logits, z, cfg)
+            tile = KeptLogits(z, parts.pop("m"))
+            del parts
+        else:
+            tile = kept
+        dy = tile.z.view(hidden.dtype)
+        launch_centred_grad(tile.z, tile.tile_max, dy, targets, start, head.transform, rc, cfg)
+        del tile
+        grad_hidden = block_grads(dy, weight, hidden, slice(start, end), acc, grad_hidden)
+        del dy
+    if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return grad_hidden

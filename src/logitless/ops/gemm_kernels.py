@@ -1,0 +1,265 @@
+"""Triton kernels of the GEMM-epilogue backend: statistics in the logits GEMM's epilogue, and a
+logits tile stored in fp16 centred on each tile's maximum.
+
+* :func:`_epilogue_kernel` (forward): program ``(token block, vocabulary tile)`` computes one
+  ``[BLOCK_N, BLOCK_V]`` tile of ``y = hidden @ weight.T`` with ``tl.dot`` over ``H`` (fp32
+  accumulator), applies bias and the :class:`~logitless.ops.transform.LogitTransform` in
+  registers and writes the tile's partial statistics: per row its maximum ``m``, ``Σ exp(z - m)``,
+  ``Σ exp(z - m) z`` and ``Σ z`` (``[tiles, n]`` fp32), and the target's logit (``[n]``, written
+  by the one tile that holds it). The statistics come from the fp32 accumulator, so they are as
+  accurate as an fp32 logits matrix, which is never written. Optionally the tile is stored as
+  ``z - m`` in fp16 (``[n, V]``, 2 bytes a logit: the traffic of the plain path's bf16 logits).
+* :func:`_centred_grad_kernel` (backward): one program per token row reads the stored tile,
+  ``z = (z - m) + m``, and overwrites it in place with ``dy = dL/dy`` in the GEMM dtype, ready for
+  the ``d hidden``/``d weight`` GEMMs (cuBLAS, fp32 accumulation).
+
+Why fp16 centred on the tile maximum: every stored value is ``<= 0``, and an entry that carries
+probability lies within a few nats of its row's maximum, hence of its tile's. fp16 keeps 11
+significant bits, so ``z`` of such an entry is off by at most ``|z - m| · 2**-11`` (``2e-3`` nats
+at ``|z - m| = 4``) where a bf16 logit of magnitude 16-32 is off by up to 0.06. Entries further
+than 65504 below their tile's maximum round to ``-inf``: probability 0, as in fp32.
+
+Layout: launch configs -> kernels -> launchers; the contract functions live in
+:mod:`logitless.ops.gemm_backend`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from .tile_gemm import Tiles, check_operands, dot_precision, grouped, logits_tile, operand_src, tma_ready
+from .transform import LogitTransform
+from .triton_common import interpreting, raw_grad, to_logits, transform_args
+
+if TYPE_CHECKING:
+    from .backend import RowCoefficients
+
+# ---------------------------------------------------------------------------------------------
+# Launch configs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Every tunable of the GEMM-epilogue kernels.
+
+    Attributes:
+        fwd: :class:`~logitless.ops.tile_gemm.Tiles` of the forward GEMM (bf16/fp16 inputs).
+        grad_block_v, grad_warps: vocabulary entries per loop step and warps of the row kernel.
+        group_n: token blocks whose programs run together, so the weight tiles they share hit L2.
+        tma: read ``hidden``/``weight`` through tensor descriptors where they are 16-byte aligned.
+    """
+
+    fwd: Tiles
+    grad_block_v: int
+    grad_warps: int
+    group_n: int
+    tma: bool
+
+
+@functools.cache
+def gemm_config() -> GemmConfig:
+    """The config for this process. Under the interpreter: 16 x 32 tiles and 16-wide ``H`` steps
+    (small test shapes then cover several tiles, masked tails and ``H`` steps), and a 64-wide
+    row-kernel step that straddles tile boundaries."""
+    if interpreting():
+        return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True)
+    return GemmConfig(fwd=Tiles(128, 256, 64, 8, 3), grad_block_v=2048, grad_warps=8, group_n=8, tma=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _epilogue_kernel(
+    h_src, stride_hn,  # [n, H] hidden (descriptor of [BLOCK_N, BLOCK_K] blocks, or pointer)
+    w_src, stride_wv,  # [V, H] weight (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
+    bias_ptr, tgt_ptr,  # [V] or dummy; [n] int64 targets (outside [0, V): not in this range)
+    m_ptr, se_ptr, sez_ptr, sz_ptr,  # [tiles, n] fp32 partials (row stride n)
+    zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it
+    z_ptr, stride_zn,  # [n, V] fp16 centred logits (STORE_Z) or dummy
+    n, vocab, hidden_size,
+    logit_scale, softcap, temperature,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr,
+    STORE_Z: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    pid_n, pid_v = grouped(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.cdiv(vocab, BLOCK_V), GROUP_N)
+    row0 = pid_n * BLOCK_N
+    col0 = pid_v * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    cols = col0 + tl.arange(0, BLOCK_V)
+    row_ok = rows < n
+    col_ok = cols < vocab
+    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
+    if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
+        if USE_TMA:
+            y = y.to(h_src.dtype).to(tl.float32)
+        else:
+            y = y.to(h_src.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+    # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
+    # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m is finite.
+    z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
+    m = tl.max(z_or_ninf, axis=1)
+    centred = z_or_ninf - m[:, None]
+    e = tl.exp(centred)
+    out = pid_v * n + rows
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(se_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+    if WANT_ENTROPY:
+        tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
+    if WANT_SUM_Z:
+        tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+    # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
+    tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
+    if STORE_Z:
+        ptrs = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
+        tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _centred_grad_kernel(
+    z_ptr, stride_zn,  # [n, width] fp16 centred logits
+    dy_ptr, stride_dyn,  # [n, width] output in the GEMM dtype; may alias z_ptr (same element size)
+    m_ptr,  # [tiles, n] fp32 tile maxima (row stride n)
+    tgt_ptr,  # [n] int64 targets, vocabulary-global
+    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,  # [n] fp32 (dummies when absent)
+    n, width, v_start,
+    logit_scale, softcap, temperature,
+    HAS_SOFTCAP: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_LOGP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr, TILE_V: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_zn
+    dy_row = dy_ptr + row * stride_dyn
+    lse = tl.load(lse_ptr + row)
+    coef = tl.load(coef_ptr + row)  # g_lse - g_logp
+    if HAS_ENTROPY:
+        g_ent = tl.load(g_ent_ptr + row)
+        c = tl.load(sum_pz_ptr + row)
+    if HAS_LOGP:
+        g_logp = tl.load(g_logp_ptr + row)
+        t = tl.load(tgt_ptr + row) - v_start
+    if HAS_SUM_Z:
+        g_sz = tl.load(g_sz_ptr + row)
+    for off in range(0, width, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        mask = cols < width
+        # One tile maximum per TILE_V columns: a broadcast load from cache.
+        m = tl.load(m_ptr + (cols // TILE_V) * n + row, mask=mask, other=0.0)
+        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32) + m
+        p = tl.exp(z - lse)
+        if HAS_ENTROPY:
+            dz = p * (coef - g_ent * (z - c))
+        else:
+            dz = p * coef
+        if HAS_SUM_Z:
+            dz += g_sz
+        if HAS_LOGP:
+            dz += tl.where(cols == t, g_logp, 0.0)
+        # An entry stored as -inf (more than 65504 below its tile's maximum) has p = 0; only the
+        # softcap's chain rule would see z = -inf, and a softcap bounds |z| far below that.
+        dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
+        tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def launch_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                   transform: LogitTransform, want: tuple[bool, bool], fp32_logits: bool,
+                   z_out: torch.Tensor | None, cfg: GemmConfig) -> dict[str, torch.Tensor]:
+    """Per-tile partial statistics of ``hidden [n, H]`` against ``weight [V, H]``, and optionally
+    the centred fp16 logits.
+
+    Args:
+        hidden, weight: bf16/fp16/fp32, same dtype, unit stride along ``H``.
+        bias: ``[V]`` or ``None``.
+        targets: ``[n]`` int64, local to ``weight``'s rows; outside ``[0, V)`` leaves ``zy`` at 0.
+        want: ``(entropy, sum_z)``: whether ``sez``/``sz`` are computed.
+        fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input
+            dtype first, as the plain path's; :class:`~logitless.ops.plan.ChunkPlan`).
+        z_out: ``[n, V]`` fp16 with unit column stride, overwritten with ``z - m`` of each tile;
+            ``None``: nothing stored.
+
+    Returns:
+        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``);
+        for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its maximum logit,
+        ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``; ``zy`` the target's logit.
+    """
+    check_operands(hidden, weight)
+    assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (hidden.shape[0], weight.shape[0])
+                             and z_out.stride(1) == 1)
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    t = cfg.fwd
+    tiles = triton.cdiv(vocab, t.block_v)
+    names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
+    out = {k: torch.empty((tiles, n), dtype=torch.float32, device=hidden.device) for k in names}
+    out["zy"] = torch.zeros((1, n), dtype=torch.float32, device=hidden.device)
+    scalars, flags = transform_args(transform)
+    tma = cfg.tma and tma_ready(hidden, weight)
+    _epilogue_kernel[(triton.cdiv(n, t.block_n) * tiles,)](
+        operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
+        weight.stride(0), hidden if bias is None else bias, targets,
+        out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out["zy"],
+        out["m"] if z_out is None else z_out, 0 if z_out is None else z_out.stride(0),
+        n, vocab, hidden_size, *scalars,
+        HAS_BIAS=bias is not None, WANT_ENTROPY=want[0], WANT_SUM_Z=want[1], STORE_Z=z_out is not None,
+        ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
+        USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
+        BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
+        num_warps=t.warps, num_stages=t.stages, **flags)
+    return out
+
+
+def launch_centred_grad(z: torch.Tensor, tile_max: torch.Tensor, out: torch.Tensor, targets: torch.Tensor,
+                        v_start: int, transform: LogitTransform, rc: RowCoefficients, cfg: GemmConfig) -> None:
+    """Write ``dy = dL/dy`` of a stored tile into ``out`` (which may be ``z``'s own storage).
+
+    With ``z = stored + tile_max`` and ``p = exp(z - lse)``:
+    ``dz = p (coef - g_entropy (z - sum_pz)) + g_logp [v == y] + g_sum_z``, ``coef = g_lse - g_logp``,
+    then the chain rule through ``transform``.
+
+    Args:
+        z: ``[n, v]`` fp16 centred logits of :func:`launch_forward`, unit column stride.
+        tile_max: ``[tiles, n]`` fp32, the ``"m"`` partials of the same launch.
+        out: ``[n, v]`` in the GEMM dtype (2 bytes), unit column stride.
+        targets: ``[n]`` int64; ``targets - v_start`` indexes ``z``'s columns.
+        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+    """
+    n, width = z.shape
+    assert out.shape == z.shape and z.stride(1) == 1 and out.stride(1) == 1 and out.element_size() == 2
+    assert (rc.sum_pz is None) == (rc.g_entropy is None)
+    if n == 0 or width == 0:
+        return
+    scalars, flags = transform_args(transform)
+    lse = rc.lse
+
+    def arg(x: torch.Tensor | None) -> torch.Tensor:
+        return lse if x is None else x
+
+    _centred_grad_kernel[(n,)](
+        z, z.stride(0), out, out.stride(0), tile_max, targets, lse, arg(rc.sum_pz), rc.coef, arg(rc.g_logp),
+        arg(rc.g_entropy), arg(rc.g_sum_z), n, width, v_start, *scalars,
+        HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
+        HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
+        TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)

@@ -1,0 +1,248 @@
+"""GEMM-epilogue backend vs the torch backend and the float64 oracle, under the Triton interpreter.
+
+As in ``test_flash_backend.py``, the cases run in a child pytest with ``TRITON_INTERPRET=1``
+(:func:`test_under_interpreter`); :func:`test_gpu_matches_torch` runs the compiled kernels where
+CUDA exists. Errors are bounded by the torch backend's own: ``|ours - fp64| <= |torch - fp64| + tol``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_calls import backward, forward
+from interpreter import INTERPRETED, child_run, interpreted
+from test_flash_backend import TRANSFORMS, _assert_bounded, _oracle
+
+from logitless import Head, LogitTransform, PassOptions
+from logitless.ops.backend import Accumulators, SavedStats, StatGrads
+
+pytest.importorskip("triton")
+
+test_under_interpreter = child_run(__file__)
+
+# The interpreter's tiles are 16 tokens x 32 entries with 16-wide H steps, and the row kernel
+# steps 64 entries: N = 37 leaves a 5-row tail, V = 203 an 11-entry tail tile (7 tiles), H = 40 a
+# zero-filled last H step.
+N, H, V = 37, 48, 203
+
+
+def _inputs(dtype, transform_key, hidden_size=H, seed=0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    kw, has_bias = TRANSFORMS[transform_key]
+    h = torch.randn(N, hidden_size, generator=g).to(dtype)
+    w = (torch.randn(V, hidden_size, generator=g) * 3 / hidden_size**0.5).to(dtype)
+    b = (torch.randn(V, generator=g) + offset).to(dtype) if has_bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    t[3], t[5], t[36] = V + 2, -1, V  # targets of another vocabulary shard
+    return h, w, b, t, LogitTransform(**kw)
+
+
+def _plan(vocab_block=V, **kw):
+    from logitless.ops.plan import ChunkPlan
+
+    return ChunkPlan(token_chunk=N, vocab_block=vocab_block, keep_logits=vocab_block == V, **kw)
+
+
+def _use_loads(monkeypatch, loads):
+    """``"tma"`` tensor descriptors (emulated by the interpreter) or ``"pointer"`` masked loads."""
+    import dataclasses
+
+    from logitless.ops import gemm_backend
+    from logitless.ops.gemm_kernels import gemm_config
+
+    cfg = dataclasses.replace(gemm_config(), tma=loads == "tma")
+    monkeypatch.setattr(gemm_backend, "gemm_config", lambda: cfg)
+
+
+FORWARD_CASES = [
+    (dt, tr, opt, "tma") for dt in (torch.float16, torch.bfloat16) for tr in TRANSFORMS for opt in (True, False)
+] + [(torch.bfloat16, "full", True, "pointer")]
+
+
+@interpreted
+@pytest.mark.parametrize(("dtype", "transform_key", "optional", "loads"), FORWARD_CASES)
+def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
+    """Statistics as accurate as the torch backend's fp32 logits; the kept tile is each tile's
+    logits centred on the tile's maximum, to fp16's resolution."""
+    from logitless.ops import gemm_backend, torch_backend
+
+    _use_loads(monkeypatch, loads)
+    h, w, b, t, tr = _inputs(dtype, transform_key)
+    ours, kept = forward(gemm_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
+    assert (ours.sum_exp_logit is None, ours.sum_logit is None) == (not optional, not optional)
+    assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
+    assert torch.equal(ours.target_logit >= ours.max_logit, ref.target_logit >= ref.max_logit)  # is_top1
+    oracle, _ = _oracle(h, w, b, t, tr)
+    names = ("lse", "logp", "sum_pz")
+    for i, name in enumerate(names[:3 if optional else 2]):
+        _assert_bounded(ours.finalize()[i], ref.finalize()[i], oracle[i], 1e-5, name)
+    if optional:
+        _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], 1e-5, "sum_z")
+    # The kept tile: z - m per 32-wide tile, fp16.
+    z64 = tr.apply(h.double() @ w.double().t() + (0 if b is None else b.double()))
+    tiles = kept.tile_max.shape[0]
+    assert kept.z.dtype == torch.float16 and kept.z.shape == (N, V) and tiles == -(-V // 32)
+    tile_of = torch.arange(V) // 32
+    m64 = torch.stack([z64[:, tile_of == s].max(1).values for s in range(tiles)])  # [tiles, N]
+    torch.testing.assert_close(kept.tile_max.double(), m64, rtol=0, atol=1e-4)
+    centred = z64 - m64.t()[:, tile_of]
+    assert torch.all(kept.z.double() <= 0)
+    assert torch.all((kept.z.double() - centred).abs() <= centred.abs() * 2**-10 + 1e-4)
+
+
+# Backward: each statistic's gradient alone and all together, kept logits and recomputed vocabulary
+# blocks (70 entries: blocks that end inside a tile), both 16-bit dtypes, H = 40, plain loads once.
+BACKWARD_CASES = [
+    # dtype, transform, (g_logp, g_lse, g_entropy, g_sum_z) present, H, vocab block, loads
+    (torch.bfloat16, "full", (True, True, True, True), H, V, "tma"),
+    (torch.bfloat16, "full", (True, True, True, True), H, 70, "tma"),
+    (torch.float16, "plain", (True, False, False, False), H, V, "tma"),
+    (torch.float16, "full", (False, True, False, False), 40, 70, "tma"),
+    (torch.bfloat16, "full", (False, False, True, False), 40, V, "tma"),
+    (torch.bfloat16, "plain", (False, False, False, True), H, 70, "tma"),
+    (torch.bfloat16, "plain", (True, False, True, False), 40, V, "pointer"),
+]
+
+
+def _grads(backend, h, w, b, t, tr, plan, grads: StatGrads):
+    partials, kept = forward(backend, h, w, b, t, tr, plan, grads.entropy is not None, keep_logits=plan.keep_logits)
+    lse, _, sum_pz = partials.finalize()[:3]
+    gw = torch.zeros(w.shape, dtype=torch.float32)
+    gb = torch.zeros(w.shape[0]) if b is not None else None
+    gh = backward(backend, h, w, b, t, tr, plan, SavedStats(lse, sum_pz), grads, Accumulators(gw, gb, hidden=True),
+                  kept)
+    assert gh.dtype == torch.float32 and gh.shape == h.shape
+    return gh, gw, gb
+
+
+@interpreted
+@pytest.mark.parametrize(("dtype", "transform_key", "present", "hidden_size", "block", "loads"), BACKWARD_CASES)
+def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size, block, loads):
+    from logitless.ops import gemm_backend, torch_backend
+
+    _use_loads(monkeypatch, loads)
+    h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size=hidden_size, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    grads = StatGrads(*(torch.randn(N, generator=gen) if p else None for p in present))
+    _, oracle_grads = _oracle(h, w, b, t, tr, grads.logp, grads.lse, grads.entropy, grads.sum_z)
+    ours = _grads(gemm_backend, h, w, b, t, tr, _plan(block), grads)
+    ref = _grads(torch_backend, h, w, b, t, tr, _plan(block), grads)
+    for i, name in enumerate(("d hidden", "d weight", "d bias")):
+        if ref[i] is not None:
+            # dy is rounded to the 16-bit dtype for the two GEMMs (the torch CPU path keeps fp32).
+            _assert_bounded(ours[i], ref[i], oracle_grads[i], 2e-2, name)
+
+
+@interpreted
+def test_large_logits_keep_their_gradient():
+    """Logits near 1000, where a bf16 (or fp16) logit is off by 2-4 nats: centred on their tile's
+    maximum, the kept values give the same gradient as float64, to the 16-bit ``dy``'s rounding."""
+    from logitless.ops import gemm_backend
+
+    h, w, b, t, tr = _inputs(torch.bfloat16, "full", seed=3, offset=1000.0)
+    tr = LogitTransform(temperature=0.7)  # no softcap, which would clip the offset away
+    gen = torch.Generator().manual_seed(4)
+    grads = StatGrads(logp=torch.randn(N, generator=gen), entropy=torch.randn(N, generator=gen))
+    (lse64, *_), oracle = _oracle(h, w, b, t, tr, grads.logp, None, grads.entropy)
+    assert lse64.min() > 1000
+    ours = _grads(gemm_backend, h, w, b, t, tr, _plan(), grads)
+    for a, ref, name in zip(ours, oracle, ("d hidden", "d weight", "d bias"), strict=True):
+        assert (a.double() - ref).abs().max() <= 2e-2 * ref.abs().max(), name
+
+
+@interpreted
+def test_rounded_logits_match_the_flash_backend():
+    """``fp32_logits=False`` rounds the GEMM output to the input dtype before bias and transform,
+    exactly as the flash backend (tested against a rounded float64 oracle) does."""
+    from logitless.ops import flash_backend, gemm_backend
+
+    h, w, b, t, tr = _inputs(torch.bfloat16, "full")
+    a, _ = forward(gemm_backend, h, w, b, t, tr, _plan(fp32_logits=False), True, keep_logits=False)
+    c, _ = forward(flash_backend, h, w, b, t, tr, _plan(fp32_logits=False), True, keep_logits=False)
+    f, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False)
+    for x, y in zip(a.finalize()[:3], c.finalize()[:3], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert (a.finalize().lse - f.finalize().lse).abs().max() > 1e-3
+
+
+@interpreted
+def test_resolve_and_refusals():
+    """bf16/fp16 resolve to this backend; fp32 inputs and adapter heads go to the Triton backend,
+    and the backend refuses both instead of computing something else."""
+    from logitless.ops import gemm_backend, resolve_backend, triton_backend
+    from logitless.ops.lora import LowRank
+
+    h, w, b, t, tr = _inputs(torch.bfloat16, "full")
+    assert resolve_backend("gemm", h) is gemm_backend
+    assert resolve_backend("gemm", h.half()) is gemm_backend
+    assert resolve_backend("gemm", h.float()) is triton_backend
+    assert resolve_backend("gemm", h, has_lora=True) is triton_backend
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        forward(gemm_backend, h.float(), w.float(), b, t, tr, _plan(), False)
+    g = torch.Generator().manual_seed(5)
+    low = LowRank(torch.randn(N, 4, generator=g), torch.randn(V, 4, generator=g))
+    with pytest.raises(ValueError, match="adapter"):
+        forward(gemm_backend, h, w, b, t, tr, _plan(), False, low=low)
+    assert PassOptions(impl="gemm").impl == "gemm"
+
+
+@interpreted
+@pytest.mark.parametrize("mode", ["recompute", "fused"])
+def test_policy_loss_matches_torch(mode):
+    """Through the engine: a DAPO loss with KL and entropy bonus, chunks of 128 tokens (two of
+    them, the second partial) whose logits are kept in fused mode, against the torch backend."""
+    import logitless
+
+    g = torch.Generator().manual_seed(3)
+    b_, t_, hid = 4, 40, 32
+    h = torch.randn(b_, t_, hid, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, hid, generator=g) * 0.7).to(torch.bfloat16)
+    ids = torch.randint(0, V, (b_, t_), generator=g)
+    mask = (torch.rand(b_, t_, generator=g) > 0.2).long()
+    adv = torch.randn(b_, generator=g)
+    old = -torch.rand(b_, t_, generator=g) * 3
+    ref_lp = old + 0.1 * torch.randn(b_, t_, generator=g)
+    cfg = logitless.PolicyConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01)
+    res = {}
+    for impl in ("torch", "gemm"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, metrics = logitless.policy_loss(hh, ww, ids, mask, adv, old, ref_lp, config=cfg,
+                                              options=PassOptions(mode=mode, impl=impl, chunk_bytes=128 * V * 2))
+        loss.backward()
+        res[impl] = (loss.detach(), hh.grad.float(), ww.grad.float(), metrics)
+    torch.testing.assert_close(res["gemm"][0], res["torch"][0], rtol=1e-4, atol=1e-5)
+    for i in (1, 2):  # bf16 dy in both; bf16 gradients out
+        torch.testing.assert_close(res["gemm"][i], res["torch"][i], rtol=2e-2, atol=2e-2 * res["torch"][i].abs().max())
+    for k, v in res["torch"][3].items():
+        torch.testing.assert_close(res["gemm"][3][k].float(), v.float(), rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_gpu_matches_torch(mode):
+    """The compiled kernels (real tiles, tensor cores, descriptors) against the torch backend and
+    float64, with a vocabulary that is not a multiple of the tiles and an odd token count."""
+    import logitless
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hid, vocab = 1000, 512, 5003
+    h = torch.randn(n, hid, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(vocab, hid, device="cuda", generator=g) / hid**0.5 * 3).to(torch.bfloat16)
+    b = torch.randn(vocab, device="cuda", generator=g).to(torch.bfloat16)
+    t = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    tr = LogitTransform(temperature=0.9, softcap=30.0)
+    out = {}
+    for impl in ("torch", "gemm"):
+        hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
+        st = logitless.vocab_stats(hh, Head(ww, bias=bb, transform=tr), t, options=PassOptions(mode=mode, impl=impl))
+        (-(st.logp.sum()) + 0.01 * st.entropy.sum()).backward()
+        out[impl] = (st.logp.detach(), st.entropy.detach(), hh.grad.float(), ww.grad.float(), bb.grad.float())
+    z = tr.apply(h.double() @ w.double().t() + b.double())
+    lp64 = torch.log_softmax(z, 1).gather(1, t[:, None]).squeeze(1)
+    assert (out["gemm"][0] - lp64).abs().max() <= 2e-4  # statistics from the fp32 accumulator
+    names = ("logp", "entropy", "d hidden", "d weight", "d bias")
+    for a, c, name in zip(out["gemm"], out["torch"], names, strict=True):
+        scale = c.abs().max().clamp_min(1.0)
+        assert (a - c).abs().max() <= 2e-2 * scale, name
