@@ -1,7 +1,7 @@
 """Where the time of one fused GRPO call goes on a GPU, next to cross-entropy on the same head
 (torch.profiler): wall time, GPU busy time, kernel count, top kernels.
 
-    python3 scripts/gpu_profile.py [N] [H] [V]
+    python3 scripts/gpu_profile.py [N] [H] [V] [impl]   # impl: auto (default), triton, gemm, flash
     LOGITLESS_LOGITS_PRECISION=input python3 scripts/gpu_profile.py   # bf16 logits
 """
 
@@ -19,6 +19,7 @@ from logitless import PassOptions, PolicyConfig
 
 def main() -> None:
     n, h, v = (int(x) for x in (sys.argv[1:4] if len(sys.argv) > 3 else (8192, 4096, 128256)))
+    impl = sys.argv[4] if len(sys.argv) > 4 else "auto"
     dev = "cuda"
     torch.manual_seed(0)
     b = 16
@@ -34,17 +35,19 @@ def main() -> None:
     cfg = PolicyConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
 
     def grpo():
-        loss, _ = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg, options=PassOptions(mode="fused"))
+        loss, _ = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg,
+                                        options=PassOptions(mode="fused", impl=impl))
         loss.backward()
         hid.grad = w.grad = None
 
     def ce():
-        loss, _ = logitless.cross_entropy(hid, w, ids, options=PassOptions(mode="fused"))
+        loss, _ = logitless.cross_entropy(hid, w, ids, options=PassOptions(mode="fused", impl=impl))
         loss.backward()
         hid.grad = w.grad = None
 
     def rollout():
-        logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True)
+        logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True,
+                                options=PassOptions(impl=impl))
 
     h2, w2 = hid.detach().reshape(n, h), w.detach()
     dy = torch.randn(n, v, device=dev, dtype=torch.bfloat16)
