@@ -50,7 +50,7 @@ def _use_loads(monkeypatch, loads):
     from logitless.ops import gemm_backend
     from logitless.ops.gemm_kernels import gemm_config
 
-    cfg = dataclasses.replace(gemm_config(), tma=loads == "tma")
+    cfg = dataclasses.replace(gemm_config(), tma=loads == "tma", store_tma=loads == "tma")
     monkeypatch.setattr(gemm_backend, "gemm_config", lambda: cfg)
 
 
@@ -246,3 +246,37 @@ def test_gpu_matches_torch(mode):
     for a, c, name in zip(out["gemm"], out["torch"], names, strict=True):
         scale = c.abs().max().clamp_min(1.0)
         assert (a - c).abs().max() <= 2e-2 * scale, name
+
+
+def test_plan_keeps_two_bytes_a_logit():
+    """The gemm backend's block sizes count 2 bytes a logit (the fp16 tile), so a 1 GiB budget
+    keeps whole 128k-vocabulary rows for twice as many tokens as the Triton backend's fp32 tile."""
+    from logitless.ops.plan import ChunkPlan
+
+    gemm = ChunkPlan.make(8192, 128256, 2**30, torch.bfloat16, "gemm")
+    triton = ChunkPlan.make(8192, 128256, 2**30, torch.bfloat16, "triton")
+    assert gemm.bytes_per_logit == 2 and gemm.keep_logits and gemm.vocab_block == 128256
+    assert gemm.token_chunk == 2 * triton.token_chunk == 4096
+
+
+@interpreted
+def test_descriptor_store_matches_pointer_store(monkeypatch):
+    """Where the kept tile's rows are 16-byte aligned (V = 200) it is written through a descriptor,
+    clipped at the tensor's edges (a 5-row and an 8-entry tail block): bit for bit the values the
+    masked pointer stores write, and nothing outside the tensor."""
+    import dataclasses
+
+    from logitless.ops import gemm_backend
+    from logitless.ops.gemm_kernels import gemm_config
+
+    h, w, b, t, tr = _inputs(torch.bfloat16, "full")
+    w, b, t = w[:200], b[:200], t.clamp(max=199)
+    kept = {}
+    for store_tma in (True, False):
+        cfg = dataclasses.replace(gemm_config(), store_tma=store_tma)
+        monkeypatch.setattr(gemm_backend, "gemm_config", lambda cfg=cfg: cfg)
+        _, kept[store_tma] = forward(gemm_backend, h, w, b, t, tr, _plan(200), True, keep_logits=True)
+    from logitless.ops.tile_gemm import tma_ready
+
+    assert tma_ready(kept[True].z)  # so the descriptor path did run
+    assert torch.equal(kept[True].z, kept[False].z) and torch.equal(kept[True].tile_max, kept[False].tile_max)

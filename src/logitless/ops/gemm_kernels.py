@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .tile_gemm import Tiles, check_operands, dot_precision, grouped, logits_tile, operand_src, tma_ready
 from .transform import LogitTransform
@@ -54,6 +55,8 @@ class GemmConfig:
         grad_block_v, grad_warps: vocabulary entries per loop step and warps of the row kernel.
         group_n: token blocks whose programs run together, so the weight tiles they share hit L2.
         tma: read ``hidden``/``weight`` through tensor descriptors where they are 16-byte aligned.
+        store_tma: write the centred tile through a descriptor (the copy engine's bulk store,
+            which frees the epilogue's registers sooner) where it is 16-byte aligned.
     """
 
     fwd: Tiles
@@ -61,6 +64,7 @@ class GemmConfig:
     grad_warps: int
     group_n: int
     tma: bool
+    store_tma: bool = True
 
 
 @functools.cache
@@ -85,12 +89,12 @@ def _epilogue_kernel(
     bias_ptr, tgt_ptr,  # [V] or dummy; [n] int64 targets (outside [0, V): not in this range)
     m_ptr, se_ptr, sez_ptr, sz_ptr,  # [tiles, n] fp32 partials (row stride n)
     zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it
-    z_ptr, stride_zn,  # [n, V] fp16 centred logits (STORE_Z) or dummy
+    z_dst, stride_zn,  # [n, V] fp16 centred logits (descriptor of [BLOCK_N, BLOCK_V] blocks, or pointer) or dummy
     n, vocab, hidden_size,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr,
-    STORE_Z: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    STORE_Z: tl.constexpr, STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
 ):
@@ -129,8 +133,11 @@ def _epilogue_kernel(
     here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
     tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
     if STORE_Z:
-        ptrs = z_ptr + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
-        tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
+        if STORE_TMA:  # the copy engine clips the block at the tensor's edges
+            z_dst.store([row0, col0], centred.to(tl.float16))
+        else:
+            ptrs = z_dst + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
+            tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -217,13 +224,18 @@ def launch_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     out["zy"] = torch.zeros((1, n), dtype=torch.float32, device=hidden.device)
     scalars, flags = transform_args(transform)
     tma = cfg.tma and tma_ready(hidden, weight)
+    store_tma = z_out is not None and cfg.store_tma and tma_ready(z_out)
+    z_dst = out["m"] if z_out is None else z_out
+    if store_tma:
+        z_dst = TensorDescriptor.from_tensor(z_out, [t.block_n, t.block_v])
     _epilogue_kernel[(triton.cdiv(n, t.block_n) * tiles,)](
         operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
         weight.stride(0), hidden if bias is None else bias, targets,
         out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out["zy"],
-        out["m"] if z_out is None else z_out, 0 if z_out is None else z_out.stride(0),
+        z_dst, 0 if z_out is None else z_out.stride(0),
         n, vocab, hidden_size, *scalars,
         HAS_BIAS=bias is not None, WANT_ENTROPY=want[0], WANT_SUM_Z=want[1], STORE_Z=z_out is not None,
+        STORE_TMA=store_tma,
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
         BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,

@@ -32,8 +32,11 @@ def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, kind: 
 
     torch: the logits, the probabilities and ``dz`` in the statistics dtype, plus ``dz`` cast to
     the input dtype for the matmuls. triton: one tile of raw matmul output (fp32, or the input
-    dtype without ``fp32_logits``), overwritten in place by ``dy``.
+    dtype without ``fp32_logits``), overwritten in place by ``dy``. gemm: one fp16 tile of
+    centred logits, overwritten in place by ``dy`` (the statistics need no fp32 logits in memory).
     """
+    if kind == "gemm" and stat_dtype != torch.float64:
+        return 2
     if kind == "triton" and stat_dtype != torch.float64:
         return torch.finfo(stat_dtype if fp32_logits else in_dtype).bits // 8
     return 3 * torch.finfo(stat_dtype).bits // 8 + torch.finfo(in_dtype).bits // 8
