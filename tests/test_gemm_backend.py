@@ -260,23 +260,25 @@ def test_plan_keeps_two_bytes_a_logit():
 
 
 @interpreted
-def test_descriptor_store_matches_pointer_store(monkeypatch):
-    """Where the kept tile's rows are 16-byte aligned (V = 200) it is written through a descriptor,
-    clipped at the tensor's edges (a 5-row and an 8-entry tail block): bit for bit the values the
-    masked pointer stores write, and nothing outside the tensor."""
+def test_launch_variants_agree(monkeypatch):
+    """One program per tile or persistent programs walking the tiles; the kept tile written through
+    a descriptor (rows 16-byte aligned at V = 200), clipped at the tensor's edges (a 5-row and an
+    8-entry tail block), or by masked pointer stores: bit for bit the same statistics and tile."""
     import dataclasses
 
     from logitless.ops import gemm_backend
     from logitless.ops.gemm_kernels import gemm_config
+    from logitless.ops.tile_gemm import tma_ready
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "full")
     w, b, t = w[:200], b[:200], t.clamp(max=199)
-    kept = {}
-    for store_tma in (True, False):
-        cfg = dataclasses.replace(gemm_config(), store_tma=store_tma)
+    results = []
+    for store_tma, persistent in ((True, True), (False, True), (False, False)):
+        cfg = dataclasses.replace(gemm_config(), store_tma=store_tma, persistent=persistent)
         monkeypatch.setattr(gemm_backend, "gemm_config", lambda cfg=cfg: cfg)
-        _, kept[store_tma] = forward(gemm_backend, h, w, b, t, tr, _plan(200), True, keep_logits=True)
-    from logitless.ops.tile_gemm import tma_ready
-
-    assert tma_ready(kept[True].z)  # so the descriptor path did run
-    assert torch.equal(kept[True].z, kept[False].z) and torch.equal(kept[True].tile_max, kept[False].tile_max)
+        st, kept = forward(gemm_backend, h, w, b, t, tr, _plan(200), True, keep_logits=True)
+        results.append((st.max_logit, st.sum_exp, st.sum_exp_logit, st.target_logit, kept.z, kept.tile_max))
+    assert tma_ready(results[0][4])  # so the descriptor path did run
+    for other in results[1:]:
+        for a, c in zip(results[0], other, strict=True):
+            assert torch.equal(a, c)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .tile_gemm import Tiles, check_operands, dot_precision, grouped, logits_tile, operand_src, tma_ready
+from .tile_gemm import Tiles, check_operands, dot_precision, grouped, logits_tile, operand_src, sm_count, tma_ready
 from .transform import LogitTransform
 from .triton_common import interpreting, raw_grad, to_logits, transform_args
 
@@ -55,8 +55,10 @@ class GemmConfig:
         grad_block_v, grad_warps: vocabulary entries per loop step and warps of the row kernel.
         group_n: token blocks whose programs run together, so the weight tiles they share hit L2.
         tma: read ``hidden``/``weight`` through tensor descriptors where they are 16-byte aligned.
-        store_tma: write the centred tile through a descriptor (the copy engine's bulk store,
-            which frees the epilogue's registers sooner) where it is 16-byte aligned.
+        store_tma: write the centred tile through a descriptor (the copy engine's bulk store)
+            where it is 16-byte aligned, instead of masked pointer stores.
+        persistent: launch ``programs_per_sm`` programs per SM that walk the tiles, instead of
+            one program per tile.
     """
 
     fwd: Tiles
@@ -64,7 +66,9 @@ class GemmConfig:
     grad_warps: int
     group_n: int
     tma: bool
-    store_tma: bool = True
+    store_tma: bool = False
+    persistent: bool = False
+    programs_per_sm: int = 1
 
 
 @functools.cache
@@ -73,7 +77,8 @@ def gemm_config() -> GemmConfig:
     (small test shapes then cover several tiles, masked tails and ``H`` steps), and a 64-wide
     row-kernel step that straddles tile boundaries."""
     if interpreting():
-        return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True)
+        return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True,
+                          store_tma=True, persistent=True, programs_per_sm=2)
     return GemmConfig(fwd=Tiles(128, 256, 64, 8, 3), grad_block_v=2048, grad_warps=8, group_n=8, tma=True)
 
 
@@ -97,47 +102,53 @@ def _epilogue_kernel(
     STORE_Z: tl.constexpr, STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    pid_n, pid_v = grouped(tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.cdiv(vocab, BLOCK_V), GROUP_N)
-    row0 = pid_n * BLOCK_N
-    col0 = pid_v * BLOCK_V
-    rows = row0 + tl.arange(0, BLOCK_N)
-    cols = col0 + tl.arange(0, BLOCK_V)
-    row_ok = rows < n
-    col_ok = cols < vocab
-    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
-    if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
-        if USE_TMA:
-            y = y.to(h_src.dtype).to(tl.float32)
-        else:
-            y = y.to(h_src.dtype.element_ty).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-    # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
-    # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m is finite.
-    z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
-    m = tl.max(z_or_ninf, axis=1)
-    centred = z_or_ninf - m[:, None]
-    e = tl.exp(centred)
-    out = pid_v * n + rows
-    tl.store(m_ptr + out, m, mask=row_ok)
-    tl.store(se_ptr + out, tl.sum(e, axis=1), mask=row_ok)
-    if WANT_ENTROPY:
-        tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
-    if WANT_SUM_Z:
-        tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
-    # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
-    tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
-    if STORE_Z:
-        if STORE_TMA:  # the copy engine clips the block at the tensor's edges
-            z_dst.store([row0, col0], centred.to(tl.float16))
-        else:
-            ptrs = z_dst + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
-            tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
+    n_blocks = tl.cdiv(n, BLOCK_N)
+    n_tiles = tl.cdiv(vocab, BLOCK_V)
+    # One tile per program, or (PERSISTENT) a program per SM walking the tiles: the flattened
+    # loop nest lets the pipeline load the next tile's operands during this tile's epilogue.
+    for tile in tl.range(tl.program_id(0), n_blocks * n_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        pid_n, pid_v = grouped(tile, n_blocks, n_tiles, GROUP_N)
+        row0 = pid_n * BLOCK_N
+        col0 = pid_v * BLOCK_V
+        rows = row0 + tl.arange(0, BLOCK_N)
+        cols = col0 + tl.arange(0, BLOCK_V)
+        row_ok = rows < n
+        col_ok = cols < vocab
+        y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
+        if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
+            if USE_TMA:
+                y = y.to(h_src.dtype).to(tl.float32)
+            else:
+                y = y.to(h_src.dtype.element_ty).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
+        # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m is finite.
+        z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
+        m = tl.max(z_or_ninf, axis=1)
+        centred = z_or_ninf - m[:, None]
+        e = tl.exp(centred)
+        out = pid_v * n + rows
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(se_ptr + out, tl.sum(e, axis=1), mask=row_ok)
+        if WANT_ENTROPY:
+            tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
+        if WANT_SUM_Z:
+            tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
+        # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
+        tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
+        if STORE_Z:
+            if STORE_TMA:  # the copy engine clips the block at the tensor's edges
+                z_dst.store([row0, col0], centred.to(tl.float16))
+            else:
+                ptrs = z_dst + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
+                tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -228,7 +239,10 @@ def launch_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     z_dst = out["m"] if z_out is None else z_out
     if store_tma:
         z_dst = TensorDescriptor.from_tensor(z_out, [t.block_n, t.block_v])
-    _epilogue_kernel[(triton.cdiv(n, t.block_n) * tiles,)](
+    programs = triton.cdiv(n, t.block_n) * tiles
+    if cfg.persistent:
+        programs = min(programs, cfg.programs_per_sm * sm_count(hidden.device))
+    _epilogue_kernel[(programs,)](
         operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
         weight.stride(0), hidden if bias is None else bias, targets,
         out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out["zy"],
@@ -239,7 +253,7 @@ def launch_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
         BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
-        num_warps=t.warps, num_stages=t.stages, **flags)
+        PERSISTENT=cfg.persistent, num_warps=t.warps, num_stages=t.stages, **flags)
     return out
 
 
