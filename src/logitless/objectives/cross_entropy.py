@@ -104,7 +104,8 @@ def cross_entropy(
                              options=options)
     if "z_loss" not in values:
         values["z_loss"] = torch.zeros_like(values["ce"])
-    if reduction == "mean" and num_items_in_batch is None and not bool((targets != ignore_index).any()):
-        # No counted token: the fused pass ran no chunk, so its sum is 0; the mean is 0/0.
-        loss = loss * float("nan")
+    if reduction == "mean" and num_items_in_batch is None:
+        # No counted token: the fused pass ran no chunk, so its sum is 0; the mean is 0/0. A
+        # factor rather than a branch: reading the flag would make the host wait for the pass.
+        loss = loss * torch.where((targets != ignore_index).any(), 1.0, float("nan")).to(loss.dtype)
     return loss, values

@@ -349,8 +349,9 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
         stacked = all_reduce(torch.stack([sums[k] for k in keys]), "sum", lay.group)
         sums = dict(zip(keys, stacked, strict=True))
     total = seg_len.sum()
-    n_seq = seg_len.new_tensor(float(lay.num_segments))
-    nan = seg_len.new_tensor(float("nan"))
+    # torch.full, not new_tensor: a host-to-device copy would make the host wait for the pass.
+    n_seq = torch.full((), float(lay.num_segments), dtype=seg_len.dtype, device=seg_len.device)
+    nan = torch.full((), float("nan"), dtype=seg_len.dtype, device=seg_len.device)
     means: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     mins: dict[str, torch.Tensor] = {}
     maxs: dict[str, torch.Tensor] = {}
