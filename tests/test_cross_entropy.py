@@ -129,3 +129,15 @@ def test_bad_arguments(gen):
     bad[0] = 123
     with pytest.raises(ValueError, match="targets must lie"):
         logitless.cross_entropy(hidden, weight, bad)
+
+
+def test_mean_of_no_counted_token_is_nan(gen):
+    """Every target ignored: the mean is 0/0 (NaN), as ``F.cross_entropy``'s; one counted token
+    gives F's value again."""
+    hidden, weight, targets = _inputs(gen)[:3]
+    ignored = torch.full_like(targets, -100)
+    loss, _ = cross_entropy(hidden, weight, ignored)
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(hidden @ weight.t(), ignored))
+    ignored[5] = targets[5].clamp_min(0)
+    loss, _ = cross_entropy(hidden, weight, ignored)
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.t(), ignored), rtol=1e-12, atol=1e-12)
