@@ -248,7 +248,10 @@ def triton_available() -> bool:
 def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) -> Backend:
     """The backend module that runs a pass over ``hidden`` (its device and dtype).
 
-    ``"auto"`` is Triton on CUDA when it imports, the torch backend otherwise. fp64 inputs always
+    ``"auto"`` on CUDA with Triton: the GEMM-epilogue backend for bf16/fp16 inputs on Hopper or
+    later (its kernels read through the copy engine; measured faster and, for gradients, more
+    accurate than the Triton backend: ``benchmarks/NOTES-h100.md``), the Triton backend otherwise;
+    without CUDA or Triton, the torch backend. fp64 inputs always
     run on the torch backend (no fp64 tensor-core GEMMs to gain from); a head adapter under
     ``"flash"``/``"gemm"`` runs on the Triton backend (those kernels have no low-rank term), as
     do fp32 inputs under ``"gemm"`` (its GEMM is written for 16-bit tensor-core operands).
@@ -259,7 +262,9 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     if impl not in ("auto", "torch", "triton", "flash", "gemm"):
         raise ValueError(f"impl must be 'auto', 'torch', 'triton', 'flash' or 'gemm', got {impl!r}")
     if impl == "auto":
-        impl = "triton" if hidden.device.type == "cuda" and triton_available() else "torch"
+        impl = "torch"
+        if hidden.device.type == "cuda" and triton_available():
+            impl = "gemm" if torch.cuda.get_device_capability(hidden.device) >= (9, 0) else "triton"
     if impl != "torch":
         if not triton_available():
             raise ValueError(f"impl={impl!r} requested but triton is not installed (pip install 'logitless[triton]')")

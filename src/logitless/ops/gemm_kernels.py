@@ -79,13 +79,14 @@ def gemm_config() -> GemmConfig:
     if interpreting():
         return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True,
                           store_tma=True, persistent=True, programs_per_sm=2)
-    # Measured on one H100 at 8192 x 4096 x 128256 bf16 (scripts/gpu_gemm_sweep.py): persistent
-    # 128 x 256 x 64 tiles, 8 warps, 3 stages, groups of 8 token blocks: 11.8 ms for the statistics
-    # alone, 14.1 ms storing the tile (one program per tile: 15.3 / 16.2 ms in the same run; 128 x 128
-    # and 256 x 128 tiles, 4 stages or 32-wide H steps were no faster). Row kernel: 1.5 ms for any
-    # step of 1024-4096 entries.
+    # Measured on one H100 at 8192 x 4096 x 128256 bf16 (scripts/gpu_gemm_sweep.py; cuBLAS's bare
+    # bf16 GEMM: 10.9-11.3 ms): persistent 128 x 256 x 64 tiles, 8 warps, 3 stages, groups of 8
+    # token blocks: 11.8-12.3 ms for the statistics alone, 13.3 ms storing the tile through a
+    # descriptor (pointer stores: 14.1; one program per tile: 15.3 / 16.2 ms in the same run;
+    # 128 x 128 and 256 x 128 tiles, 4 stages or 32-wide H steps were no faster). Row kernel:
+    # 1.5 ms for any step of 1024-4096 entries.
     return GemmConfig(fwd=Tiles(128, 256, 64, 8, 3), grad_block_v=2048, grad_warps=8, group_n=8, tma=True,
-                      persistent=True)
+                      store_tma=True, persistent=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ class PassOptions:
             3 GEMMs of work), ``"recompute"`` (O(N) saved state, logits recomputed in the
             backward: 4 GEMMs), or ``"auto"`` (fused unless the objective needs every token's
             statistics before its loss).
-        impl: backend: ``"auto"`` (Triton on CUDA when it imports, else torch), ``"torch"``,
+        impl: backend: ``"auto"`` (on CUDA with Triton: ``"gemm"`` for bf16/fp16 on Hopper or
+            later, else ``"triton"``; torch elsewhere; see ``resolve_backend``), ``"torch"``,
             ``"triton"`` (cuBLAS GEMMs + Triton row kernels), ``"flash"`` (Triton tile GEMMs
             that never write logits) or ``"gemm"`` (statistics in a Triton GEMM's epilogue,
             logits kept in fp16 centred per tile, cuBLAS gradient GEMMs).
