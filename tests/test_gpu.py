@@ -1,5 +1,5 @@
-"""GPU correctness at real shapes (compiled Triton kernels, tensor cores): the Triton backend
-against the torch backend and a float64 oracle on sampled rows, for every public entry point.
+"""GPU correctness at real shapes (compiled Triton kernels, tensor cores): the Triton and gemm
+backends against the torch backend and a float64 oracle on sampled rows, for every public entry point.
 
 Marked ``cuda``: skipped without a GPU; ``scripts/gpu_check.sh`` runs them with
 ``pytest -m cuda``. Errors are relative norms ``|a - b| / |b|``.
@@ -47,9 +47,10 @@ def _vocab_stats(case, impl):
     return st, hh.grad, ww.grad, bb.grad
 
 
-def test_vocab_stats_triton_vs_torch_and_fp64(case):
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_vocab_stats_vs_torch_and_fp64(case, impl):
     hid, w, b, tgt, rows = case
-    tri, tch = _vocab_stats(case, "triton"), _vocab_stats(case, "torch")
+    tri, tch = _vocab_stats(case, impl), _vocab_stats(case, "torch")
     ref = reference_stats(hid[rows], w, tgt[rows], bias=b, temperature=0.9, softcap=30.0)
     for k in ("logp", "lse", "entropy"):
         assert rel(getattr(tri[0], k)[rows], getattr(ref, k)) <= 1e-5, k
@@ -57,7 +58,8 @@ def test_vocab_stats_triton_vs_torch_and_fp64(case):
     assert rel(tri[0].mean_logit, tch[0].mean_logit) <= 1e-4
     for i, k in ((1, "grad hidden"), (2, "grad weight"), (3, "grad bias")):
         assert rel(tri[i], tch[i]) <= 1e-2, k
-    lp, ent = logitless.token_logprobs(hid, Head(w, b, TRANSFORM), tgt, return_entropy=True)
+    lp, ent = logitless.token_logprobs(hid, Head(w, b, TRANSFORM), tgt, return_entropy=True,
+                                       options=PassOptions(impl=impl))
     assert rel(lp, tri[0].logp) <= 1e-6 and rel(ent, tri[0].entropy) <= 1e-6
 
 
@@ -76,14 +78,15 @@ def test_policy_loss_fused_and_recompute_vs_torch(case, level):
     adv = torch.randn(bsz, device="cuda", generator=gen)
     cfg = PolicyConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, importance_sampling_level=level)
     res = {}
-    for impl, mode in (("triton", "fused"), ("triton", "recompute"), ("torch", "fused")):
+    runs = [(impl, mode) for impl in ("triton", "gemm") for mode in ("fused", "recompute")]
+    for impl, mode in [*runs, ("torch", "fused")]:
         hh, ww = hid.reshape(bsz, t, H).clone().requires_grad_(), w.clone().requires_grad_()
         loss, m = logitless.policy_loss(hh, Head(ww, b, TRANSFORM), ids, mask, adv, old, ref_lp, config=cfg,
                                         options=PassOptions(mode=mode, impl=impl))
         loss.backward()
         res[(impl, mode)] = (loss.detach(), hh.grad, ww.grad, m["entropy"])
     base = res[("torch", "fused")]
-    for key in (("triton", "fused"), ("triton", "recompute")):
+    for key in runs:
         loss, gh, gw, ent = res[key]
         assert rel(loss, base[0]) <= 1e-4, key
         assert rel(gh, base[1]) <= 2e-2 and rel(gw, base[2]) <= 2e-2, key
