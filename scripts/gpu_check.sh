@@ -2,7 +2,8 @@
 # One script for the GPU machine (run from the repository root, no network there):
 #   1. installs the carried wheels in .whl/ (trl, its missing deps, liger-kernel, cut-cross-entropy)
 #      into /tmp/site, and checks that TRL's chunked head imports;
-#   2. runs the GPU tests (pytest -m cuda: tests/test_gpu.py and the kernel modules' compiled cases);
+#   2. runs the GPU tests (tests/test_gpu.py and the kernel modules' compiled cases; PYTEST_MORE adds modules),
+#      then scripts/gpu_accuracy.py (every backend against float64) at ACCURACY_SHAPES (default 8k:llama3-8b);
 #   3. runs `logitless bench`, writing the JSON into benchmarks/results/, regenerating BENCHMARKS.md and
 #      benchmarks/bench.png, and copying all three (and this script's log) to $OUT;
 #   4. with E2E_S > 0: `logitless bench --e2e` (whole GRPO training steps) for E2E_S seconds, its JSON to $OUT.
@@ -10,7 +11,8 @@
 # (--time-budget), minus a margin for writing its report.
 #
 # Knobs (environment): BENCH_ARGS (default: the full grid), TOTAL_S (default 530), PYTEST_S (default 150),
-# SKIP_PYTEST=1, E2E_S (default 0: no e2e step; its seconds come off the bench's budget), E2E_ARGS.
+# SKIP_PYTEST=1, PYTEST_MORE, ACCURACY_SHAPES (space-separated; set empty: none), E2E_S (default 0: no e2e
+# step; its seconds come off the bench's budget), E2E_ARGS.
 set -uo pipefail
 
 START=$(date +%s)
@@ -56,11 +58,17 @@ if [ "${SKIP_PYTEST:-0}" != "1" ]; then
     # child process there; modules that need TRL or the reference cache are left to CPU CI.
     step "2. GPU tests + kernel modules (limit ${PYTEST_S}s)"
     timeout "$PYTEST_S" python3 -m pytest -q -p no:cacheprovider \
-        tests/test_gpu.py tests/test_flash_backend.py tests/test_triton_backend.py \
-        tests/test_random_campaign.py tests/test_resources.py 2>&1 | tail -40
+        tests/test_gpu.py tests/test_gemm_backend.py tests/test_triton_backend.py tests/test_flash_backend.py \
+        ${PYTEST_MORE:-} 2>&1 | tail -40
     rc=${PIPESTATUS[0]}
     echo "pytest exit status $rc"; [ "$rc" = 0 ] || status=1
 fi
+
+for shape in ${ACCURACY_SHAPES-8k:llama3-8b}; do
+    step "accuracy vs float64 at $shape"
+    timeout 150 python3 scripts/gpu_accuracy.py "$shape" "$OUT/accuracy-${shape/:/-}.json"
+    rc=$?; echo "accuracy exit status $rc"; [ "$rc" = 0 ] || status=1
+done
 
 step "3. logitless bench"
 left=$(( TOTAL_S - $(elapsed) ))
