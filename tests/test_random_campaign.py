@@ -340,7 +340,7 @@ def test_campaign_torch():
     _campaign("torch", TORCH_CASES)
 
 
-@pytest.mark.parametrize("impl", ["triton", "flash"])
+@pytest.mark.parametrize("impl", ["triton", "flash", "gemm"])
 def test_campaign_interpreted(impl):
     pytest.importorskip("triton")
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
@@ -350,6 +350,6 @@ def test_campaign_interpreted(impl):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("impl", ["torch", "triton", "flash"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "flash", "gemm"])
 def test_campaign_cuda(impl):
     _campaign(impl, _ENV_CASES or 300, big=True, device="cuda")

@@ -134,7 +134,7 @@ def test_workspace_larger_than_the_device_is_refused_before_allocating(monkeypat
     assert engine.check_workspace_fits is memory.check_workspace_fits
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton", "flash"])
+@pytest.mark.parametrize("impl", ["torch", "triton", "flash", "gemm"])
 def test_fp16_input_precision_overflow_is_an_error(impl):
     """fp16 with logits_precision="input" and logits beyond ±65504 used to give NaN log-probs."""
     if impl != "torch" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():

@@ -213,7 +213,7 @@ def test_chunk_backward_accumulates_and_skips_hidden():
 
 
 @interpreted
-@pytest.mark.parametrize("impl", ["triton", "flash", "auto"])
+@pytest.mark.parametrize("impl", ["triton", "flash", "gemm", "auto"])
 def test_fp64_runs_on_the_torch_backend(impl):
     """fp64 inputs resolve to the torch backend whatever ``impl`` asks for; so does
     ``impl="torch"``, while bf16 under the interpreter gets the Triton kernels."""
