@@ -19,7 +19,7 @@ from logitless.ops import gemm
 from logitless.ops.backend import RowCoefficients, RowStats, SavedStats, StatGrads
 from logitless.ops.flash_kernels import flash_config
 from logitless.ops.flash_kernels import launch_stats as flash_stats
-from logitless.ops.gemm_kernels import gemm_config, launch_centred_grad, launch_forward
+from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_centred_grad, launch_forward
 from logitless.ops.tile_gemm import Tiles
 from logitless.ops.transform import LogitTransform
 
@@ -34,6 +34,7 @@ def main() -> None:
     tgt = torch.randint(0, v, (n,), device="cuda")
     tr = LogitTransform()
     z = torch.empty((n, v), dtype=torch.float16, device="cuda")
+    ops = TileOperands(hid, w, None, tgt, tr)
     ms = {}
     ms["cublas bf16 out"] = do_bench(lambda: torch.mm(hid, w.t()))
     ms["cublas fp32 out"] = do_bench(lambda: gemm.mm(hid, w.t(), torch.float32))
@@ -46,8 +47,8 @@ def main() -> None:
             name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} g{group}"
                     f"{' persistent' if persistent else ''}{' tma-store' if store_tma else ''}")
             try:
-                a = do_bench(lambda cfg=cfg: launch_forward(hid, w, None, tgt, tr, (True, False), True, None, cfg))
-                b = do_bench(lambda cfg=cfg: launch_forward(hid, w, None, tgt, tr, (True, False), True, z, cfg))
+                a = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, None, cfg))
+                b = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, z, cfg))
             except Exception as e:  # a shape that does not fit is reported and skipped
                 print(f"{name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
@@ -57,7 +58,7 @@ def main() -> None:
             if b < best[0]:
                 best = (b, cfg)
     cfg = best[1]
-    parts = launch_forward(hid, w, None, tgt, tr, (True, False), True, z, cfg)
+    parts = launch_forward(ops, (True, False), True, z, cfg)
     m = parts["m"]
     lse, _, sum_pz = RowStats.combine(parts, torch.ones(n, dtype=torch.bool, device="cuda")).finalize()[:3]
     g = torch.randn(n, device="cuda")

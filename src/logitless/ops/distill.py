@@ -31,8 +31,12 @@ another rank owns the id) make them global, per chunk (fused) or once per pass (
 JSD pass sums its per-rank partials with one more SUM. The backward writes ``dz`` for the local
 rows only (the target scatter where owned); the engine sums the ``d hidden`` partials over the
 group unless ``reduce_grad_hidden=False``, and ``d weight`` stays local. Gradients flow to the
-student only (the teacher is frozen). Torch GEMMs whatever ``PassOptions.impl`` (no Triton
-kernel for two heads).
+student only (the teacher is frozen).
+
+Where ``PassOptions.impl`` resolves to the gemm backend (bf16/fp16 heads on Hopper, by default)
+and each token has at most one target id, the same functions run on Triton GEMMs with the
+statistics in their epilogues (:mod:`logitless.ops.distill_gemm`); the torch functions below
+are their specification and run every other case.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..distributed import all_reduce, is_active
-from .backend import Accumulators
+from .backend import Accumulators, resolve_backend
 from .engine import ChunkObjective, PassResult, no_autocast, recompute_stats, resolve_mode, run_fused
 from .head import Head, LocalHead
 from .lora import LowRank
@@ -360,10 +364,12 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
     return grad_hidden
 
 
-def plan_for(n_tokens: int, vocab: int, options: PassOptions, dtype: torch.dtype) -> ChunkPlan:
+def plan_for(n_tokens: int, vocab: int, options: PassOptions, dtype: torch.dtype, gemm: bool = False) -> ChunkPlan:
     """Block sizes of a distillation pass within ``options.chunk_bytes`` of workspace: the
     torch backend's plan with ``_WORKSPACE_ARRAYS`` times the single-head pass's bytes per
-    element."""
+    element, or (``gemm``) two fp16 tiles, the student's and the teacher's."""
+    if gemm:
+        return ChunkPlan.make(n_tokens, vocab, options.budget, dtype, "gemm", options.fp32_logits, arrays=2)
     return ChunkPlan.make(n_tokens, vocab, options.budget, dtype, "torch", options.fp32_logits,
                           arrays=_WORKSPACE_ARRAYS)
 
@@ -403,6 +409,7 @@ class DistillPass:
     targets: torch.Tensor  # [n, k] int64, local to the head's rows (another rank's ids fall outside)
     jsd_beta: float | None
     plan: ChunkPlan
+    gemm: bool = False  # run on the GEMM-epilogue kernels (:mod:`.distill_gemm`)
 
     DIFFERENTIABLE = ("lse", "logp", "entropy", "forward_kl", "reverse_kl", "jsd")
 
@@ -437,8 +444,10 @@ class DistillPass:
                                           bias=None if teacher.bias is None else teacher.bias.detach())
             local_teacher = teacher.local()
         local = head.local()
+        gemm = resolve_backend(options.impl, hidden).NAME == "gemm" and targets.shape[1] <= 1 and (
+            teacher_hidden is None or teacher_hidden.dtype == hidden.dtype)
         return cls(local, local_teacher, teacher_hidden, local.local_targets(targets.long()), jsd_beta,
-                   plan_for(n, local.weight.shape[0], options, hidden.dtype))
+                   plan_for(n, local.weight.shape[0], options, hidden.dtype, gemm), gemm)
 
     def fields_present(self) -> tuple[bool, ...]:
         t = self.teacher is not None
@@ -448,22 +457,37 @@ class DistillPass:
         th = None if self.teacher_hidden is None else self.teacher_hidden[sl]
         return DistillRows(hidden[sl], self.targets[sl], th)
 
+    def _forward(self, rows: DistillRows, plan: ChunkPlan, keep: bool) -> tuple[DistillPartials, object | None]:
+        if self.gemm:
+            from . import distill_gemm
+
+            return distill_gemm.chunk_forward(self.head, self.teacher, rows, plan, keep)
+        return chunk_forward(self.head, self.teacher, rows, plan), None
+
     def chunk_stats(self, rows: DistillRows, plan: ChunkPlan,
-                    keep_logits: bool) -> tuple[DistillStats, DistillSaved, None]:
+                    keep_logits: bool) -> tuple[DistillStats, DistillSaved, object | None]:
         """A chunk's statistics over the full vocabulary (both passes, reduced over the group);
-        logits are never kept (the backward recomputes both sides)."""
+        logits are kept only on the gemm kernels (the torch functions recompute both sides)."""
         with no_autocast(rows.hidden.device):
-            part = chunk_forward(self.head, self.teacher, rows, plan).reduce(self.head.group)
-            return (*self._finish(part, rows, plan, reduce_jsd=True), None)
+            part, kept = self._forward(rows, plan, keep_logits)
+            part = part.reduce(self.head.group)
+            return (*self._finish(part, rows, plan, reduce_jsd=True, kept=kept), kept)
 
     def _finish(self, part: DistillPartials, rows: DistillRows, plan: ChunkPlan,
-                reduce_jsd: bool) -> tuple[DistillStats, DistillSaved]:
+                reduce_jsd: bool, kept: object | None = None) -> tuple[DistillStats, DistillSaved]:
         """Statistics from full-vocabulary partials, running the JSD pass (its per-rank sums
         reduced over the group only with ``reduce_jsd``)."""
         out = part.finalize()
         jsd = kl_pm = None
         if self.jsd_beta is not None:
-            jsd, kl_pm = chunk_jsd(self.head, self.teacher, rows, plan, out["lse"], out["teacher_lse"], self.jsd_beta)
+            if self.gemm:
+                from . import distill_gemm
+
+                jsd, kl_pm = distill_gemm.chunk_jsd(self.head, self.teacher, rows, plan, out["lse"],
+                                                    out["teacher_lse"], self.jsd_beta, kept)
+            else:
+                jsd, kl_pm = chunk_jsd(self.head, self.teacher, rows, plan, out["lse"], out["teacher_lse"],
+                                       self.jsd_beta)
             if reduce_jsd and is_active(self.head.group):
                 jsd, kl_pm = all_reduce(torch.stack([jsd, kl_pm]), "sum", self.head.group)
         stats = DistillStats(lse=out["lse"], logp=out["logp"], entropy=out["entropy"],
@@ -492,7 +516,7 @@ class DistillPass:
         parts = DistillPartials.empty(n, self.targets.shape[1], self.teacher is not None, sdt, dev)
         with no_autocast(dev):
             for sl in chunks:
-                parts.write(sl, chunk_forward(self.head, self.teacher, self.rows(hidden, sl, low), self.plan))
+                parts.write(sl, self._forward(self.rows(hidden, sl, low), self.plan, keep=False)[0])
             parts = parts.reduce(self.head.group)
             for sl in chunks:
                 part, part_saved = self._finish(parts.rows(sl), self.rows(hidden, sl, low), self.plan,
@@ -514,6 +538,11 @@ class DistillPass:
     def backward(self, rows: DistillRows, plan: ChunkPlan, saved: DistillSaved, grads: DistillGrads,
                  acc: Accumulators, kept: object | None) -> torch.Tensor | None:
         with no_autocast(rows.hidden.device):
+            if self.gemm:
+                from . import distill_gemm
+
+                return distill_gemm.chunk_backward(self.head, self.teacher, rows, plan, self.jsd_beta, saved, grads,
+                                                   acc, kept)
             return chunk_backward(self.head, self.teacher, rows, plan, self.jsd_beta, saved, grads, acc)
 
 

@@ -23,25 +23,16 @@ Triton or torch backend (:func:`~logitless.ops.backend.resolve_backend`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
-from .gemm_kernels import gemm_config, launch_centred_grad, launch_forward
+from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_centred_grad, launch_forward
 from .head import LocalHead
 from .plan import ChunkPlan
 from .triton_backend import block_grads
 
 NAME = "gemm"
 PLAN = "gemm"
-
-
-class KeptLogits(NamedTuple):
-    """A chunk's stored logits: ``z`` ``[n, V]`` fp16 centred on ``tile_max`` ``[tiles, n]`` fp32."""
-
-    z: torch.Tensor
-    tile_max: torch.Tensor
 
 
 def _operands(head: LocalHead, rows: ChunkRows):
@@ -54,31 +45,31 @@ def _operands(head: LocalHead, rows: ChunkRows):
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     bias = None if head.bias is None else head.bias.contiguous()
-    return hidden, weight, bias, rows.targets.to(torch.int64).contiguous()
+    return TileOperands(hidden, weight, bias, rows.targets.to(torch.int64).contiguous(), head.transform)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
-                  keep_logits: bool) -> tuple[RowStats, KeptLogits | None]:
+                  keep_logits: bool) -> tuple[RowStats, CentredTile | None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
     the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
 
     Raises:
         ValueError: adapter rows, or inputs that are not bf16/fp16.
     """
-    hidden, weight, bias, targets = _operands(head, rows)
-    n, vocab = hidden.shape[0], weight.shape[0]
+    ops = _operands(head, rows)
+    hidden, targets = ops.hidden, ops.targets
+    n, vocab = hidden.shape[0], ops.weight.shape[0]
     owned = (targets >= 0) & (targets < vocab)
     if n == 0 or vocab == 0:
         return RowStats.start(n, torch.float32, hidden.device, want, owned), None
     keep = keep_logits and plan.vocab_block >= vocab
     z = torch.empty((n, vocab), dtype=torch.float16, device=hidden.device) if keep else None
-    parts = launch_forward(hidden, weight, bias, targets, head.transform, (want.entropy, want.sum_z),
-                           plan.fp32_logits, z, gemm_config())
-    return RowStats.combine(parts, owned), None if z is None else KeptLogits(z, parts["m"])
+    parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z, gemm_config())
+    return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"])
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
-                   acc: Accumulators, kept: KeptLogits | None) -> torch.Tensor | None:
+                   acc: Accumulators, kept: CentredTile | None) -> torch.Tensor | None:
     """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
     **overwritten** with ``dy``.
 
@@ -86,20 +77,17 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
         ValueError: an entropy gradient without ``saved.sum_pz``; adapter rows; inputs that
             are not bf16/fp16.
     """
-    hidden, weight, bias, targets = _operands(head, rows)
+    ops = _operands(head, rows)
+    hidden, weight, targets = ops.hidden, ops.weight, ops.targets
     rc = RowCoefficients.make(saved, grads)
     cfg = gemm_config()
-    n, vocab = hidden.shape[0], weight.shape[0]
+    vocab = weight.shape[0]
     grad_hidden = None
     block = vocab if kept is not None else max(1, plan.vocab_block)
     for start in range(0, vocab, block):
         end = min(start + block, vocab)
         if kept is None:
-            z = torch.empty((n, end - start), dtype=torch.float16, device=hidden.device)
-            parts = launch_forward(hidden, weight[start:end], None if bias is None else bias[start:end],
-                                   targets - start, head.transform, (False, False), plan.fp32_logits, z, cfg)
-            tile = KeptLogits(z, parts.pop("m"))
-            del parts
+            tile = recompute_tile(ops, slice(start, end), plan.fp32_logits, cfg)
         else:
             tile = kept
         dy = tile.z.view(hidden.dtype)
@@ -110,3 +98,12 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return grad_hidden
+
+
+def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: GemmConfig) -> CentredTile:
+    """The centred fp16 logits of vocabulary rows ``block`` for a backward (statistics discarded)."""
+    bias = None if ops.bias is None else ops.bias[block]
+    z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
+    parts = launch_forward(ops._replace(weight=ops.weight[block], bias=bias, targets=ops.targets - block.start),
+                           (False, False), fp32_logits, z, cfg)
+    return CentredTile(z, parts["m"])
