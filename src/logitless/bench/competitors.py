@@ -400,18 +400,21 @@ def _teacher(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 def distill_logitless(x: Inputs, impl: str) -> Prepared:
     """logitless ``distill_loss`` (forward KL(teacher‖student), token mean): both heads in one
-    blocked pass over the vocabulary, neither's logits materialized (torch backend, recompute)."""
+    blocked pass over the vocabulary, neither's logits materialized in fp32 (the gemm kernels
+    where ``impl`` resolves to them, else the torch functions)."""
     import logitless
 
     th, tw = _teacher(x)
     cfg = logitless.DistillConfig(divergence="forward_kl")
+    options = logitless.PassOptions(impl=impl)
 
     def step() -> Outputs:
         h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
-        loss, _ = logitless.distill_loss(h2, x.weight, th, tw, config=cfg)
+        loss, _ = logitless.distill_loss(h2, x.weight, th, tw, config=cfg, options=options)
         return _train_outputs(loss)
 
-    return Prepared(step, "torch")
+    name = _impl_name(impl, x.hidden.device)
+    return Prepared(step, name if name == "gemm" else "torch")
 
 
 def distill_trl_chunked(x: Inputs, impl: str) -> Prepared:
