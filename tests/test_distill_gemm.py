@@ -120,7 +120,7 @@ def test_gpu_matches_torch(divergence):
     out = {}
     for name, dtype, impl in (("gemm", torch.bfloat16, "gemm"), ("torch", torch.bfloat16, "torch"),
                               ("fp64", torch.float64, "torch")):
-        hh, ww = hs.to(dtype).requires_grad_(), ws.to(dtype).requires_grad_()
+        hh, ww = hs.to(dtype).clone().requires_grad_(), ws.to(dtype).clone().requires_grad_()
         loss, _ = distill_loss(hh, ww, ht.to(dtype), wt.to(dtype), config=cfg, options=PassOptions(impl=impl))
         loss.backward()
         out[name] = (loss.double(), hh.grad.double(), ww.grad.double())
