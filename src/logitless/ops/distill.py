@@ -119,6 +119,10 @@ class DistillGrads(NamedTuple):
     def rows(self, sl: slice) -> DistillGrads:
         return DistillGrads(*(None if g is None else g[sl] for g in self))
 
+    def teacher_terms(self) -> bool:
+        """Whether the gradient needs the teacher's probabilities (a KL or JSD term)."""
+        return self.forward_kl is not None or self.reverse_kl is not None or self.jsd is not None
+
 
 @dataclass
 class DistillPartials:
@@ -319,18 +323,8 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
     n, vocab = hs.shape[0], student.weight.shape[0]
     sdt = saved.lse.dtype
     mm_dtype = hs.dtype if hs.device.type == "cuda" else sdt
-    coef = torch.zeros_like(saved.lse)  # multiplies p
-    if g.lse is not None:
-        coef = coef + g.lse
-    if g.logp is not None:
-        coef = coef - g.logp.sum(dim=1)
-    # The entropy and reverse-KL terms stay elementwise against their partners below: folding the
-    # O(|z|) parts (sum_pz, lse) into this per-row constant cancels them against zs in fp32.
-    if g.reverse_kl is not None:
-        coef = coef - g.reverse_kl * saved.reverse_kl
-    if g.jsd is not None:
-        coef = coef - g.jsd * (1 - beta) * saved.kl_pm
-    teacher_needed = g.forward_kl is not None or g.reverse_kl is not None or g.jsd is not None
+    coef = p_coefficient(g, saved, beta)
+    teacher_needed = g.teacher_terms()
     grad_hidden = torch.zeros((n, hs.shape[1]), dtype=sdt, device=hs.device) if acc.hidden else None
     h_mm = hs.to(mm_dtype)
     for start, end in _blocks(vocab, plan):
@@ -362,6 +356,23 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
         del zs, p, log_p, dz
         apply_block_grad(dy, student.weight[start:end], h_mm, slice(start, end), grad_hidden, acc)
     return grad_hidden
+
+
+def p_coefficient(g: DistillGrads, saved: DistillSaved, beta: float | None) -> torch.Tensor:
+    """The per-token part of ``dz`` that multiplies ``p`` (``[n]``): ``g_lse - Σ_j g_logp_j
+    - g_rkl KL(p‖q) - g_jsd (1-β) KL(p‖m)``. The entropy and reverse-KL terms' elementwise parts
+    stay with their partners: folding the O(|z|) ``sum_pz``/``lse`` into this constant would
+    cancel them against ``zs`` in fp32."""
+    coef = torch.zeros_like(saved.lse)
+    if g.lse is not None:
+        coef = coef + g.lse
+    if g.logp is not None:
+        coef = coef - g.logp.sum(dim=1)
+    if g.reverse_kl is not None:
+        coef = coef - g.reverse_kl * saved.reverse_kl
+    if g.jsd is not None:
+        coef = coef - g.jsd * (1 - beta) * saved.kl_pm
+    return coef
 
 
 def plan_for(n_tokens: int, vocab: int, options: PassOptions, dtype: torch.dtype, gemm: bool = False) -> ChunkPlan:

@@ -14,7 +14,7 @@ The JSD's second sweep and the gradient are row kernels over both stored tiles
 (:mod:`logitless.ops.distill_kernels`); ``d hidden``/``d weight`` are cuBLAS GEMMs as in the
 single-head pass. Kept tiles (fused mode) cost 4 bytes a logit; recompute mode recomputes both
 tiles block by block. Scope: at most one target id per token (a hard label) and bf16/fp16 heads
-of one dtype; :func:`supported` says when, and the torch functions run everything else.
+of one dtype (``DistillPass.make`` decides); the torch functions run everything else.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import Accumulators, resolve_backend
+from .backend import Accumulators
+from .distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
 from .distill_kernels import DistillRowCoefficients, launch_distill_grad, launch_jsd
 from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
 from .head import LocalHead
-from .options import PassOptions
 from .plan import ChunkPlan
 from .triton_backend import block_grads
 
@@ -38,17 +38,6 @@ class DistillTiles(NamedTuple):
 
     student: CentredTile
     teacher: CentredTile | None
-
-
-def supported(hidden: torch.Tensor, teacher_hidden: torch.Tensor | None, n_targets: int,
-              options: PassOptions) -> bool:
-    """Whether a distillation pass runs on these kernels: ``options.impl`` resolves to the gemm
-    backend for ``hidden`` (bf16/fp16), the teacher's inputs share that dtype, at most one
-    target id per token."""
-    from . import gemm_backend
-
-    same = teacher_hidden is None or teacher_hidden.dtype == hidden.dtype
-    return same and n_targets <= 1 and resolve_backend(options.impl, hidden) is gemm_backend
 
 
 def _operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
@@ -79,11 +68,10 @@ def _blocks(vocab: int, plan: ChunkPlan, whole: bool) -> list[slice]:
     return [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
 
 
-def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows, plan: ChunkPlan, keep: bool):
+def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan,
+                  keep: bool) -> tuple[DistillPartials, DistillTiles | None]:
     """The chunk's :class:`~logitless.ops.distill.DistillPartials` over the local vocabulary and,
     with ``keep`` (whole rows fit the plan), the stored :class:`DistillTiles`."""
-    from .distill import DistillPartials
-
     cfg = gemm_config()
     targets = rows.targets[:, 0] if rows.targets.shape[1] else None
     s_ops = _operands(student, rows.hidden, targets)
@@ -120,7 +108,7 @@ def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows, plan: Chu
     return part, kept
 
 
-def _both_tiles(student: LocalHead, teacher: LocalHead | None, rows, plan: ChunkPlan, block: slice,
+def _both_tiles(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan, block: slice,
                 cfg: GemmConfig) -> DistillTiles:
     """Both heads' stored tiles of vocabulary rows ``block`` (statistics discarded)."""
     targets = rows.targets[:, 0] if rows.targets.shape[1] else None
@@ -131,7 +119,7 @@ def _both_tiles(student: LocalHead, teacher: LocalHead | None, rows, plan: Chunk
     return DistillTiles(s_tile, t_tile)
 
 
-def chunk_jsd(student: LocalHead, teacher: LocalHead, rows, plan: ChunkPlan, lse_s: torch.Tensor,
+def chunk_jsd(student: LocalHead, teacher: LocalHead, rows: DistillRows, plan: ChunkPlan, lse_s: torch.Tensor,
               lse_t: torch.Tensor, beta: float, kept: DistillTiles | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(jsd [n], kl_pm [n])`` over the local vocabulary, from the kept tiles or recomputed ones."""
     cfg = gemm_config()
@@ -146,8 +134,9 @@ def chunk_jsd(student: LocalHead, teacher: LocalHead, rows, plan: ChunkPlan, lse
     return jsd, kl_pm
 
 
-def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows, plan: ChunkPlan, beta: float | None,
-                   saved, g, acc: Accumulators, kept: DistillTiles | None) -> torch.Tensor | None:
+def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan,
+                   beta: float | None, saved: DistillSaved, g: DistillGrads, acc: Accumulators,
+                   kept: DistillTiles | None) -> torch.Tensor | None:
     """The student's gradients of one chunk (:func:`logitless.ops.distill.chunk_backward`'s formula),
     from the kept tiles or tiles recomputed block by block; ``kept`` is overwritten."""
     cfg = gemm_config()
@@ -157,18 +146,10 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows, plan: Ch
     def f32(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.float().contiguous()
 
-    coef = torch.zeros_like(saved.lse)
-    if g.lse is not None:
-        coef = coef + g.lse
-    if g.logp is not None:
-        coef = coef - g.logp.sum(dim=1)
-    if g.reverse_kl is not None:
-        coef = coef - g.reverse_kl * saved.reverse_kl
-    if g.jsd is not None:
-        coef = coef - g.jsd * (1 - beta) * saved.kl_pm
-    teacher_terms = g.forward_kl is not None or g.reverse_kl is not None or g.jsd is not None
+    teacher_terms = g.teacher_terms()
     rc = DistillRowCoefficients(
-        lse=f32(saved.lse), coef=f32(coef), sum_pz=f32(saved.sum_pz) if g.entropy is not None else None,
+        lse=f32(saved.lse), coef=f32(p_coefficient(g, saved, beta)),
+        sum_pz=f32(saved.sum_pz) if g.entropy is not None else None,
         g_entropy=f32(g.entropy), teacher_lse=f32(saved.teacher_lse) if teacher_terms else None,
         g_reverse_kl=f32(g.reverse_kl), g_forward_kl=f32(g.forward_kl), g_jsd=f32(g.jsd),
         g_logp=None if g.logp is None or g.logp.shape[1] == 0 else f32(g.logp[:, 0]), beta=beta)
