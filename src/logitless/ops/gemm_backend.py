@@ -35,7 +35,7 @@ NAME = "gemm"
 PLAN = "gemm"
 
 
-def _operands(head: LocalHead, rows: ChunkRows):
+def _operands(head: LocalHead, rows: ChunkRows) -> TileOperands:
     if rows.low is not None:
         raise ValueError("the gemm backend has no LoRA adapter term; resolve_backend sends such heads to triton")
     hidden, weight = rows.hidden, head.weight
