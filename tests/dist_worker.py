@@ -155,7 +155,8 @@ def _distill_call(case: dict, run: dict, hidden, head, teacher_head):
                dict(teacher_topk_ids=case["topk_ids"], teacher_topk_logprobs=case["topk_logprobs"]))
     cfg = DistillConfig(divergence=run["divergence"] if dense else "forward_kl", beta=0.3, ce_weight=0.4)
     return distill_loss(hidden, head, labels=case["labels"], mask=case["mask"], config=cfg,
-                        options=PassOptions(mode=run["mode"], chunk_bytes=case["chunk"]), **teacher)
+                        options=PassOptions(mode=run["mode"], impl=case.get("impl", "auto"), chunk_bytes=case["chunk"]),
+                        **teacher)
 
 
 def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
