@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -179,21 +180,36 @@ class DistillPartials:
         the vocabulary-parallel ``group``; ``self`` without a group."""
         if not is_active(group):
             return self
+        return self.merged(lambda x: all_reduce(x, "max", group), lambda x: all_reduce(x, "sum", group))
+
+    def merged(self, max_over: Callable[[torch.Tensor], torch.Tensor], sum_over: Callable[[torch.Tensor], torch.Tensor],
+               zy: torch.Tensor | None = None) -> DistillPartials:
+        """The partials of several disjoint vocabulary ranges combined into their union's.
+
+        ``self`` holds one range's partials (each rank's own, for :meth:`reduce`) or a leading
+        range axis on every field (``[ranges, n]``); ``max_over``/``sum_over`` reduce a stack of
+        fields across the ranges (all-reduces, or ``max``/``sum`` over dim 1), each called once.
+        ``zy``: the targets' logits already summed over the ranges, else ``self.zy`` rides along
+        in the sum (0 where another range owns the id, so the sum is the owner's logit).
+        """
         teacher = self.m_t is not None
-        m = all_reduce(torch.stack([self.m_s, self.m_t] if teacher else [self.m_s]), "max", group)
-        # 0 for a rank without valid rows (local max -inf): it adds nothing to the sums.
+        m = max_over(torch.stack([self.m_s, self.m_t] if teacher else [self.m_s]))
+        # 0 for a range without valid rows (local max -inf): it adds nothing to the sums.
         scale_s = torch.exp(self.m_s - m[0])
         sums = [self.se_s * scale_s, self.sez_s * scale_s]
         if teacher:
             scale_t = torch.exp(self.m_t - m[1])
-            # The gaps are centred on this rank's maxima: re-centre them on the global ones.
+            # The gaps are centred on each range's maxima: re-centre them on the union's.
             shift = _moved(self.m_s, m[0]) - _moved(self.m_t, m[1])
             sums += [(self.sgap + self.se_s * shift) * scale_s, self.se_t * scale_t, self.tez * scale_t,
                      (self.tgap - self.se_t * shift) * scale_t]
-        # zy is 0 where another rank owns the id, so the SUM leaves the owner's logit.
-        total = all_reduce(torch.cat([torch.stack(sums), self.zy.t()]), "sum", group)
+        stacked = torch.stack(sums)
+        if zy is None:
+            stacked = torch.cat([stacked, self.zy.movedim(-1, 0)])
+        total = sum_over(stacked)
         p = len(sums)
-        out = DistillPartials(m_s=m[0], se_s=total[0], sez_s=total[1], zy=total[p:].t())
+        zy = total[p:].movedim(0, -1) if zy is None else zy
+        out = DistillPartials(m_s=m[0], se_s=total[0], sez_s=total[1], zy=zy)
         if teacher:
             out.sgap, out.m_t, out.se_t, out.tez, out.tgap = total[2], m[1], total[3], total[4], total[5]
         return out

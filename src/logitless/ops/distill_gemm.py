@@ -26,6 +26,7 @@ import torch
 from .backend import Accumulators
 from .distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
 from .distill_kernels import DistillRowCoefficients, launch_distill_grad, launch_jsd
+from .gemm_backend import operands, recompute_tile
 from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
 from .head import LocalHead
 from .plan import ChunkPlan
@@ -40,18 +41,12 @@ class DistillTiles(NamedTuple):
     teacher: CentredTile | None
 
 
-def _operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
-    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    weight = head.weight if head.weight.stride(1) == 1 else head.weight.contiguous()
-    if targets is None:
-        targets = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
-    bias = None if head.bias is None else head.bias.contiguous()
-    return TileOperands(hidden, weight, bias, targets.contiguous(), head.transform)
-
-
-def _block(ops: TileOperands, block: slice) -> TileOperands:
-    bias = None if ops.bias is None else ops.bias[block]
-    return ops._replace(weight=ops.weight[block], bias=bias, targets=ops.targets - block.start)
+def _sides(student: LocalHead, teacher: LocalHead | None, rows: DistillRows) -> tuple[TileOperands,
+                                                                                   TileOperands | None]:
+    """Both heads' kernel operands for a chunk (the student's hard label, if any, as its target)."""
+    label = rows.targets[:, 0] if rows.targets.shape[1] else None
+    s_ops = operands(student, rows.hidden, label)
+    return s_ops, None if teacher is None else operands(teacher, rows.teacher_hidden, None)
 
 
 def _tile(ops: TileOperands, want_entropy: bool, fp32_logits: bool, cfg: GemmConfig,
@@ -73,61 +68,49 @@ def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRo
     """The chunk's :class:`~logitless.ops.distill.DistillPartials` over the local vocabulary and,
     with ``keep`` (whole rows fit the plan), the stored :class:`DistillTiles`."""
     cfg = gemm_config()
-    targets = rows.targets[:, 0] if rows.targets.shape[1] else None
-    s_ops = _operands(student, rows.hidden, targets)
-    t_ops = None if teacher is None else _operands(teacher, rows.teacher_hidden, None)
+    s_ops, t_ops = _sides(student, teacher, rows)
     vocab = s_ops.weight.shape[0]
     keep = keep and plan.vocab_block >= vocab
     s_parts, t_parts, kept = [], [], None
     for block in _blocks(vocab, plan, keep):
         t_tile = None
         if t_ops is not None:
-            parts, t_tile = _tile(_block(t_ops, block), True, plan.fp32_logits, cfg)
+            parts, t_tile = _tile(t_ops.block(block), True, plan.fp32_logits, cfg)
             t_parts.append(parts)
-        parts, s_tile = _tile(_block(s_ops, block), True, plan.fp32_logits, cfg,
+        parts, s_tile = _tile(s_ops.block(block), True, plan.fp32_logits, cfg,
                               None if t_tile is None else t_tile.z, store=keep)
         s_parts.append(parts)
         if keep:
             kept = DistillTiles(s_tile, t_tile)
+    # Every tile's partials, [tiles, n] per field, merged over the tiles as ranks are merged.
     s_all = {k: torch.cat([p[k] for p in s_parts]) for k in s_parts[0] if k != "zy"}
-    zy = sum(p["zy"] for p in s_parts)  # nonzero in the one block that holds the target
-    m_s = s_all["m"].max(dim=0).values
-    w_s = torch.exp(s_all["m"] - m_s)
-    part = DistillPartials(m_s=m_s, se_s=(s_all["se"] * w_s).sum(0), sez_s=(s_all["sez"] * w_s).sum(0),
-                           zy=zy.t() if targets is not None else zy.t()[:, :0])
+    zy = sum(p["zy"] for p in s_parts).t()  # nonzero in the one block that holds the target
+    tiles = DistillPartials(m_s=s_all["m"], se_s=s_all["se"], sez_s=s_all["sez"], zy=zy)
     if t_ops is not None:
         t_all = {k: torch.cat([p[k] for p in t_parts]) for k in ("m", "se", "sez")}
-        m_t = t_all["m"].max(dim=0).values
-        w_t = torch.exp(t_all["m"] - m_t)
-        # Each tile's gaps are centred on its own maxima: moving both to the rows' maxima adds
-        # the same shift to every entry of the tile.
-        shift = (s_all["m"] - m_s) - (t_all["m"] - m_t)
-        part.sgap = ((s_all["sgap"] + s_all["se"] * shift) * w_s).sum(0)
-        part.tgap = ((s_all["tgap"] - t_all["se"] * shift) * w_t).sum(0)
-        part.m_t, part.se_t, part.tez = m_t, (t_all["se"] * w_t).sum(0), (t_all["sez"] * w_t).sum(0)
+        tiles.sgap, tiles.tgap = s_all["sgap"], s_all["tgap"]
+        tiles.m_t, tiles.se_t, tiles.tez = t_all["m"], t_all["se"], t_all["sez"]
+    part = tiles.merged(lambda x: x.max(dim=1).values, lambda x: x.sum(dim=1),
+                        zy=zy[:, :rows.targets.shape[1]])
     return part, kept
 
 
-def _both_tiles(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan, block: slice,
+def _both_tiles(s_ops: TileOperands, t_ops: TileOperands | None, block: slice, plan: ChunkPlan,
                 cfg: GemmConfig) -> DistillTiles:
     """Both heads' stored tiles of vocabulary rows ``block`` (statistics discarded)."""
-    targets = rows.targets[:, 0] if rows.targets.shape[1] else None
-    _, s_tile = _tile(_block(_operands(student, rows.hidden, targets), block), False, plan.fp32_logits, cfg)
-    t_tile = None
-    if teacher is not None:
-        _, t_tile = _tile(_block(_operands(teacher, rows.teacher_hidden, None), block), False, plan.fp32_logits, cfg)
-    return DistillTiles(s_tile, t_tile)
+    t_tile = None if t_ops is None else recompute_tile(t_ops, block, plan.fp32_logits, cfg)
+    return DistillTiles(recompute_tile(s_ops, block, plan.fp32_logits, cfg), t_tile)
 
 
 def chunk_jsd(student: LocalHead, teacher: LocalHead, rows: DistillRows, plan: ChunkPlan, lse_s: torch.Tensor,
               lse_t: torch.Tensor, beta: float, kept: DistillTiles | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(jsd [n], kl_pm [n])`` over the local vocabulary, from the kept tiles or recomputed ones."""
     cfg = gemm_config()
-    vocab = student.weight.shape[0]
+    sides = None if kept is not None else _sides(student, teacher, rows)
     jsd = torch.zeros_like(lse_s)
     kl_pm = torch.zeros_like(lse_s)
-    for block in _blocks(vocab, plan, kept is not None):
-        tiles = kept if kept is not None else _both_tiles(student, teacher, rows, plan, block, cfg)
+    for block in _blocks(student.weight.shape[0], plan, kept is not None):
+        tiles = kept if kept is not None else _both_tiles(*sides, block, plan, cfg)
         j, k = launch_jsd(tiles.student, tiles.teacher, lse_s, lse_t, beta, cfg)
         jsd += j
         kl_pm += k
@@ -140,26 +123,24 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
     """The student's gradients of one chunk (:func:`logitless.ops.distill.chunk_backward`'s formula),
     from the kept tiles or tiles recomputed block by block; ``kept`` is overwritten."""
     cfg = gemm_config()
-    hs = rows.hidden if rows.hidden.stride(1) == 1 else rows.hidden.contiguous()
-    vocab = student.weight.shape[0]
+    teacher_terms = g.teacher_terms()
+    s_ops, t_ops = _sides(student, teacher if teacher_terms else None, rows)
+    hs = s_ops.hidden
 
     def f32(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.float().contiguous()
 
-    teacher_terms = g.teacher_terms()
     rc = DistillRowCoefficients(
         lse=f32(saved.lse), coef=f32(p_coefficient(g, saved, beta)),
         sum_pz=f32(saved.sum_pz) if g.entropy is not None else None,
         g_entropy=f32(g.entropy), teacher_lse=f32(saved.teacher_lse) if teacher_terms else None,
         g_reverse_kl=f32(g.reverse_kl), g_forward_kl=f32(g.forward_kl), g_jsd=f32(g.jsd),
         g_logp=None if g.logp is None or g.logp.shape[1] == 0 else f32(g.logp[:, 0]), beta=beta)
-    targets = rows.targets[:, 0].contiguous() if rows.targets.shape[1] else rows.targets.new_zeros(hs.shape[0])
     grad_hidden = None
-    for block in _blocks(vocab, plan, kept is not None):
-        tiles = kept if kept is not None else _both_tiles(student, teacher if teacher_terms else None, rows, plan,
-                                                         block, cfg)
+    for block in _blocks(s_ops.weight.shape[0], plan, kept is not None):
+        tiles = kept if kept is not None else _both_tiles(s_ops, t_ops, block, plan, cfg)
         dy = tiles.student.z.view(hs.dtype)
-        launch_distill_grad(tiles.student, tiles.teacher, dy, targets, block.start, student.transform, rc, cfg)
+        launch_distill_grad(tiles.student, tiles.teacher, dy, s_ops.targets, block.start, student.transform, rc, cfg)
         del tiles
         grad_hidden = block_grads(dy, student.weight, hs, block, acc, grad_hidden)
         del dy

@@ -35,17 +35,24 @@ NAME = "gemm"
 PLAN = "gemm"
 
 
+def operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
+    """``hidden [n, H]`` against the head's local rows as kernel operands (unit stride along ``H``,
+    contiguous bias, int64 ``targets``; ``None``: no target, -1 for every row)."""
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    weight = head.weight if head.weight.stride(1) == 1 else head.weight.contiguous()
+    if targets is None:
+        targets = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
+    bias = None if head.bias is None else head.bias.contiguous()
+    return TileOperands(hidden, weight, bias, targets.to(torch.int64).contiguous(), head.transform)
+
+
 def _operands(head: LocalHead, rows: ChunkRows) -> TileOperands:
     if rows.low is not None:
         raise ValueError("the gemm backend has no LoRA adapter term; resolve_backend sends such heads to triton")
-    hidden, weight = rows.hidden, head.weight
-    if hidden.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the gemm backend takes bf16/fp16 inputs, got {hidden.dtype}; resolve_backend sends "
+    if rows.hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the gemm backend takes bf16/fp16 inputs, got {rows.hidden.dtype}; resolve_backend sends "
                          "others to triton or torch")
-    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    bias = None if head.bias is None else head.bias.contiguous()
-    return TileOperands(hidden, weight, bias, rows.targets.to(torch.int64).contiguous(), head.transform)
+    return operands(head, rows.hidden, rows.targets)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
@@ -102,8 +109,6 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
 
 def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: GemmConfig) -> CentredTile:
     """The centred fp16 logits of vocabulary rows ``block`` for a backward (statistics discarded)."""
-    bias = None if ops.bias is None else ops.bias[block]
     z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
-    parts = launch_forward(ops._replace(weight=ops.weight[block], bias=bias, targets=ops.targets - block.start),
-                           (False, False), fp32_logits, z, cfg)
+    parts = launch_forward(ops.block(block), (False, False), fp32_logits, z, cfg)
     return CentredTile(z, parts["m"])

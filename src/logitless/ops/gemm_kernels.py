@@ -231,6 +231,11 @@ class TileOperands(NamedTuple):
     targets: torch.Tensor
     transform: LogitTransform
 
+    def block(self, rows: slice) -> TileOperands:
+        """The head's vocabulary rows ``rows`` (targets shifted to index them)."""
+        bias = None if self.bias is None else self.bias[rows]
+        return self._replace(weight=self.weight[rows], bias=bias, targets=self.targets - rows.start)
+
 
 class CentredTile(NamedTuple):
     """Logits stored by :func:`launch_forward`: ``z [n, V]`` fp16, each ``block_v``-wide tile
