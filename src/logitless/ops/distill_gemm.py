@@ -26,7 +26,7 @@ import torch
 from .backend import Accumulators
 from .distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
 from .distill_kernels import DistillRowCoefficients, launch_distill_grad, launch_jsd
-from .gemm_backend import operands, recompute_tile
+from .gemm_backend import operands, recompute_tile, vocab_blocks
 from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
 from .head import LocalHead
 from .plan import ChunkPlan
@@ -58,11 +58,6 @@ def _tile(ops: TileOperands, want_entropy: bool, fp32_logits: bool, cfg: GemmCon
     return parts, None if z is None else CentredTile(z, parts["m"])
 
 
-def _blocks(vocab: int, plan: ChunkPlan, whole: bool) -> list[slice]:
-    step = vocab if whole else max(1, plan.vocab_block)
-    return [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
-
-
 def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan,
                   keep: bool) -> tuple[DistillPartials, DistillTiles | None]:
     """The chunk's :class:`~logitless.ops.distill.DistillPartials` over the local vocabulary and,
@@ -72,7 +67,7 @@ def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRo
     vocab = s_ops.weight.shape[0]
     keep = keep and plan.vocab_block >= vocab
     s_parts, t_parts, kept = [], [], None
-    for block in _blocks(vocab, plan, keep):
+    for block in vocab_blocks(vocab, plan, keep):
         t_tile = None
         if t_ops is not None:
             parts, t_tile = _tile(t_ops.block(block), True, plan.fp32_logits, cfg)
@@ -109,7 +104,7 @@ def chunk_jsd(student: LocalHead, teacher: LocalHead, rows: DistillRows, plan: C
     sides = None if kept is not None else _sides(student, teacher, rows)
     jsd = torch.zeros_like(lse_s)
     kl_pm = torch.zeros_like(lse_s)
-    for block in _blocks(student.weight.shape[0], plan, kept is not None):
+    for block in vocab_blocks(student.weight.shape[0], plan, kept is not None):
         tiles = kept if kept is not None else _both_tiles(*sides, block, plan, cfg)
         j, k = launch_jsd(tiles.student, tiles.teacher, lse_s, lse_t, beta, cfg)
         jsd += j
@@ -137,7 +132,7 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
         g_reverse_kl=f32(g.reverse_kl), g_forward_kl=f32(g.forward_kl), g_jsd=f32(g.jsd),
         g_logp=None if g.logp is None or g.logp.shape[1] == 0 else f32(g.logp[:, 0]), beta=beta)
     grad_hidden = None
-    for block in _blocks(s_ops.weight.shape[0], plan, kept is not None):
+    for block in vocab_blocks(s_ops.weight.shape[0], plan, kept is not None):
         tiles = kept if kept is not None else _both_tiles(s_ops, t_ops, block, plan, cfg)
         dy = tiles.student.z.view(hs.dtype)
         launch_distill_grad(tiles.student, tiles.teacher, dy, s_ops.targets, block.start, student.transform, rc, cfg)

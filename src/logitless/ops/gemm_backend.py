@@ -88,19 +88,13 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     hidden, weight, targets = ops.hidden, ops.weight, ops.targets
     rc = RowCoefficients.make(saved, grads)
     cfg = gemm_config()
-    vocab = weight.shape[0]
     grad_hidden = None
-    block = vocab if kept is not None else max(1, plan.vocab_block)
-    for start in range(0, vocab, block):
-        end = min(start + block, vocab)
-        if kept is None:
-            tile = recompute_tile(ops, slice(start, end), plan.fp32_logits, cfg)
-        else:
-            tile = kept
+    for block in vocab_blocks(weight.shape[0], plan, whole=kept is not None):
+        tile = kept if kept is not None else recompute_tile(ops, block, plan.fp32_logits, cfg)
         dy = tile.z.view(hidden.dtype)
-        launch_centred_grad(tile.z, tile.tile_max, dy, targets, start, head.transform, rc, cfg)
+        launch_centred_grad(tile.z, tile.tile_max, dy, targets, block.start, head.transform, rc, cfg)
         del tile
-        grad_hidden = block_grads(dy, weight, hidden, slice(start, end), acc, grad_hidden)
+        grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
         del dy
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -112,3 +106,10 @@ def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: Gemm
     z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
     parts = launch_forward(ops.block(block), (False, False), fp32_logits, z, cfg)
     return CentredTile(z, parts["m"])
+
+
+def vocab_blocks(vocab: int, plan: ChunkPlan, whole: bool) -> list[slice]:
+    """The vocabulary rows a backward walks: all at once when a kept tile covers them (``whole``),
+    else the plan's blocks."""
+    step = vocab if whole else max(1, plan.vocab_block)
+    return [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
