@@ -1,5 +1,6 @@
-"""Where the time of one fused GRPO call goes on a GPU, next to cross-entropy on the same head
-(torch.profiler): wall time, GPU busy time, kernel count, top kernels.
+"""Where the time of one fused GRPO call goes on a GPU, next to cross-entropy, rollout and forward-KL
+distillation (a teacher head of the same shape) on the same head (torch.profiler): wall time, GPU busy
+time, kernel count, top kernels. `floor` is the three bare GEMMs; distillation's floor adds a fourth.
 
     python3 scripts/gpu_profile.py [N] [H] [V] [impl]   # impl: auto (default), triton, gemm, flash
     LOGITLESS_LOGITS_PRECISION=input python3 scripts/gpu_profile.py   # bf16 logits
@@ -14,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import logitless
-from logitless import PassOptions, PolicyConfig
+from logitless import DistillConfig, PassOptions, PolicyConfig
 
 
 def main() -> None:
@@ -49,6 +50,18 @@ def main() -> None:
         logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True,
                                 options=PassOptions(impl=impl))
 
+    t_w = (torch.randn(v, h, device=dev) / h**0.5).to(torch.bfloat16)
+    t_hid = (torch.randn(b, t, h, device=dev) * 3).to(torch.bfloat16)
+
+    def distill(divergence: str):
+        def run():
+            loss, _ = logitless.distill_loss(hid, w, t_hid, t_w, labels=ids,
+                                             config=DistillConfig(divergence=divergence),
+                                             options=PassOptions(mode="fused", impl=impl))
+            loss.backward()
+            hid.grad = w.grad = None
+        return run
+
     h2, w2 = hid.detach().reshape(n, h), w.detach()
     dy = torch.randn(n, v, device=dev, dtype=torch.bfloat16)
 
@@ -58,7 +71,8 @@ def main() -> None:
         dw = dy.t() @ h2
         del y, dh, dw
 
-    for name, fn in (("floor", floor), ("grpo", grpo), ("ce", ce), ("rollout", rollout)):
+    for name, fn in (("floor", floor), ("grpo", grpo), ("ce", ce), ("rollout", rollout),
+                     ("fwd_kl", distill("forward_kl")), ("jsd", distill("generalized_jsd"))):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
