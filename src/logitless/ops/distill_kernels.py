@@ -3,6 +3,8 @@
 Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gemm_kernels.launch_forward`
 (fp16, each tile centred on its row maximum), one program per token row:
 
+* :func:`_cross_kernel`: each (row, tile)'s cross sums ``sgap``/``tgap`` of both KL directions
+  (:class:`~logitless.ops.distill.DistillPartials`), the per-tile partials merged like the GEMM's;
 * :func:`_jsd_kernel`: the generalized JSD's per-row sums over a vocabulary range once both
   ``lse`` are known (TRL's ``GKDTrainer.generalized_jsd_loss``: ``m = β q + (1 - β) p``,
   ``JSD_β = β KL(q‖m) + (1 - β) KL(p‖m)``);
@@ -62,6 +64,37 @@ def _log_probs(z_row, m_ptr, lse, cols, mask, row, n, TILE_V: tl.constexpr):
     m = tl.load(m_ptr + (cols // TILE_V) * n + row, mask=mask, other=0.0)
     stored = tl.load(z_row + cols, mask=mask, other=-float("inf")).to(tl.float32)
     return stored + m, stored + (m - lse)
+
+
+@triton.jit
+def _cross_kernel(
+    zs_ptr, stride_zs,  # student: [n, width] fp16 logits centred per tile
+    zt_ptr, stride_zt,  # teacher: the same, over the same tiles
+    sgap_ptr, tgap_ptr,  # [tiles, n] fp32 outputs (row stride n)
+    n, width,
+    TILE_V: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    # A step covers BLOCK_V // TILE_V whole tiles, laid out [tiles of the step, TILE_V], so each
+    # tile's sums are one reduction along axis 1.
+    row = tl.program_id(0).to(tl.int64)
+    per_step: tl.constexpr = BLOCK_V // TILE_V
+    tile_idx = tl.arange(0, per_step)
+    for off in range(0, width, BLOCK_V):
+        cols = off + tile_idx[:, None] * TILE_V + tl.arange(0, TILE_V)[None, :]
+        mask = cols < width
+        cs = tl.load(zs_ptr + row * stride_zs + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        ct = tl.load(zt_ptr + row * stride_zt + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        es = tl.exp(cs)
+        et = tl.exp(ct)
+        gap = cs - ct
+        # An entry of zero probability on one side adds nothing to that side's sum (0 log 0 = 0),
+        # even where the other side's is infinite.
+        sgap = tl.sum(tl.where(es > 0.0, es * gap, 0.0), axis=1)
+        tgap = -tl.sum(tl.where(et > 0.0, et * gap, 0.0), axis=1)
+        tiles = off // TILE_V + tile_idx
+        ok = tiles * TILE_V < width
+        tl.store(sgap_ptr + tiles * n + row, sgap, mask=ok)
+        tl.store(tgap_ptr + tiles * n + row, tgap, mask=ok)
 
 
 @triton.jit
@@ -152,6 +185,20 @@ def _distill_grad_kernel(
 def _mixture_logs(beta: float | None) -> tuple[float, float]:
     """``(log(1 - β), log β)`` of the JSD's mixture (unused placeholders without one)."""
     return (math.log1p(-beta), math.log(beta)) if beta is not None else (0.0, 0.0)
+
+
+def launch_cross(student: CentredTile, teacher: CentredTile, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sgap, tgap)``, ``[tiles, n]`` fp32 each, of two heads' stored tiles over the same rows and
+    tiles: with ``c``/``c'`` the student's/teacher's centred logits, ``sgap = Σ exp(c) (c - c')``
+    and ``tgap = -Σ exp(c') (c - c')`` per tile (:class:`~logitless.ops.distill.DistillPartials`)."""
+    n, width = student.z.shape
+    assert teacher.z.shape == student.z.shape and cfg.grad_block_v % cfg.fwd.block_v == 0
+    sgap = torch.empty(student.tile_max.shape, dtype=torch.float32, device=student.z.device)
+    tgap = torch.empty_like(sgap)
+    if n and width:
+        _cross_kernel[(n,)](student.z, student.z.stride(0), teacher.z, teacher.z.stride(0), sgap, tgap, n, width,
+                            TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
+    return sgap, tgap
 
 
 def launch_jsd(student: CentredTile, teacher: CentredTile, lse: torch.Tensor, teacher_lse: torch.Tensor, beta: float,

@@ -102,8 +102,6 @@ def _epilogue_kernel(
     m_ptr, se_ptr, sez_ptr, sz_ptr,  # [tiles, n] fp32 partials (row stride n)
     zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it
     z_dst, stride_zn,  # [n, V] fp16 centred logits (descriptor of [BLOCK_N, BLOCK_V] blocks, or pointer) or dummy
-    pz_ptr, stride_pzn,  # [n, V] fp16 centred logits of a partner head over the same rows (HAS_PARTNER) or dummy
-    sgap_ptr, tgap_ptr,  # [tiles, n] fp32 cross sums with the partner (HAS_PARTNER) or dummies
     n, vocab, hidden_size,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -111,7 +109,7 @@ def _epilogue_kernel(
     STORE_Z: tl.constexpr, STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    PERSISTENT: tl.constexpr, HAS_PARTNER: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     n_blocks = tl.cdiv(n, BLOCK_N)
     n_tiles = tl.cdiv(vocab, BLOCK_V)
@@ -148,15 +146,6 @@ def _epilogue_kernel(
             tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
         if WANT_SUM_Z:
             tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
-        if HAS_PARTNER:
-            # Distillation's cross sums, both sides centred on their own tile maxima (O(KL), not
-            # O(|z|)): sgap = Σ e (c - c'), tgap = -Σ e' (c - c'), e = exp(c), e' = exp(c').
-            ok = row_ok[:, None] & col_ok[None, :]
-            pz = pz_ptr + rows.to(tl.int64)[:, None] * stride_pzn + cols[None, :]
-            partner = tl.load(pz, mask=ok, other=-float("inf")).to(tl.float32)
-            gap = tl.where(ok, centred - partner, 0.0)
-            tl.store(sgap_ptr + out, tl.sum(e * gap, axis=1), mask=row_ok)
-            tl.store(tgap_ptr + out, -tl.sum(tl.exp(partner) * gap, axis=1), mask=row_ok)
         # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
         here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
@@ -246,7 +235,7 @@ class CentredTile(NamedTuple):
 
 
 def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool, z_out: torch.Tensor | None,
-                   cfg: GemmConfig, partner: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                   cfg: GemmConfig) -> dict[str, torch.Tensor]:
     """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight``, and optionally the
     centred fp16 logits.
 
@@ -257,27 +246,21 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
             dtype first, as the plain path's; :class:`~logitless.ops.plan.ChunkPlan`).
         z_out: ``[n, V]`` fp16 with unit column stride, overwritten with ``z - m`` of each tile;
             ``None``: nothing stored.
-        partner: another head's stored ``[n, V]`` centred logits over the same rows and tiles
-            (a :class:`CentredTile`'s ``z`` from a launch with the same config): adds the cross
-            sums ``sgap``/``tgap``.
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"][, "sgap", "tgap"]}``: fp32 ``[tiles, n]`` buffers
+        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers
         (``zy``: ``[1, n]``); for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its
         maximum logit, ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``, and with
-        the partner's ``z'`` and tile maximum ``m'``, ``sgap = Σ exp(z - m) ((z - m) - (z' - m'))``,
-        ``tgap = -Σ exp(z' - m') ((z - m) - (z' - m'))``; ``zy`` the target's logit.
+        ``zy`` the target's logit.
     """
     hidden, weight, bias, targets, transform = ops
     check_operands(hidden, weight)
     n, hidden_size = hidden.shape
     vocab = weight.shape[0]
-    for buf in (z_out, partner):
-        assert buf is None or (buf.dtype == torch.float16 and buf.shape == (n, vocab) and buf.stride(1) == 1)
+    assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1)
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
-    names = (("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
-             + (("sgap", "tgap") if partner is not None else ()))
+    names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
     out = {k: torch.empty((tiles, n), dtype=torch.float32, device=hidden.device) for k in names}
     out["zy"] = torch.zeros((1, n), dtype=torch.float32, device=hidden.device)
     scalars, flags = transform_args(transform)
@@ -294,18 +277,13 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
         weight.stride(0), hidden if bias is None else bias, targets,
         out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out["zy"],
         z_dst, 0 if z_out is None else z_out.stride(0),
-        out["m"] if partner is None else partner, 0 if partner is None else partner.stride(0),
-        out.get("sgap", out["se"]), out.get("tgap", out["se"]),
         n, vocab, hidden_size, *scalars,
         HAS_BIAS=bias is not None, WANT_ENTROPY=want[0], WANT_SUM_Z=want[1], STORE_Z=z_out is not None,
         STORE_TMA=store_tma,
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
         BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
-        PERSISTENT=cfg.persistent, HAS_PARTNER=partner is not None, num_warps=t.warps,
-        # The partner's tile passes through shared memory on its way to the epilogue's layout: one
-        # pipeline stage fewer keeps 128 x 256 tiles within an H100's 227 KB (3 stages need 240).
-        num_stages=t.stages - 1 if partner is not None and t.stages > 2 else t.stages, **flags)
+        PERSISTENT=cfg.persistent, num_warps=t.warps, num_stages=t.stages, **flags)
     return out
 
 
