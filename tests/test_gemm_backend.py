@@ -191,12 +191,37 @@ def test_resolve_and_refusals():
     assert PassOptions(impl="gemm").impl == "gemm"
 
 
+def _poison_weight_grad_buffer(monkeypatch):
+    """Fill a stored-once ``d weight`` buffer with NaN, as reused memory may hold anything, so a
+    row the pass fails to write shows."""
+    from logitless.ops import engine
+
+    real = engine._weight_grad_buffer
+
+    def poisoned(p, weight, write):
+        buf = real(p, weight, write)
+        if write:
+            buf[:p.head.weight.shape[0]] = float("nan")
+        return buf
+
+    monkeypatch.setattr(engine, "_weight_grad_buffer", poisoned)
+
+
 @interpreted
 @pytest.mark.parametrize("mode", ["recompute", "fused"])
-def test_policy_loss_matches_torch(mode):
-    """Through the engine: a DAPO loss with KL and entropy bonus, chunks of 128 tokens (two of
-    them, the second partial) whose logits are kept in fused mode, against the torch backend."""
+@pytest.mark.parametrize("layout", ["one_block", "vocab_blocks"])
+def test_policy_loss_matches_torch(monkeypatch, mode, layout):
+    """Through the engine: a DAPO loss with KL and entropy bonus against the torch backend, the
+    unmasked tokens in one chunk whose ``d weight`` is stored once per row (the fp32 accumulator's
+    bytes go to the chunk), its logits kept whole (``one_block``) or recomputed in 21 vocabulary
+    blocks (``vocab_blocks``: a budget too small for whole rows even with those bytes)."""
     import logitless
+    from logitless.ops import engine
+
+    _poison_weight_grad_buffer(monkeypatch)
+    plans = []
+    real_single = engine._single_chunk
+    monkeypatch.setattr(engine, "_single_chunk", lambda *a: plans.append(real_single(*a)) or plans[-1])
 
     g = torch.Generator().manual_seed(3)
     b_, t_, hid = 4, 40, 32
@@ -211,10 +236,14 @@ def test_policy_loss_matches_torch(mode):
     res = {}
     for impl in ("torch", "gemm"):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        budget = 2**30 if layout == "one_block" else 10 * int(mask.sum()) * 2
         loss, metrics = logitless.policy_loss(hh, ww, ids, mask, adv, old, ref_lp, config=cfg,
-                                              options=PassOptions(mode=mode, impl=impl, chunk_bytes=128 * V * 2))
+                                              options=PassOptions(mode=mode, impl=impl, chunk_bytes=budget))
         loss.backward()
         res[impl] = (loss.detach(), hh.grad.float(), ww.grad.float(), metrics)
+    gemm_plan = plans[-1].plan  # the torch backend accumulates in fp32: no single-chunk plan
+    assert plans[0] is None and gemm_plan.token_chunk == int(mask.sum())  # the unmasked tokens
+    assert gemm_plan.vocab_block == (V if layout == "one_block" else 10)
     torch.testing.assert_close(res["gemm"][0], res["torch"][0], rtol=1e-4, atol=1e-5)
     for i in (1, 2):  # bf16 dy in both; bf16 gradients out
         torch.testing.assert_close(res["gemm"][i], res["torch"][i], rtol=2e-2, atol=2e-2 * res["torch"][i].abs().max())
@@ -250,6 +279,65 @@ def test_gpu_matches_torch(mode):
     for a, c, name in zip(out["gemm"], out["torch"], names, strict=True):
         scale = c.abs().max().clamp_min(1.0)
         assert (a - c).abs().max() <= 2e-2 * scale, name
+
+
+@interpreted
+@pytest.mark.parametrize("objective", ["logp", "constant"])
+def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective):
+    """In a one-chunk pass every local row of the stored ``d weight`` is written, also when the
+    objective does not depend on the statistics (then exactly 0), and a vocabulary shard's padding
+    rows are 0; it equals the torch backend's fp32-accumulated gradient rounded once."""
+    from logitless import VocabShard
+    from logitless.ops.engine import ObjectiveSpec, run_objective
+
+    _poison_weight_grad_buffer(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(24, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V + 5, H, generator=g) / H**0.5 * 3).to(torch.bfloat16)  # 5 padding rows
+    t = torch.randint(0, V, (24,), generator=g)
+
+    def terms(sl, st):
+        return (-st.logp.sum() if objective == "logp" else torch.zeros(())), None
+
+    grads = {}
+    for impl in ("torch", "gemm"):
+        ww = w.clone().requires_grad_()
+        res = run_objective(h, Head(ww, shard=VocabShard(vocab_size=V)), t, terms, ObjectiveSpec(),
+                            PassOptions(mode="fused", impl=impl))
+        res.loss.backward()
+        grads[impl] = ww.grad.float()
+    assert torch.all(grads["gemm"][V:] == 0)
+    if objective == "constant":
+        assert torch.all(grads["gemm"] == 0)
+    else:
+        assert grads["gemm"].abs().max() > 0
+        torch.testing.assert_close(grads["gemm"], grads["torch"], rtol=2e-2, atol=2e-2 * grads["torch"].abs().max())
+
+
+def test_one_chunk_when_the_accumulator_bytes_hold_the_logits():
+    """A pass whose logits fit the budget plus the fp32 ``d weight`` accumulator it makes
+    unnecessary runs as one chunk (Llama-3 8k tokens: 2.1 GB of fp16 logits in 1 GiB + 2.1 GB);
+    Gemma-2's 8k (4.2 GB against 1 GiB + 2.4 GB) keeps two chunks and the accumulator."""
+    import dataclasses
+
+    from logitless.ops import engine
+    from logitless.ops.plan import ChunkPlan
+
+    @dataclasses.dataclass
+    class Kind:
+        plan: ChunkPlan
+        head: Head
+        stores_weight_grad: bool = True
+
+    for n, v, hid, single in ((8192, 128256, 4096, True), (8192, 256000, 2304, False), (0, 128256, 4096, False)):
+        kind = Kind(ChunkPlan.make(n, v, 2**30, torch.bfloat16, "gemm"),
+                    Head(torch.empty(v, hid, dtype=torch.bfloat16, device="meta")))
+        got = engine._single_chunk(kind, n, kind.head.weight)
+        assert (got is not None) == single, (n, v)
+        if single:
+            assert got.plan.token_chunk == n and got.plan.keep_logits and got.plan.chunks(n) == [slice(0, n)]
+    kind.head = Head(torch.empty(128256, 4096, dtype=torch.float32, device="meta"))  # fp32: accumulate
+    assert engine._single_chunk(kind, 8192, kind.head.weight) is None
 
 
 def test_plan_keeps_two_bytes_a_logit():

@@ -218,6 +218,9 @@ class Accumulators:
         lora_x: ``[n, r]`` ``d x`` of the chunk's adapter rows.
         lora_b: ``[V_local, r]`` ``d b``.
         hidden: whether ``d hidden`` is returned.
+        write_weight: each row of ``weight`` gets exactly one product (a pass of one token
+            chunk): it is stored, not added, and ``weight`` is in the head's dtype and starts
+            uninitialized (only backends whose pass kind sets ``stores_weight_grad`` see it).
     """
 
     weight: torch.Tensor | None = None
@@ -225,6 +228,7 @@ class Accumulators:
     lora_x: torch.Tensor | None = None
     lora_b: torch.Tensor | None = None
     hidden: bool = False
+    write_weight: bool = False
 
 
 class Backend(Protocol):

@@ -476,6 +476,10 @@ class DistillPass:
         return cls(local, local_teacher, teacher_hidden, local.local_targets(targets.long()), jsd_beta,
                    plan_for(n, local.weight.shape[0], options, hidden.dtype, gemm), gemm)
 
+    @property
+    def stores_weight_grad(self) -> bool:
+        return self.gemm
+
     def fields_present(self) -> tuple[bool, ...]:
         t = self.teacher is not None
         return True, True, True, t, t, self.jsd_beta is not None, t, t

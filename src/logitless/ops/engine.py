@@ -25,6 +25,7 @@ with one MAX and one SUM all-reduce per pass (recompute) or per chunk (fused), a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
@@ -126,6 +127,11 @@ class PassKind(Protocol):
     plan: ChunkPlan
     DIFFERENTIABLE: tuple[str, ...]
 
+    @property
+    def stores_weight_grad(self) -> bool:
+        """Whether the backward honours :attr:`Accumulators.write_weight`."""
+        ...
+
     def fields_present(self) -> tuple[bool, ...]: ...
 
     def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> Any: ...
@@ -173,6 +179,10 @@ class _Pass:
         if head.lora is not None:
             x, b = head.lora.factors(hidden, head.weight)
         return cls(backend, local, local.local_targets(targets), plan, want, b), x
+
+    @property
+    def stores_weight_grad(self) -> bool:
+        return self.backend.NAME in ("triton", "gemm") and self.lora_b is None
 
     def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> ChunkRows:
         return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
@@ -261,6 +271,33 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
     return None if g is None else g.to(like.dtype)
 
 
+def _single_chunk(p: PassKind, n: int, weight: torch.Tensor) -> PassKind | None:
+    """``p`` as one chunk of all ``n`` rows, when ``d weight`` can then be stored in the head's
+    dtype by one GEMM per vocabulary block instead of accumulated in fp32 over the chunks (no
+    zero-fill, no read-modify-write, no final cast; the products are rounded once either way).
+    ``p`` itself when its plan already has one chunk; else the memory of the fp32 accumulator
+    this saves goes to a larger chunk, so the pass stays within its budget plus that
+    accumulator. ``None``: more than one chunk is needed."""
+    if n == 0 or not p.stores_weight_grad or weight.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if p.plan.token_chunk >= n:
+        return p
+    rows_w = p.head.weight.shape[0]
+    plan = p.plan.whole(n, rows_w, rows_w * weight.shape[1] * 4)
+    return None if plan is None else dataclasses.replace(p, plan=plan)
+
+
+def _weight_grad_buffer(p: PassKind, weight: torch.Tensor, write: bool) -> torch.Tensor:
+    """``d weight``'s buffer: fp32 zeros to accumulate into, or (``write``) the head's dtype,
+    uninitialized where the local rows' one product will be stored (a shard's padding rows
+    beyond them are zeroed)."""
+    if not write:
+        return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device)
+    buf = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    buf[p.head.weight.shape[0]:].zero_()
+    return buf
+
+
 class _RecomputeFn(torch.autograd.Function):
     """Outputs the kind's statistics fields, ``[n]``/``[n, k]`` each; a field the kind did not
     compute is zeros ``[n]``, and it and every field outside ``DIFFERENTIABLE`` is
@@ -292,22 +329,25 @@ class _RecomputeFn(torch.autograd.Function):
                             if name in p.DIFFERENTIABLE and present[name]})
         need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
         sdt = stat_dtype_for(hidden.dtype)
+        single = _single_chunk(p, hidden.shape[0], weight) if need_w else None
+        p = single or p
         local = p.head.rows_of(weight, bias)
         rows_w = local.weight.shape[0]
-        acc = Accumulators(weight=_zeros(need_w, weight, sdt), bias=_zeros(need_b, bias, sdt),
-                           lora_x=_zeros(need_x, lora_x, sdt), lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
+        acc = Accumulators(weight=_weight_grad_buffer(p, weight, single is not None) if need_w else None,
+                           bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
+                           lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         low = local.low_rank(lora_x, lora_b)
         local_acc = Accumulators(weight=None if acc.weight is None else acc.weight[:rows_w],
                                  bias=None if acc.bias is None else acc.bias[:rows_w], lora_x=acc.lora_x,
-                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h)
+                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h,
+                                 write_weight=single is not None)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.reduces_grad_hidden
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
             for sl in p.plan.chunks(hidden.shape[0]):
-                chunk_acc = Accumulators(local_acc.weight, local_acc.bias,
-                                         None if local_acc.lora_x is None else local_acc.lora_x[sl],
-                                         local_acc.lora_b, need_h)
+                chunk_acc = dataclasses.replace(local_acc,
+                                                lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl])
                 gh = p.backward(p.rows(hidden, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
                 if need_h:
                     grad_hidden[sl] = gh
@@ -362,6 +402,7 @@ class _FusedCall:
     p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
+    write_weight: bool = False  # one chunk: d weight is stored, not accumulated (_single_chunk)
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
 
@@ -389,9 +430,10 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
     call.collected.append(collected)
     grad_hidden = None
     if want_grad and grads.any():
-        chunk_acc = Accumulators(acc.weight, acc.bias, None if acc.lora_x is None else acc.lora_x[sl], acc.lora_b,
-                                 acc.hidden)
+        chunk_acc = dataclasses.replace(acc, lora_x=None if acc.lora_x is None else acc.lora_x[sl])
         grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
+    elif want_grad and acc.write_weight and acc.weight is not None:
+        acc.weight.zero_()  # nothing reaches the logits: d weight is 0, and nothing else writes it
     return loss.detach(), stats, grad_hidden
 
 
@@ -430,11 +472,14 @@ class _FusedFn(torch.autograd.Function):
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
         partial = p.head.reduces_grad_hidden
         grad_hidden = _zeros(need_h, hidden, sdt if partial else hidden.dtype)
-        full = Accumulators(weight=_zeros(need_w, weight, sdt), bias=_zeros(need_b, bias, sdt),
-                            lora_x=_zeros(need_x, lora_x, sdt), lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
+        write = call.write_weight and need_w
+        full = Accumulators(weight=_weight_grad_buffer(p, weight, write) if need_w else None,
+                            bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
+                            lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
                              bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
-                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h)
+                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
+                             write_weight=write)
         total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
         grad_x = full.lora_x
         if partial and grad_hidden is not None:
@@ -448,13 +493,14 @@ class _FusedFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss):
-        # loss.backward() sends exactly 1: skip scaling a [V, H] fp32 buffer (a full extra pass).
-        unit = bool(g_loss == 1)
+        # loss.backward() sends exactly 1: skip scaling a [V, H] buffer (a full extra pass).
+        scale = float(g_loss)
 
         def scaled(g, dtype):
             if g is None:
                 return None
-            return g.to(dtype) if unit else (g * g_loss.to(g.dtype)).to(dtype)
+            # A Python float multiplies in fp32 even for a bf16 buffer, then rounds once.
+            return g.to(dtype) if scale == 1.0 else g.mul(scale).to(dtype)
 
         return (*(scaled(g, dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)), None)
 
@@ -510,11 +556,15 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
         PassOutOfMemoryError: the workspace does not fit the device, or it ran out of memory.
         ValueError: ``logits_precision="input"`` and logits beyond the input dtype's range.
     """
-    check_workspace_fits(p.plan, hidden.device)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts))
     tensors = (hidden, weight, bias, lora_x, lora_b)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        single = _single_chunk(p, hidden.shape[0], weight) if weight.requires_grad else None
+        p = single or p
+        check_workspace_fits(p.plan, hidden.device)
+        call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), write_weight=single is not None)
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)
+    check_workspace_fits(p.plan, hidden.device)
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts))
     loss, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), None, None)
     return PassResult(loss, stats, call.collected)

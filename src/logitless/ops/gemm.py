@@ -56,3 +56,14 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc += mm(a, b, acc.dtype)
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``, the products accumulated in fp32 (at least) and rounded once to ``out``'s
+    dtype. On CUDA one cuBLAS GEMM writes ``out`` (a contiguous view); elsewhere the product is
+    formed in fp32 (or the inputs' wider dtype) and copied."""
+    b = b.to(a.dtype)
+    if a.device.type == "cuda" and out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(mm(a, b, torch.promote_types(a.dtype, torch.float32)))

@@ -92,6 +92,13 @@ class ChunkPlan:
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
                    fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per)
 
+    def whole(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan | None:
+        """This plan as one chunk of all ``n_tokens`` rows kept whole, if their logits fit the
+        budget plus ``extra`` bytes (memory the caller saves by running one chunk), else ``None``."""
+        if n_tokens * vocab * self.bytes_per_logit > self.budget + extra:
+            return None
+        return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True)
+
     def fit(self, rows: int, vocab: int) -> ChunkPlan:
         """This plan for a chunk of ``rows`` tokens: itself when ``rows <= token_chunk``, else
         with the vocabulary block shrunk to keep the budget (a sequence longer than a chunk,

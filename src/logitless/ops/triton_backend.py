@@ -104,7 +104,8 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
     """The gradients of one vocabulary block from its ``dy [n, v]`` (GEMM dtype) in cuBLAS:
     ``d bias[block] += Σ_n dy``, ``d weight[block] += dyᵀ @ hidden`` (fp32 accumulator), and
     ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
-    the first block, or without ``acc.hidden``)."""
+    the first block, or without ``acc.hidden``). With ``acc.write_weight`` the ``d weight``
+    product is stored in ``acc.weight``'s dtype instead of added."""
     if acc.bias is not None:
         acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
     if acc.hidden:
@@ -113,6 +114,8 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
             grad_hidden = gemm.mm(dy, w, torch.float32)
         else:
             gemm.addmm_(grad_hidden, dy, w)
-    if acc.weight is not None:
+    if acc.weight is not None and acc.write_weight:
+        gemm.mm_into(acc.weight[block], dy.t(), hidden)
+    elif acc.weight is not None:
         gemm.addmm_(acc.weight[block], dy.t(), hidden)
     return grad_hidden
