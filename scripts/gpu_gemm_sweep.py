@@ -23,7 +23,16 @@ from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_centred
 from logitless.ops.tile_gemm import Tiles
 from logitless.ops.transform import LogitTransform
 
-SHAPES = [Tiles(128, 256, 64, 8, 3), Tiles(128, 256, 64, 8, 4), Tiles(128, 128, 64, 8, 4)]
+# (tiles, programs per SM, warp specialization): persistent launches, tiles stored through a
+# descriptor. Two 128 x 128 programs per SM let one's epilogue overlap the other's main loop.
+VARIANTS = [
+    (Tiles(128, 256, 64, 8, 3), 1, False),
+    (Tiles(128, 256, 64, 8, 3), 1, True),
+    (Tiles(128, 128, 64, 4, 3), 2, False),
+    (Tiles(128, 128, 64, 4, 4), 2, False),
+    (Tiles(128, 128, 64, 8, 4), 2, False),
+    (Tiles(128, 128, 64, 4, 3), 1, True),
+]
 
 
 def main() -> None:
@@ -41,22 +50,22 @@ def main() -> None:
     ms["flash forward"] = do_bench(lambda: flash_stats(hid, w, None, tgt, tr, True, False, True, flash_config()))
     base = gemm_config()
     best = (float("inf"), None)
-    for t in SHAPES:
-        for group, persistent, store_tma in ((8, False, False), (8, True, False), (16, True, False), (8, True, True)):
-            cfg = dataclasses.replace(base, fwd=t, group_n=group, persistent=persistent, store_tma=store_tma)
-            name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} g{group}"
-                    f"{' persistent' if persistent else ''}{' tma-store' if store_tma else ''}")
-            try:
-                a = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, None, cfg))
-                b = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, z, cfg))
-            except Exception as e:  # a shape that does not fit is reported and skipped
-                print(f"{name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            ms[name + " stats"] = a
-            ms[name + " +store"] = b
-            print(f"{name}: stats {a:.3f}  +store {b:.3f}", flush=True)
-            if b < best[0]:
-                best = (b, cfg)
+    for t, per_sm, ws in VARIANTS:
+        cfg = dataclasses.replace(base, fwd=t, persistent=True, store_tma=True, programs_per_sm=per_sm,
+                                  warp_specialize=ws)
+        name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} x{per_sm}/SM"
+                f"{' warp-specialized' if ws else ''}")
+        try:
+            a = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, None, cfg))
+            b = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, z, cfg))
+        except Exception as e:  # a variant that does not compile or fit is reported and skipped
+            print(f"{name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        ms[name + " stats"] = a
+        ms[name + " +store"] = b
+        print(f"{name}: stats {a:.3f}  +store {b:.3f}", flush=True)
+        if b < best[0]:
+            best = (b, cfg)
     cfg = best[1]
     parts = launch_forward(ops, (True, False), True, z, cfg)
     m = parts["m"]
@@ -73,7 +82,8 @@ def main() -> None:
     ms["cublas dh (bf16 dy @ W, fp32 out)"] = do_bench(lambda: gemm.mm(dy, w, torch.float32))
     ms["cublas dW += dyT h (fp32 acc)"] = do_bench(lambda: gemm.addmm_(acc, dy.t(), hid))
     ms["cublas dW = dyT h (bf16 out)"] = do_bench(lambda: torch.mm(dy.t(), hid))
-    print(f"\nN={n} H={h} V={v}; best forward: {best[1].fwd} g{best[1].group_n} {best[0]:.3f} ms")
+    print(f"\nN={n} H={h} V={v}; best forward: {best[1].fwd} x{best[1].programs_per_sm}/SM "
+          f"ws={best[1].warp_specialize} {best[0]:.3f} ms")
     for k, val in ms.items():
         print(f"{val:9.3f} ms  {k}")
 

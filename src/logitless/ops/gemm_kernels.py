@@ -59,6 +59,8 @@ class GemmConfig:
             where it is 16-byte aligned, instead of masked pointer stores.
         persistent: launch ``programs_per_sm`` programs per SM that walk the tiles, instead of
             one program per tile.
+        warp_specialize: ask Triton to split the tile loop into producer/MMA/epilogue warp
+            groups (``tl.range(warp_specialize=True)``), where its compiler supports it.
     """
 
     fwd: Tiles
@@ -69,6 +71,7 @@ class GemmConfig:
     store_tma: bool = False
     persistent: bool = False
     programs_per_sm: int = 1
+    warp_specialize: bool = False
 
 
 @functools.cache
@@ -109,13 +112,14 @@ def _epilogue_kernel(
     STORE_Z: tl.constexpr, STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     n_blocks = tl.cdiv(n, BLOCK_N)
     n_tiles = tl.cdiv(vocab, BLOCK_V)
     # One tile per program, or (PERSISTENT) a program per SM walking the tiles: the flattened
     # loop nest lets the pipeline load the next tile's operands during this tile's epilogue.
-    for tile in tl.range(tl.program_id(0), n_blocks * n_tiles, tl.num_programs(0), flatten=PERSISTENT):
+    for tile in tl.range(tl.program_id(0), n_blocks * n_tiles, tl.num_programs(0), flatten=PERSISTENT,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_n, pid_v = grouped(tile, n_blocks, n_tiles, GROUP_N)
         row0 = pid_n * BLOCK_N
         col0 = pid_v * BLOCK_V
@@ -146,10 +150,12 @@ def _epilogue_kernel(
             tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
         if WANT_SUM_Z:
             tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
-        # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
+        # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact. Most
+        # tiles hold none of their rows' targets: they skip this reduction over the whole tile.
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
         here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
-        tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
+        if tl.max(here.to(tl.int32), axis=0) > 0:
+            tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
         if STORE_Z:
             if STORE_TMA:  # the copy engine clips the block at the tensor's edges
                 z_dst.store([row0, col0], centred.to(tl.float16))
@@ -283,7 +289,8 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
         BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
-        PERSISTENT=cfg.persistent, num_warps=t.warps, num_stages=t.stages, **flags)
+        PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=t.warps, num_stages=t.stages,
+        **flags)
     return out
 
 
