@@ -150,12 +150,10 @@ def _epilogue_kernel(
             tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
         if WANT_SUM_Z:
             tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
-        # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact. Most
-        # tiles hold none of their rows' targets: they skip this reduction over the whole tile.
+        # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
         here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
-        if tl.max(here.to(tl.int32), axis=0) > 0:
-            tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
+        tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
         if STORE_Z:
             if STORE_TMA:  # the copy engine clips the block at the tensor's edges
                 z_dst.store([row0, col0], centred.to(tl.float16))
