@@ -28,10 +28,8 @@ from logitless.ops.transform import LogitTransform
 VARIANTS = [
     (Tiles(128, 256, 64, 8, 3), 1, False),
     (Tiles(128, 256, 64, 8, 3), 1, True),
-    (Tiles(128, 128, 64, 4, 3), 2, False),
-    (Tiles(128, 128, 64, 4, 4), 2, False),
+    (Tiles(128, 256, 64, 8, 4), 1, True),
     (Tiles(128, 128, 64, 8, 4), 2, False),
-    (Tiles(128, 128, 64, 4, 3), 1, True),
 ]
 
 
@@ -52,11 +50,12 @@ def main() -> None:
     best = (float("inf"), None)
     for t, per_sm, ws in VARIANTS:
         cfg = dataclasses.replace(base, fwd=t, persistent=True, store_tma=True, programs_per_sm=per_sm,
-                                  warp_specialize=ws)
+                                  warp_specialize_stats=ws)
         name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} x{per_sm}/SM"
                 f"{' warp-specialized' if ws else ''}")
         try:
             a = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, None, cfg))
+            # (warp specialization applies to the statistics-only launch alone)
             b = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, z, cfg))
         except Exception as e:  # a variant that does not compile or fit is reported and skipped
             print(f"{name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -83,7 +82,7 @@ def main() -> None:
     ms["cublas dW += dyT h (fp32 acc)"] = do_bench(lambda: gemm.addmm_(acc, dy.t(), hid))
     ms["cublas dW = dyT h (bf16 out)"] = do_bench(lambda: torch.mm(dy.t(), hid))
     print(f"\nN={n} H={h} V={v}; best forward: {best[1].fwd} x{best[1].programs_per_sm}/SM "
-          f"ws={best[1].warp_specialize} {best[0]:.3f} ms")
+          f"{best[0]:.3f} ms")
     for k, val in ms.items():
         print(f"{val:9.3f} ms  {k}")
 

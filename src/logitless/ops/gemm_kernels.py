@@ -59,8 +59,8 @@ class GemmConfig:
             where it is 16-byte aligned, instead of masked pointer stores.
         persistent: launch ``programs_per_sm`` programs per SM that walk the tiles, instead of
             one program per tile.
-        warp_specialize: ask Triton to split the tile loop into producer/MMA/epilogue warp
-            groups (``tl.range(warp_specialize=True)``), where its compiler supports it.
+        warp_specialize_stats: launches that store no tile split the tile loop into
+            producer/MMA/epilogue warp groups (``tl.range(warp_specialize=True)``).
     """
 
     fwd: Tiles
@@ -71,7 +71,7 @@ class GemmConfig:
     store_tma: bool = False
     persistent: bool = False
     programs_per_sm: int = 1
-    warp_specialize: bool = False
+    warp_specialize_stats: bool = False
 
 
 @functools.cache
@@ -81,15 +81,17 @@ def gemm_config() -> GemmConfig:
     row-kernel step that straddles tile boundaries."""
     if interpreting():
         return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True,
-                          store_tma=True, persistent=True, programs_per_sm=2)
+                          store_tma=True, persistent=True, programs_per_sm=2, warp_specialize_stats=True)
     # Measured on one H100 at 8192 x 4096 x 128256 bf16 (scripts/gpu_gemm_sweep.py; cuBLAS's bare
     # bf16 GEMM: 10.9-11.3 ms): persistent 128 x 256 x 64 tiles, 8 warps, 3 stages, groups of 8
     # token blocks: 11.8-12.3 ms for the statistics alone, 13.3 ms storing the tile through a
     # descriptor (pointer stores: 14.1; one program per tile: 15.3 / 16.2 ms in the same run;
-    # 128 x 128 and 256 x 128 tiles, 4 stages or 32-wide H steps were no faster). Row kernel:
-    # 1.5 ms for any step of 1024-4096 entries.
+    # 128 x 128 and 256 x 128 tiles, 4 stages, 32-wide H steps or two 128 x 128 programs per SM
+    # were no faster). Warp specialization (another H100, cuBLAS 12.5 ms): statistics alone
+    # 12.0 ms against 13.2, storing the tile 13.5 against 13.3, so statistics-only launches
+    # (rollout, recompute's forward) use it. Row kernel: 1.5 ms for any step of 1024-4096 entries.
     return GemmConfig(fwd=Tiles(128, 256, 64, 8, 3), grad_block_v=2048, grad_warps=8, group_n=8, tma=True,
-                      store_tma=True, persistent=True)
+                      store_tma=True, persistent=True, warp_specialize_stats=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +289,8 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
         BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
-        PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=t.warps, num_stages=t.stages,
-        **flags)
+        PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.persistent and cfg.warp_specialize_stats and z_out is None,
+        num_warps=t.warps, num_stages=t.stages, **flags)
     return out
 
 

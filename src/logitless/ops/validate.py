@@ -12,10 +12,11 @@ from .transform import LogitTransform
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int | None) -> None:
+def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int | None) -> bool:
     """Validate ``hidden [..., H]``, the head (``weight [V, H]``, ``bias [V]``, its shard and
     adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
-    ``targets [...]`` (global ids).
+    ``targets [...]`` (global ids). Returns whether some target equals ``ignore_index``, read in
+    the same host synchronization as the value checks.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
@@ -79,16 +80,18 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
         out_of_range = out_of_range & (t != ignore_index)
     bad_target = out_of_range.any()
     none = torch.zeros((), dtype=torch.bool, device=hidden.device)
-    flags = torch.stack([bad_target, any_nonfinite(hidden), any_nonfinite(weight),
+    ignored = none if ignore_index is None else (t == ignore_index).any()
+    flags = torch.stack([ignored, bad_target, any_nonfinite(hidden), any_nonfinite(weight),
                          none if bias is None else any_nonfinite(bias),
                          none if lora is None else any_nonfinite(lora.a) | any_nonfinite(lora.b)]).tolist()
-    if flags[0]:
+    if flags[1]:
         bad = t[out_of_range][:5].tolist()
         extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
         raise ValueError(f"targets must lie in [0, {vocab}){extra}; found {bad}")
-    for flag, name in zip(flags[1:], ("hidden", "weight", "bias", "HeadLoRA.a or HeadLoRA.b"), strict=True):
+    for flag, name in zip(flags[2:], ("hidden", "weight", "bias", "HeadLoRA.a or HeadLoRA.b"), strict=True):
         if flag:
             raise ValueError(f"{name} contains NaN or inf")
+    return bool(flags[0])
 
 
 def any_nonfinite(x: torch.Tensor) -> torch.Tensor:

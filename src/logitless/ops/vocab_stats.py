@@ -30,12 +30,12 @@ class VocabStats(NamedTuple):
 def _rows(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int):
     """Validate, then ``(hidden rows [n, H], targets [n], valid mask | None)`` of the rows whose
     target is not ``ignore_index`` (only those enter the pass)."""
-    check_head_inputs(hidden, head, targets, ignore_index)
+    ignored = check_head_inputs(hidden, head, targets, ignore_index)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     t1 = targets.reshape(-1).long()
-    valid = t1 != ignore_index
-    if bool(valid.all()):
+    if not ignored:
         return h2, t1, None
+    valid = t1 != ignore_index
     return h2[valid], t1[valid], valid
 
 
