@@ -46,6 +46,8 @@ def test_json_has_every_row_and_timings(quick_run):
     must = {"grpo": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
             "ce": ["floor", "logitless-fused", "logitless-recompute", "torch-plain"],
             "rollout": ["floor", "logitless", "torch-plain"],
+            "distill": ["floor", "logitless", "torch-plain"],
+            "jsd": ["floor", "logitless", "torch-plain"],
             "dpo": ["floor", "logitless", "logitless-bf16", "torch-plain"]}
     if importlib.util.find_spec("trl") is not None:
         for rows in must.values():
@@ -83,6 +85,9 @@ def test_rows_agree_with_logitless(quick_run):
             assert 0 < plain["grad_weight_rel_diff"] < 5e-2
         assert _rec(case, "rollout", "torch-plain")["logp_rel_diff"] < 1e-2
         assert _rec(case, "dpo", "torch-plain")["agrees"] is True
+        for objective in ("distill", "jsd"):  # each plain row computes its own divergence
+            plain = _rec(case, objective, "torch-plain")
+            assert plain["agrees"] is True and 0 < plain["loss_rel_diff"] < 5e-2, plain
 
 
 def test_report_regenerated_in_out_dir_only(quick_run):

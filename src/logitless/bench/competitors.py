@@ -13,6 +13,8 @@ Objectives:
 * ``ce``: SFT / token-mean cross-entropy, forward + backward.
 * ``rollout``: no-grad target log-probs + entropy (old-policy / reference passes).
 * ``distill``: forward KL(teacher‖student), token mean, forward + backward.
+* ``jsd``: the generalized JSD with ``beta = 0.5`` (GKD's default; TRL's
+  ``GKDTrainer.generalized_jsd_loss``), token mean, forward + backward.
 * ``dpo``: DPO (``sigmoid``, ``beta=0.1``, mean over pairs) with precomputed reference
   log-probs: per-sequence log-prob sums of the chosen (first half of the batch rows) and
   rejected (second half) completions + the loss, forward + backward.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -45,8 +48,9 @@ from .plain import (
     plain_logp_entropy,
 )
 
-Objective = Literal["grpo", "ce", "rollout", "distill", "dpo"]
-OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill", "dpo")
+Objective = Literal["grpo", "ce", "rollout", "distill", "jsd", "dpo"]
+OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill", "jsd", "dpo")
+JSD_BETA = 0.5  # the jsd objective's mixture weight
 Outputs = dict[str, torch.Tensor]
 
 # Workspace of the floor's logits buffer: token chunks of the three GEMMs stay this small.
@@ -398,14 +402,16 @@ def _teacher(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return th.reshape(-1, th.shape[-1]), tw
 
 
-def distill_logitless(x: Inputs, impl: str) -> Prepared:
-    """logitless ``distill_loss`` (forward KL(teacher‖student), token mean): both heads in one
-    blocked pass over the vocabulary, neither's logits materialized in fp32 (the gemm kernels
-    where ``impl`` resolves to them, else the torch functions)."""
+def distill_logitless(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
+    """logitless ``distill_loss`` (forward KL(teacher‖student), or with ``beta`` > 0 the
+    generalized JSD; token mean): both heads in one blocked pass over the vocabulary, neither's
+    logits materialized in fp32 (the gemm kernels where ``impl`` resolves to them, else the torch
+    functions)."""
     import logitless
 
     th, tw = _teacher(x)
-    cfg = logitless.DistillConfig(divergence="forward_kl")
+    cfg = (logitless.DistillConfig(divergence="forward_kl") if beta == 0.0
+           else logitless.DistillConfig(divergence="generalized_jsd", beta=beta))
     options = logitless.PassOptions(impl=impl)
 
     def step() -> Outputs:
@@ -417,22 +423,24 @@ def distill_logitless(x: Inputs, impl: str) -> Prepared:
     return Prepared(step, name if name == "gemm" else "torch")
 
 
-def distill_trl_chunked(x: Inputs, impl: str) -> Prepared:
-    """TRL's chunked divergence head (``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``,
-    beta = 0: forward KL), token mean."""
+def distill_trl_chunked(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
+    """TRL's chunked divergence head (``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``;
+    ``beta = 0``: forward KL, in ``(0, 1)``: the generalized JSD), token mean."""
     mod = _import("trl.kernels.chunked_divergence", "trl")
     th, tw = _teacher(x)
 
     def step() -> Outputs:
         h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
-        div, _ent = mod.ChunkedDivergenceFunction.apply(h2, x.weight, None, th, tw, None, 0.0)
+        div, _ent = mod.ChunkedDivergenceFunction.apply(h2, x.weight, None, th, tw, None, beta)
         return _train_outputs(div.mean())
 
     return Prepared(step)
 
 
-def distill_torch_plain(x: Inputs, impl: str) -> Prepared:
-    """Plain PyTorch: both heads' bf16 logits ``[N, V]`` materialized → fp32 log-softmax → forward KL."""
+def distill_torch_plain(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
+    """Plain PyTorch: both heads' bf16 logits ``[N, V]`` materialized → fp32 log-softmax → forward
+    KL, or (``beta`` > 0) ``β KL(q‖m) + (1-β) KL(p‖m)`` with ``m = β q + (1-β) p`` (TRL's
+    ``generalized_jsd_loss``)."""
     th, tw = _teacher(x)
 
     def step() -> Outputs:
@@ -440,7 +448,13 @@ def distill_torch_plain(x: Inputs, impl: str) -> Prepared:
         logp = torch.log_softmax((h2 @ x.weight.t()).float(), -1)
         with torch.no_grad():
             logq = torch.log_softmax((th @ tw.t()).float(), -1)
-        loss = (logq.exp() * (logq - logp)).sum(-1).mean()
+        if beta == 0.0:
+            loss = (logq.exp() * (logq - logp)).sum(-1).mean()
+        else:
+            logm = torch.logaddexp(logp + math.log1p(-beta), logq + math.log(beta))
+            kl_q = (logq.exp() * (logq - logm)).sum(-1)
+            kl_p = (logp.exp() * (logp - logm)).sum(-1)
+            loss = (beta * kl_q + (1 - beta) * kl_p).mean()
         return _train_outputs(loss)
 
     return Prepared(step)
@@ -578,6 +592,9 @@ def dpo_liger(x: Inputs, impl: str) -> Prepared:
 # plus 10%: predicts OOM before trying (a wrong guess only costs the try, which is caught).
 _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
           "distill-plain": 26.0,
+          # Not measured: the plain JSD holds the forward KL's tensors plus the mixture's fp32 log and
+          # its two products; estimated from distill-plain.
+          "jsd-plain": 38.0,
           # Not measured: the DPO plain path holds the same [N, V] tensors as the CE one (bf16 logits, their fp32
           # copy, the fp32 log_softmax saved for backward, its fp32 gradient, the bf16 logits gradient), and no
           # entropy (GRPO's 15.0 has an exp(log_softmax) more); compiled, as CE's.
@@ -622,6 +639,10 @@ ROWS: tuple[Row, ...] = (
     Row("logitless", "distill", distill_logitless, role="reference"),
     Row("trl-chunked", "distill", distill_trl_chunked),
     Row("torch-plain", "distill", distill_torch_plain, logit_bytes=_BYTES["distill-plain"]),
+    Row("floor", "jsd", floor_four_gemms, role="floor"),
+    Row("logitless", "jsd", partial(distill_logitless, beta=JSD_BETA), role="reference"),
+    Row("trl-chunked", "jsd", partial(distill_trl_chunked, beta=JSD_BETA)),
+    Row("torch-plain", "jsd", partial(distill_torch_plain, beta=JSD_BETA), logit_bytes=_BYTES["jsd-plain"]),
     Row("floor", "dpo", floor_three_gemms, role="floor"),
     Row("logitless", "dpo", dpo_logitless, role="reference"),
     Row("logitless-bf16", "dpo", partial(dpo_logitless, fp32_logits=False)),

@@ -17,6 +17,7 @@ OBJECTIVE_TITLES = {
     "ce": "SFT / cross-entropy (token mean), forward + backward",
     "rollout": "Rollout (no grad): target log-probs + entropy",
     "distill": "Distillation, forward KL(teacher‖student) token mean, forward + backward (floor: 4 GEMMs)",
+    "jsd": "Distillation, generalized JSD (beta=0.5) token mean, forward + backward (floor: 4 GEMMs)",
     "dpo": ("DPO (sigmoid, beta=0.1, precomputed reference log-probs): sequence log-probs of chosen + rejected, "
             "forward + backward"),
 }
@@ -112,7 +113,7 @@ def _run_section(run: dict[str, Any]) -> list[str]:
         by = {(c_i, r["row"]): r for c_i, c in enumerate(cases) for r in c["results"] if r["objective"] == objective}
         lines += [f"### {OBJECTIVE_TITLES.get(objective, objective)}", "",
                   "Median time · time / floor · TFLOP/s counted as "
-                  f"{ {'rollout': '2NHV', 'distill': '8NHV'}.get(objective, '6NHV') }:", ""]
+                  f"{ {'rollout': '2NHV', 'distill': '8NHV', 'jsd': '8NHV'}.get(objective, '6NHV') }:", ""]
         lines += _table(["row", *labels], [[n, *(_cell_time(by[(i, n)]) if (i, n) in by else "" for i in
                                                   range(len(cases)))] for n in names])
         if any("extra_bytes" in r for r in by.values()):
