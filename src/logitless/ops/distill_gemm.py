@@ -50,8 +50,8 @@ def _sides(student: LocalHead, teacher: LocalHead | None, rows: DistillRows) -> 
     return s_ops, None if teacher is None else operands(teacher, rows.teacher_hidden, None)
 
 
-def _tile(ops: TileOperands, fp32_logits: bool, cfg: GemmConfig, store: bool = True) -> tuple[dict,
-                                                                                             CentredTile | None]:
+def _tile(ops: TileOperands, fp32_logits: bool, cfg: GemmConfig,
+          store: bool = True) -> tuple[dict, CentredTile | None]:
     """One head's launch over ``ops``' rows: its ``[tiles, n]`` partials and stored tile (``store``)."""
     n, width = ops.hidden.shape[0], ops.weight.shape[0]
     z = torch.empty((n, width), dtype=torch.float16, device=ops.hidden.device) if store else None

@@ -254,10 +254,9 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
             ``None``: nothing stored.
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers
-        (``zy``: ``[1, n]``); for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its
-        maximum logit, ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``, and with
-        ``zy`` the target's logit.
+        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``);
+        for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its maximum logit,
+        ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``; ``zy`` the target's logit.
     """
     hidden, weight, bias, targets, transform = ops
     check_operands(hidden, weight)

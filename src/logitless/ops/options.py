@@ -29,7 +29,10 @@ class PassOptions:
             that never write logits) or ``"gemm"`` (statistics in a Triton GEMM's epilogue,
             logits kept in fp16 centred per tile, cuBLAS gradient GEMMs).
         chunk_bytes: workspace budget of the pass in bytes; ``None``: ``LOGITLESS_CHUNK_BYTES``,
-            else 1 GiB.
+            else 1 GiB. Beyond it a training pass holds an fp32 ``d weight`` accumulator
+            (``V x H x 4`` bytes), except where all its tokens fit one chunk within the budget
+            plus those bytes: then it runs as one chunk and needs no accumulator (bf16/fp16 heads
+            on the Triton and gemm backends).
         logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 (statistics within
             ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
             first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
