@@ -229,11 +229,6 @@ class DistillPartials:
         return out
 
 
-def _blocks(vocab: int, plan: ChunkPlan):
-    for start in range(0, vocab, plan.vocab_block):
-        yield start, min(start + plan.vocab_block, vocab)
-
-
 def _logits(head: LocalHead, hidden: torch.Tensor, plan: ChunkPlan, start: int, end: int) -> torch.Tensor:
     bias = None if head.bias is None else head.bias[start:end]
     return logits_block(hidden, head.weight[start:end], bias, head.transform, fp32_logits=plan.fp32_logits)
@@ -260,7 +255,8 @@ def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRo
                           zy=torch.zeros(targets.shape, dtype=sdt, device=dev))
     if teacher is not None:
         part.sgap, part.m_t, part.se_t, part.tez, part.tgap = zeros(), zeros() - math.inf, zeros(), zeros(), zeros()
-    for start, end in _blocks(vocab, plan):
+    for block in plan.vocab_blocks(vocab):
+        start, end = block.start, block.stop
         zs = _logits(student, hs, plan, start, end)
         m = torch.maximum(part.m_s, zs.amax(dim=1))
         rescale = torch.exp(part.m_s - m)
@@ -307,7 +303,8 @@ def chunk_jsd(student: LocalHead, teacher: LocalHead, rows: DistillRows, plan: C
     """
     jsd = torch.zeros_like(lse_s)
     kl_pm = torch.zeros_like(lse_s)
-    for start, end in _blocks(student.weight.shape[0], plan):
+    for block in plan.vocab_blocks(student.weight.shape[0]):
+        start, end = block.start, block.stop
         log_p = _logits(student, rows.hidden, plan, start, end) - lse_s[:, None]
         log_q = _logits(teacher, rows.teacher_hidden, plan, start, end) - lse_t[:, None]
         log_m = _log_mixture(log_p, log_q, beta)
@@ -343,7 +340,8 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
     teacher_needed = g.teacher_terms()
     grad_hidden = torch.zeros((n, hs.shape[1]), dtype=sdt, device=hs.device) if acc.hidden else None
     h_mm = hs.to(mm_dtype)
-    for start, end in _blocks(vocab, plan):
+    for block in plan.vocab_blocks(vocab):
+        start, end = block.start, block.stop
         zs = _logits(student, hs, plan, start, end)
         log_p = zs - saved.lse[:, None]
         p = torch.exp(log_p)
@@ -370,7 +368,7 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
             dz.index_put_((r, targets[r, c] - start), g.logp[r, c], accumulate=True)
         dy = student.transform.grad_to_raw(dz, zs)
         del zs, p, log_p, dz
-        apply_block_grad(dy, student.weight[start:end], h_mm, slice(start, end), grad_hidden, acc)
+        apply_block_grad(dy, student.weight[start:end], h_mm, block, grad_hidden, acc)
     return grad_hidden
 
 

@@ -27,7 +27,7 @@ import torch
 from .backend import Accumulators
 from .distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
 from .distill_kernels import DistillRowCoefficients, launch_cross, launch_distill_grad, launch_jsd
-from .gemm_backend import operands, recompute_tile, vocab_blocks
+from .gemm_backend import operands, recompute_tile
 from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
 from .head import LocalHead
 from .plan import ChunkPlan
@@ -68,7 +68,7 @@ def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRo
     vocab = s_ops.weight.shape[0]
     keep = keep and plan.vocab_block >= vocab
     s_parts, t_parts, kept = [], [], None
-    for block in vocab_blocks(vocab, plan, keep):
+    for block in plan.vocab_blocks(vocab, keep):
         t_tile = None
         parts, s_tile = _tile(s_ops.block(block), plan.fp32_logits, cfg, store=keep or t_ops is not None)
         if t_ops is not None:
@@ -105,7 +105,7 @@ def chunk_jsd(student: LocalHead, teacher: LocalHead, rows: DistillRows, plan: C
     sides = None if kept is not None else _sides(student, teacher, rows)
     jsd = torch.zeros_like(lse_s)
     kl_pm = torch.zeros_like(lse_s)
-    for block in vocab_blocks(student.weight.shape[0], plan, kept is not None):
+    for block in plan.vocab_blocks(student.weight.shape[0], kept is not None):
         tiles = kept if kept is not None else _both_tiles(*sides, block, plan, cfg)
         j, k = launch_jsd(tiles.student, tiles.teacher, lse_s, lse_t, beta, cfg)
         jsd += j
@@ -133,7 +133,7 @@ def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillR
         g_reverse_kl=f32(g.reverse_kl), g_forward_kl=f32(g.forward_kl), g_jsd=f32(g.jsd),
         g_logp=None if g.logp is None or g.logp.shape[1] == 0 else f32(g.logp[:, 0]), beta=beta)
     grad_hidden = None
-    for block in vocab_blocks(s_ops.weight.shape[0], plan, kept is not None):
+    for block in plan.vocab_blocks(s_ops.weight.shape[0], kept is not None):
         tiles = kept if kept is not None else _both_tiles(s_ops, t_ops, block, plan, cfg)
         dy = tiles.student.z.view(hs.dtype)
         launch_distill_grad(tiles.student, tiles.teacher, dy, s_ops.targets, block.start, student.transform, rc, cfg)

@@ -89,7 +89,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     rc = RowCoefficients.make(saved, grads)
     cfg = gemm_config()
     grad_hidden = None
-    for block in vocab_blocks(weight.shape[0], plan, whole=kept is not None):
+    for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
         tile = kept if kept is not None else recompute_tile(ops, block, plan.fp32_logits, cfg)
         dy = tile.z.view(hidden.dtype)
         launch_centred_grad(tile.z, tile.tile_max, dy, targets, block.start, head.transform, rc, cfg)
@@ -106,10 +106,3 @@ def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: Gemm
     z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
     parts = launch_forward(ops.block(block), (False, False), fp32_logits, z, cfg)
     return CentredTile(z, parts["m"])
-
-
-def vocab_blocks(vocab: int, plan: ChunkPlan, whole: bool) -> list[slice]:
-    """The vocabulary rows a backward walks: all at once when a kept tile covers them (``whole``),
-    else the plan's blocks."""
-    step = vocab if whole else max(1, plan.vocab_block)
-    return [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]

@@ -99,6 +99,12 @@ class ChunkPlan:
             return None
         return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True)
 
+    def vocab_blocks(self, vocab: int, whole: bool = False) -> list[slice]:
+        """The vocabulary rows ``[0, vocab)`` in blocks of ``vocab_block`` (one block with
+        ``whole``: a pass over logits kept whole)."""
+        step = vocab if whole else max(1, self.vocab_block)
+        return [slice(s, min(s + step, vocab)) for s in range(0, vocab, step)]
+
     def fit(self, rows: int, vocab: int) -> ChunkPlan:
         """This plan for a chunk of ``rows`` tokens: itself when ``rows <= token_chunk``, else
         with the vocabulary block shrunk to keep the budget (a sequence longer than a chunk,

@@ -52,8 +52,8 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     st = RowStats.start(hidden.shape[0], stat_dtype_for(hidden.dtype), hidden.device, want,
                         owned=(targets >= 0) & (targets < vocab))
     kept = None
-    for start in range(0, vocab, plan.vocab_block):
-        end = min(start + plan.vocab_block, vocab)
+    for block in plan.vocab_blocks(vocab):
+        start, end = block.start, block.stop
         z = _block(head, rows, plan, start, end)
         new_max = torch.maximum(st.max_logit, z.max(dim=1).values)
         rescale = torch.exp(st.max_logit - new_max)
@@ -90,8 +90,8 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
         coef = coef - grads.logp
     grad_hidden = torch.zeros((n, hidden.shape[1]), dtype=stat_dtype, device=hidden.device) if acc.hidden else None
     h_mm = hidden.to(mm_dtype)
-    for start in range(0, vocab, plan.vocab_block):
-        end = min(start + plan.vocab_block, vocab)
+    for block in plan.vocab_blocks(vocab):
+        start, end = block.start, block.stop
         z = kept if kept is not None else _block(head, rows, plan, start, end)
         p = torch.exp(z - lse[:, None])
         if grads.entropy is not None:
@@ -105,7 +105,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
             dz[hit, targets[hit] - start] += grads.logp[hit]
         dy = head.transform.grad_to_raw(dz, z)
         del z, p, dz
-        apply_block_grad(dy, head.weight[start:end], h_mm, slice(start, end), grad_hidden, acc)
+        apply_block_grad(dy, head.weight[start:end], h_mm, block, grad_hidden, acc)
         if rows.low is not None:
             low_rank_grads(dy.to(mm_dtype), rows.low, start, end, acc.lora_x, acc.lora_b)
     return grad_hidden

@@ -56,8 +56,8 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     st = RowStats.start(hidden.shape[0], torch.float32, hidden.device, want,
                         owned=(targets >= 0) & (targets < vocab))
     kept = None
-    for start in range(0, vocab, plan.vocab_block):
-        end = min(start + plan.vocab_block, vocab)
+    for block in plan.vocab_blocks(vocab):
+        start, end = block.start, block.stop
         tile = _tile(hidden, head.weight, start, end, cfg, rows.low)
         launch_stats(tile, bias, targets, start, head.transform, st, cfg)
         if keep_logits and end - start == vocab:
@@ -81,16 +81,15 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     bias = None if head.bias is None else head.bias.contiguous()
     rc = RowCoefficients.make(saved, grads)
     grad_hidden = None
-    block = vocab if kept is not None else plan.vocab_block
-    for start in range(0, vocab, block):
-        end = min(start + block, vocab)
+    for block in plan.vocab_blocks(vocab, whole=kept is not None):
+        start, end = block.start, block.stop
         tile = kept if kept is not None else _tile(hidden, head.weight, start, end, cfg, rows.low)
         # dy goes over the tile's own storage; an fp32 tile is reinterpreted as twice as many
         # bf16/fp16 columns and dy fills the first half of each row (see triton_kernels).
         dy = tile if tile.dtype == hidden.dtype else tile.view(hidden.dtype)[:, :end - start]
         launch_dlogits(tile, dy, bias, targets, start, head.transform, rc, cfg)
         del tile
-        grad_hidden = block_grads(dy, head.weight, hidden, slice(start, end), acc, grad_hidden)
+        grad_hidden = block_grads(dy, head.weight, hidden, block, acc, grad_hidden)
         if rows.low is not None:
             low_rank_grads(dy, rows.low, start, end, acc.lora_x, acc.lora_b)
         del dy
