@@ -557,14 +557,13 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
         ValueError: ``logits_precision="input"`` and logits beyond the input dtype's range.
     """
     tensors = (hidden, weight, bias, lora_x, lora_b)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        single = _single_chunk(p, hidden.shape[0], weight) if weight.requires_grad else None
-        p = single or p
-        check_workspace_fits(p.plan, hidden.device)
-        call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), write_weight=single is not None)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    single = _single_chunk(p, hidden.shape[0], weight) if grad and weight.requires_grad else None
+    p = single or p
+    check_workspace_fits(p.plan, hidden.device)
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), write_weight=single is not None)
+    if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)
-    check_workspace_fits(p.plan, hidden.device)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts))
     loss, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), None, None)
     return PassResult(loss, stats, call.collected)
