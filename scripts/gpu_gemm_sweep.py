@@ -1,10 +1,12 @@
 """Tile shapes of the GEMM-epilogue forward kernel against cuBLAS, on one head (GPU only).
 
-    python3 scripts/gpu_gemm_sweep.py [N] [H] [V]
+    python3 scripts/gpu_gemm_sweep.py [SHAPE]   # a bench shape, default 8k:llama3-8b
 
-Prints, in ms: cuBLAS's logits GEMM (bf16 and fp32 output), the flash forward, and the epilogue
-kernel for each tile shape with and without storing the centred fp16 tile, then the row kernel
-that turns a stored tile into ``dy`` for a few step widths.
+On the bench's inputs for SHAPE (trained-model-like logits: a GEMM's speed depends on its data
+through the GPU's power draw, so random normal operands time differently), prints in ms:
+cuBLAS's logits GEMM (bf16 and fp32 output), the flash forward, and the epilogue kernel for each
+variant with and without storing the centred fp16 tile, then the row kernel that turns a stored
+tile into ``dy`` for a few step widths.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from logitless.bench.cases import make_inputs, parse_shape
 from logitless.ops import gemm
 from logitless.ops.backend import RowCoefficients, RowStats, SavedStats, StatGrads
 from logitless.ops.flash_kernels import flash_config
@@ -23,22 +26,26 @@ from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_centred
 from logitless.ops.tile_gemm import Tiles
 from logitless.ops.transform import LogitTransform
 
-# (tiles, programs per SM, warp specialization): persistent launches, tiles stored through a
-# descriptor. Two 128 x 128 programs per SM let one's epilogue overlap the other's main loop.
+# (tiles, programs per SM, warp specialization, token blocks per group): persistent launches,
+# tiles stored through a descriptor.
 VARIANTS = [
-    (Tiles(128, 256, 64, 8, 3), 1, False),
-    (Tiles(128, 256, 64, 8, 3), 1, True),
-    (Tiles(128, 256, 64, 8, 4), 1, True),
-    (Tiles(128, 128, 64, 8, 4), 2, False),
+    (Tiles(128, 256, 64, 8, 3), 1, False, 8),
+    (Tiles(128, 256, 64, 8, 3), 1, True, 8),
+    (Tiles(128, 256, 64, 8, 4), 1, True, 8),
+    (Tiles(128, 256, 64, 8, 3), 1, True, 4),
+    (Tiles(128, 256, 64, 8, 3), 1, True, 16),
+    (Tiles(256, 128, 64, 8, 3), 1, True, 8),
+    (Tiles(128, 256, 128, 8, 2), 1, True, 8),
+    (Tiles(128, 128, 64, 4, 4), 1, True, 8),
 ]
 
 
 def main() -> None:
-    n, h, v = (int(x) for x in (sys.argv[1:4] if len(sys.argv) > 3 else (8192, 4096, 128256)))
-    torch.manual_seed(0)
-    hid = (torch.randn(n, h, device="cuda") * 2).to(torch.bfloat16)
-    w = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16)
-    tgt = torch.randint(0, v, (n,), device="cuda")
+    case = parse_shape(sys.argv[1] if len(sys.argv) > 1 else "8k:llama3-8b")
+    n, h, v = case.n_tokens, case.hidden_size, case.vocab_size
+    x = make_inputs(case, torch.device("cuda"), torch.bfloat16)
+    hid, w, tgt = x.hidden.detach().reshape(n, h), x.weight.detach(), x.targets.reshape(n)
+    del x
     tr = LogitTransform()
     z = torch.empty((n, v), dtype=torch.float16, device="cuda")
     ops = TileOperands(hid, w, None, tgt, tr)
@@ -48,10 +55,10 @@ def main() -> None:
     ms["flash forward"] = do_bench(lambda: flash_stats(hid, w, None, tgt, tr, True, False, True, flash_config()))
     base = gemm_config()
     best = (float("inf"), None)
-    for t, per_sm, ws in VARIANTS:
+    for t, per_sm, ws, group in VARIANTS:
         cfg = dataclasses.replace(base, fwd=t, persistent=True, store_tma=True, programs_per_sm=per_sm,
-                                  warp_specialize_stats=ws)
-        name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} x{per_sm}/SM"
+                                  warp_specialize_stats=ws, group_n=group)
+        name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} x{per_sm}/SM g{group}"
                 f"{' warp-specialized' if ws else ''}")
         try:
             a = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, None, cfg))

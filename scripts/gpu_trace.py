@@ -1,71 +1,129 @@
-"""Export a GPU trace of two fused GRPO calls (or rollout log-prob calls) and list the GPU idle
-gaps with the CPU op that was running (to find host syncs and launch-bound stretches).
+"""Where one call of a bench row spends its wall time (GPU only): the bench's own inputs and
+rows, timed as the bench times them, then one call under torch.profiler split into GPU busy
+time, idle gaps (with the CPU op running in each) and the host's time before the first kernel.
 
-    python3 scripts/gpu_trace.py OUT_DIR [grpo|rollout] [N]
+    python3 scripts/gpu_trace.py OUT_DIR [OBJECTIVE] [SHAPE] [ROW ...]
+    python3 scripts/gpu_trace.py /tmp/t rollout 8k:llama3-8b floor kernel logitless trl-chunked
+    HOST_PROFILE=1 python3 scripts/gpu_trace.py ...   # also cProfile the logitless rows' host side
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import itertools
 import json
+import os
+import pstats
+import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import logitless
-from logitless import PassOptions, PolicyConfig
+from logitless.bench.cases import make_inputs, parse_shape
+from logitless.bench.competitors import ROWS, Prepared
+from logitless.bench.timing import time_step
+from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_forward
+from logitless.ops.transform import LogitTransform
+
+
+def _profile(step, out: str, tag: str) -> None:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter_ns() / 1e3
+        step()
+        host_us = time.perf_counter_ns() / 1e3 - t0
+        torch.cuda.synchronize()
+    path = f"{out}/trace-{tag}.json"
+    prof.export_chrome_trace(path)
+    ev = json.load(open(path))["traceEvents"]
+    kern = sorted([e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")], key=lambda e: e["ts"])
+    cpu = [e for e in ev if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
+    launches = sorted(e["ts"] for e in ev if e.get("cat") == "cuda_runtime" and "aunch" in e.get("name", ""))
+    if not kern:
+        print(f"  {tag}: no kernels")
+        return
+    start = min(e["ts"] for e in cpu) if cpu else kern[0]["ts"]
+    span = kern[-1]["ts"] + kern[-1]["dur"] - start
+    busy = sum(e["dur"] for e in kern)
+    first_launch = (launches[0] - start) if launches else float("nan")
+    print(f"  {tag}: {len(kern)} GPU ops; call start -> last kernel end {span / 1e3:.3f} ms, GPU busy "
+          f"{busy / 1e3:.3f} ms, host call {host_us / 1e3:.3f} ms, first launch at {first_launch / 1e3:.3f} ms, "
+          f"first kernel starts at {(kern[0]['ts'] - start) / 1e3:.3f} ms")
+    gaps = []
+    for a, b in itertools.pairwise(kern):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap > 30:
+            mid = a["ts"] + a["dur"] + gap / 2
+            running = [c["name"][:50] for c in cpu if c["ts"] <= mid <= c["ts"] + c["dur"]]
+            gaps.append((gap, a["name"][:36], b["name"][:36], running[-2:]))
+    print(f"    idle gaps > 30 us: {len(gaps)}, {sum(g[0] for g in gaps) / 1e3:.3f} ms")
+    for g in sorted(gaps, reverse=True)[:8]:
+        print(f"    {g[0] / 1e3:6.3f} ms after {g[1]!r} before {g[2]!r} cpu: {g[3]}")
+    by_name: dict[str, list[float]] = {}
+    for e in kern:
+        by_name.setdefault(e["name"][:70], []).append(e["dur"])
+    for name, ds in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"    {sum(ds) / 1e3:7.3f} ms  x{len(ds):<3d} {name}")
+
+
+def _host_profile(step, reset) -> None:
+    """cProfile of 5 calls: where the host's time goes (own time per function, per call)."""
+    prof = cProfile.Profile()
+    for _ in range(5):
+        reset()
+        torch.cuda.synchronize()
+        prof.enable()
+        step()
+        prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+    lines = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+    print("    host profile, 5 calls (tottime, cumtime in s):")
+    for ln in lines[3:]:
+        print("     ", ln.replace(os.getcwd() + "/", "")[:150])
 
 
 def main() -> None:
     out = sys.argv[1]
-    what = sys.argv[2] if len(sys.argv) > 2 else "grpo"
-    n = int(sys.argv[3]) if len(sys.argv) > 3 else 8192
-    dev = "cuda"
-    torch.manual_seed(0)
-    b, t, h, v = 16, n // 16, 4096, 128256
-    w = (torch.randn(v, h, device=dev) / h**0.5).to(torch.bfloat16).requires_grad_()
-    hid = (torch.randn(b, t, h, device=dev) * 3).to(torch.bfloat16).requires_grad_()
-    ids = torch.randint(0, v, (b, t), device=dev)
-    mask = torch.ones(b, t, device=dev)
-    adv = torch.randn(b, device=dev)
-    old = torch.randn(b, t, device=dev) * 0.1 - 5
-    ref = torch.randn(b, t, device=dev) * 0.1 - 5
-    cfg = PolicyConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    objective = sys.argv[2] if len(sys.argv) > 2 else "rollout"
+    case = parse_shape(sys.argv[3] if len(sys.argv) > 3 else "8k:llama3-8b")
+    names = sys.argv[4:] or ["floor", "logitless", "logitless-fused", "trl-chunked"]
+    dev = torch.device("cuda")
+    x = make_inputs(case, dev, torch.bfloat16)
+    print(f"{objective} {case}")
 
-    def grpo():
-        loss, _ = logitless.policy_loss(hid, w, ids, mask, adv, old, ref, config=cfg, options=PassOptions(mode="fused"))
-        loss.backward()
-        hid.grad = w.grad = None
+    def reset() -> None:
+        x.hidden.grad = x.weight.grad = None
 
-    def rollout():
-        with torch.no_grad():
-            logitless.token_logprobs(hid, w, ids, return_entropy=True)
-
-    call = grpo if what == "grpo" else rollout
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
-        call()
-        call()
+    rows = [(r.name, r.prepare(x, "auto")) for r in ROWS if r.objective == objective and r.name in names]
+    if "kernel" in names:  # the statistics GEMM alone, as a rollout launches it
+        h2, y = x.hidden.detach().reshape(-1, case.hidden_size), x.targets.reshape(-1)
+        ops = TileOperands(h2, x.weight.detach(), None, y, LogitTransform())
+        rows.append(("kernel", Prepared(lambda: launch_forward(ops, (True, False), True, None, gemm_config()))))
+    for name, prepared in rows:
+        for _ in range(3):
+            reset()
+            prepared.step()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(f"{out}/trace.json")
-    ev = json.load(open(f"{out}/trace.json"))["traceEvents"]
-    kern = sorted([e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")], key=lambda e: e["ts"])
-    cpu = [e for e in ev if e.get("cat") in ("cpu_op", "python_function") and "dur" in e]
-    gaps = []
-    for a, b_ in itertools.pairwise(kern):
-        gap = b_["ts"] - (a["ts"] + a["dur"])
-        if gap > 100:
-            start = a["ts"] + a["dur"]
-            running = [c["name"] for c in cpu if c["ts"] <= start + gap / 2 <= c["ts"] + c["dur"]]
-            gaps.append((gap, a["name"][:40], b_["name"][:40], running[-3:]))
-    total = sum(g[0] for g in gaps)
-    print(f"{what} N={n}: {len(kern)} GPU events, {len(gaps)} gaps > 100 us, {total / 1e3:.2f} ms in them (2 calls)")
-    for g in sorted(gaps, reverse=True)[:25]:
-        print(f"{g[0] / 1e3:7.3f} ms after {g[1]!r} before {g[2]!r} cpu: {g[3]}")
+        times = time_step(prepared.step, reset, dev, min_reps=10, max_reps=10)
+        host = []
+        for _ in range(5):
+            reset()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            prepared.step()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        print(f"{name}: {times.median_ms:.3f} ms (events, median of 10); host time of a call "
+              f"{statistics.median(host):.3f} ms")
+        reset()
+        _profile(prepared.step, out, name)
+        reset()
+        if os.environ.get("HOST_PROFILE") and name.startswith("logitless"):
+            _host_profile(prepared.step, reset)
 
 
 if __name__ == "__main__":

@@ -351,6 +351,51 @@ def test_plan_keeps_two_bytes_a_logit():
     assert gemm.token_chunk == 2 * triton.token_chunk == 4096
 
 
+def test_statistics_only_passes_take_longer_chunks():
+    """A pass that keeps no logits (rollout, recompute's forward) holds only the epilogue's
+    ``[tiles, n]`` partials: its chunks are as long as their partials and the merge's
+    temporaries (7 fp32 values per token and 256-entry tile) fit the budget, and never shorter
+    than the logits chunks. Llama-3 8k runs one GEMM; 128k two."""
+    from logitless.ops.plan import ChunkPlan
+
+    budget = 2**30
+    for n, v, chunks in ((8192, 128256, 1), (8192, 256000, 1), (32768, 151936, 1), (131072, 128256, 2),
+                         (131072, 151936, 3)):
+        plan = ChunkPlan.make(n, v, budget, torch.bfloat16, "gemm")
+        got = plan.stats_chunks(n)
+        assert len(got) == chunks, (n, v, got)
+        assert plan.stats_chunk >= plan.token_chunk
+        assert all(sl.stop - sl.start <= plan.stats_chunk for sl in got) and got[-1].stop == n
+        assert plan.stats_chunk * -(-v // 256) * 7 * 4 <= budget
+        assert plan.stats_chunk == n or plan.stats_chunk % 128 == 0
+    for kind in ("torch", "triton"):  # their forwards hold logits blocks: the same chunks
+        plan = ChunkPlan.make(8192, 128256, budget, torch.bfloat16, kind)
+        assert plan.stats_chunks(8192) == plan.chunks(8192)
+    plan = ChunkPlan.make(8192, 128256, budget, torch.float64, "gemm")  # fp64 runs on torch
+    assert plan.stats_chunks(8192) == plan.chunks(8192)
+
+
+@interpreted
+def test_rollout_runs_one_statistics_chunk(monkeypatch):
+    """With a budget that cuts the logits into 4 chunks, a rollout on the gemm backend launches
+    one forward over all tokens, and its log-probs and entropies match the torch backend's."""
+    from logitless import token_logprobs
+    from logitless.ops import gemm_backend
+
+    h, w, _b, _t, _tr = _inputs(torch.bfloat16, "plain")
+    t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
+    budget = 10 * V * 2  # ten tokens of fp16 logits a chunk
+    calls = []
+    real = gemm_backend.chunk_forward
+    monkeypatch.setattr(gemm_backend, "chunk_forward", lambda head, rows, *a: calls.append(rows.hidden.shape[0])
+                        or real(head, rows, *a))
+    got = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl="gemm", chunk_bytes=budget))
+    ref = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl="torch", chunk_bytes=budget))
+    assert calls == [N]
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 @interpreted
 def test_launch_variants_agree(monkeypatch):
     """One program per tile or persistent programs walking the tiles; the kept tile written through

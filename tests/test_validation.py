@@ -252,3 +252,30 @@ def test_no_kernel_guard_is_armed(no_kernel):
     h, w, t = head_inputs()
     with pytest.raises(AssertionError, match="vocabulary pass ran"):
         token_logprobs(h, w, t)
+
+
+def test_weight_checked_once_per_version(monkeypatch):
+    """The weight's NaN/inf check runs once per version of the weight: a rollout loop does not
+    re-read it, and an in-place write (an optimizer step) is checked again before the next pass."""
+    import logitless.ops.validate as validate
+
+    h, w, t = head_inputs()
+    reads = []
+    real = validate.any_nonfinite
+    monkeypatch.setattr(validate, "any_nonfinite", lambda x: reads.append(x.data_ptr() == w.data_ptr()) or real(x))
+    token_logprobs(h, w, t)
+    token_logprobs(torch.randn_like(h), w, t)
+    assert reads.count(True) == 1
+    with torch.no_grad():
+        w[3, 2] = math.nan
+    with pytest.raises(ValueError, match="weight contains NaN or inf"):
+        token_logprobs(h, w, t)
+    assert reads.count(True) == 2
+    with torch.no_grad():
+        w[3, 2] = 0.5
+    token_logprobs(h, w, t)
+    token_logprobs(h, w, t)
+    assert reads.count(True) == 3
+    # A new tensor object (here a detached alias) is checked on its own.
+    token_logprobs(h, w.detach(), t)
+    assert reads.count(True) == 4

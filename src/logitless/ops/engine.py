@@ -237,7 +237,7 @@ def _forward_all(p: _Pass, hidden: torch.Tensor, low: LowRank | None) -> tuple[C
     # memory then grows by about one block per chunk, i.e. with N x V.
     out = RowStats.empty(n, stat_dtype_for(hidden.dtype), hidden.device, p.want)
     with advise_on_oom(p.plan, hidden.device):
-        for sl in p.plan.chunks(n):
+        for sl in p.plan.stats_chunks(n):
             part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
             out.write(sl, part)
             del part

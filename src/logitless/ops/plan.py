@@ -19,6 +19,27 @@ _MIN_TOKENS = {"torch": 32, "triton": 1024, "gemm": 1024}
 
 PlanKind = Literal["torch", "triton", "gemm"]
 _ALIGN = 128  # token chunks are multiples of this (when a chunk is not the whole input)
+# Bytes per logit element of a pass that keeps no logits, where a kind's forward writes less
+# than a logits block: the gemm kind's epilogue writes up to four fp32 partials per token and
+# 256-entry vocabulary tile, and combining them (RowStats.combine) takes up to three more of
+# that shape: 7 x 4 / 256 = 0.11 bytes, rounded up. Fewer, longer chunks then replace several
+# per-chunk launches (Llama-3 8k: one GEMM instead of two).
+_STATS_ONLY_BYTES: dict[str, float] = {"gemm": 0.125}
+
+
+def _even_chunk(n: int, rows: int) -> int:
+    """Tokens per chunk for ``n`` tokens and at most ``rows`` a chunk: all ``n``, or a multiple
+    of ``_ALIGN`` that cuts them into chunks of nearly equal length."""
+    chunk = min(n, rows)
+    if chunk < n and chunk >= _ALIGN:
+        # A token count that is not a multiple of 8 is a misaligned GEMM dimension for bf16 (the
+        # inner one of d weight = dyᵀ h): cuBLAS then falls back to slow kernels (measured on
+        # H100: Qwen2.5 8k fused 65 ms at 1766-token chunks vs 46 ms aligned). Round down to a
+        # multiple of _ALIGN, then even the chunks out.
+        chunk -= chunk % _ALIGN
+        count = math.ceil(n / chunk)
+        chunk = min(chunk, math.ceil(math.ceil(n / count) / _ALIGN) * _ALIGN)
+    return chunk
 
 
 def stat_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -54,6 +75,9 @@ class ChunkPlan:
         fp32_logits: the head's matmul output is kept in fp32 (``True``), or rounded to the
             input dtype first as the plain bf16/fp16 path rounds it (``False``; statistics are
             accumulated in fp32 either way).
+        stats_chunk: tokens per chunk of a pass that keeps no logits (a rollout, recompute
+            mode's forward): at least ``token_chunk``, more where the kind's statistics-only
+            forward holds less than a logits block per element (``_STATS_ONLY_BYTES``).
     """
 
     token_chunk: int
@@ -62,6 +86,7 @@ class ChunkPlan:
     fp32_logits: bool = True
     budget: int = 0
     bytes_per_logit: int = 0
+    stats_chunk: int = 0  # tokens per chunk of a statistics-only pass (0: token_chunk)
 
     @classmethod
     def make(cls, n_tokens: int, vocab: int, budget: int, in_dtype: torch.dtype, kind: PlanKind = "torch",
@@ -78,19 +103,13 @@ class ChunkPlan:
         vocab = max(1, vocab)
         per = workspace_per_element(stat_dtype_for(in_dtype), in_dtype, kind, fp32_logits) * arrays
         n = max(1, n_tokens)
-        rows = budget // (vocab * per)
-        token_chunk = min(n, max(rows, _MIN_TOKENS[kind]))
-        if token_chunk < n and token_chunk >= _ALIGN:
-            # A token count that is not a multiple of 8 is a misaligned GEMM dimension for
-            # bf16 (the inner one of d weight = dyᵀ h): cuBLAS then falls back to slow kernels
-            # (measured on H100: Qwen2.5 8k fused 65 ms at 1766-token chunks vs 46 ms aligned).
-            # Round down to a multiple of _ALIGN, then even the chunks out.
-            token_chunk -= token_chunk % _ALIGN
-            count = math.ceil(n / token_chunk)
-            token_chunk = min(token_chunk, math.ceil(math.ceil(n / count) / _ALIGN) * _ALIGN)
+        token_chunk = _even_chunk(n, max(budget // (vocab * per), _MIN_TOKENS[kind]))
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
+        stats_chunk = token_chunk
+        if kind in _STATS_ONLY_BYTES and stat_dtype_for(in_dtype) != torch.float64:
+            stats_chunk = _even_chunk(n, max(token_chunk, int(budget / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
-                   fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per)
+                   fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk)
 
     def whole(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan | None:
         """This plan as one chunk of all ``n_tokens`` rows kept whole, if their logits fit the
@@ -113,6 +132,10 @@ class ChunkPlan:
             return self
         block = min(max(1, vocab), max(1, self.budget // (rows * self.bytes_per_logit)))
         return dataclasses.replace(self, token_chunk=rows, vocab_block=block, keep_logits=block >= vocab)
+
+    def stats_chunks(self, n_tokens: int) -> list[slice]:
+        """``[0, n_tokens)`` in chunks of a statistics-only pass (``stats_chunk`` tokens)."""
+        return dataclasses.replace(self, token_chunk=max(self.token_chunk, self.stats_chunk)).chunks(n_tokens)
 
     def chunks(self, n_tokens: int, cuts: Sequence[int] | None = None) -> list[slice]:
         """Cut ``[0, n_tokens)`` into chunks of at most ``token_chunk`` tokens, ending only at

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .head import Head
@@ -81,9 +83,12 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
     bad_target = out_of_range.any()
     none = torch.zeros((), dtype=torch.bool, device=hidden.device)
     ignored = none if ignore_index is None else (t == ignore_index).any()
-    flags = torch.stack([ignored, bad_target, any_nonfinite(hidden), any_nonfinite(weight),
+    weight_known = _FINITE_WEIGHTS.known(weight)
+    flags = torch.stack([ignored, bad_target, any_nonfinite(hidden), none if weight_known else any_nonfinite(weight),
                          none if bias is None else any_nonfinite(bias),
                          none if lora is None else any_nonfinite(lora.a) | any_nonfinite(lora.b)]).tolist()
+    if not weight_known and not flags[3]:
+        _FINITE_WEIGHTS.add(weight)
     if flags[1]:
         bad = t[out_of_range][:5].tolist()
         extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
@@ -92,6 +97,40 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
         if flag:
             raise ValueError(f"{name} contains NaN or inf")
     return bool(flags[0])
+
+
+class _FiniteTensors:
+    """Tensors already checked finite, each at the version it had then. A head's weight is
+    read whole (``V x H``, ~0.3 ms on an H100 for a 1 GiB weight) on every call otherwise,
+    although it only changes at an optimizer step, which bumps its version counter: rollout
+    and reference passes, and gradient-accumulation micro-batches, check it once.
+    Writes through ``.data`` or another alias do not bump ``weight``'s own counter; NaN
+    written that way reaches the pass and shows as NaN statistics, not as this named error."""
+
+    def __init__(self) -> None:
+        # id -> (a weak reference to the tensor, its version and data pointer when checked).
+        self._seen: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    @staticmethod
+    def _key(x: torch.Tensor) -> tuple[int, int] | None:
+        try:
+            return x._version, x.data_ptr()
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+
+    def known(self, x: torch.Tensor) -> bool:
+        entry, key = self._seen.get(id(x)), self._key(x)
+        return entry is not None and key is not None and entry[0]() is x and entry[1:] == key
+
+    def add(self, x: torch.Tensor) -> None:
+        key = self._key(x)
+        if key is None:
+            return
+        self._seen = {k: e for k, e in self._seen.items() if e[0]() is not None}
+        self._seen[id(x)] = (weakref.ref(x), *key)
+
+
+_FINITE_WEIGHTS = _FiniteTensors()
 
 
 def any_nonfinite(x: torch.Tensor) -> torch.Tensor:
