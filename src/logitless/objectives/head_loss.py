@@ -93,12 +93,16 @@ def head_loss(
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
     head, options = as_head(head), as_options(options)
-    check_head_inputs(hidden, head, targets, ignore_index)
+    ignored = check_head_inputs(hidden, head, targets, ignore_index)
     vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
-    positions = (flat != ignore_index).nonzero().squeeze(1)
-    h = hidden.reshape(-1, hidden.shape[-1])[positions]
-    t = flat[positions].long()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if ignored:  # (a host synchronization for the count: only where some rows drop out)
+        positions = (flat != ignore_index).nonzero().squeeze(1)
+        h, t = h[positions], flat[positions].long()
+    else:
+        positions = torch.arange(flat.numel(), device=flat.device)
+        t = flat.long()
     count = int(positions.numel())
     sdt = stat_dtype_for(hidden.dtype)
 

@@ -15,6 +15,7 @@ from ..ops import (
     ObjectiveSpec,
     PassOptions,
     StatRequest,
+    ValueChecks,
     as_head,
     as_options,
     check_head_inputs,
@@ -207,26 +208,6 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
     return entropy >= threshold
 
 
-class _FiniteChecks:
-    """Collects NaN/inf checks of the per-token inputs and syncs with the device once."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.flags: list[torch.Tensor] = []
-
-    def add(self, name: str, x: torch.Tensor | None, bad: torch.Tensor | None = None) -> None:
-        if x is not None and x.numel():
-            self.names.append(name)
-            self.flags.append((~torch.isfinite(x)).any() if bad is None else bad)
-
-    def raise_if_any(self) -> None:
-        if not self.flags:
-            return
-        for name, flag in zip(self.names, torch.stack(self.flags).tolist(), strict=True):
-            if flag:
-                raise ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
-
-
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
              sequence_group) -> tuple[PolicyTokens, torch.Tensor, torch.Tensor]:
     """Validate the inputs and gather the counted tokens: ``(tokens, hidden rows, ids)``."""
@@ -274,25 +255,30 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     lay.seg_len = lay.seg_len.to(sdt)
     h_flat = hidden.reshape(-1, hidden.shape[-1])[lay.index]
     t_flat = lay.gather(completion_ids).long()
-    check_head_inputs(h_flat, head, t_flat, ignore_index=None)
+    # One host synchronization for the head's value checks and the per-token inputs' below.
+    checks = ValueChecks()
+    check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
 
-    checks = _FiniteChecks()
+    def check_finite(name: str, x: torch.Tensor, bad: torch.Tensor | None = None) -> None:
+        if x.numel():
+            checks.add((~torch.isfinite(x)).any() if bad is None else bad,
+                       lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens"))
 
     def tok_tensor(x, name):
         if x is None:
             return None
         out = lay.gather(x).to(sdt)
         if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
-            checks.add(name, out)
+            check_finite(name, out)
         return out
 
     per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
     adv_tok = lay.per_token(advantages, "advantages").to(sdt)
-    checks.add("advantages", adv_tok)
+    check_finite("advantages", adv_tok)
     is_tok = log_is_seq = None
     if importance_sampling_ratio is not None:
         is_tok = lay.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
-        checks.add("importance_sampling_ratio", is_tok, (~torch.isfinite(is_tok) | (is_tok < 0)).any())
+        check_finite("importance_sampling_ratio", is_tok, (~torch.isfinite(is_tok) | (is_tok < 0)).any())
         if cfg.loss_type == "vespo":
             log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
 
@@ -331,7 +317,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                        old_logp=tok_tensor(old_logp, "old_logp"), ref_logp=tok_tensor(ref_logp, "ref_logp"),
                        sampling_logp=tok_tensor(sampling_logp, "sampling_logp"), is_ratio=is_tok,
                        log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight)
-    checks.raise_if_any()
+    checks.run()
     return tok, h_flat, t_flat
 
 

@@ -13,7 +13,7 @@ from .plan import stat_dtype_for
 from .settings import LogitsPrecision
 from .shard import VocabShard
 from .transform import LogitTransform
-from .validate import check_head_inputs
+from .validate import ValueChecks, check_head_inputs
 from .vocab_stats import VocabStats, token_logprobs, vocab_stats
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "PassOutOfMemoryError",
     "PassResult",
     "StatRequest",
+    "ValueChecks",
     "VocabShard",
     "VocabStats",
     "as_head",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -14,11 +15,14 @@ from .transform import LogitTransform
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int | None) -> bool:
+def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int | None,
+                      checks: ValueChecks | None = None) -> bool:
     """Validate ``hidden [..., H]``, the head (``weight [V, H]``, ``bias [V]``, its shard and
     adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
     ``targets [...]`` (global ids). Returns whether some target equals ``ignore_index``, read in
-    the same host synchronization as the value checks.
+    the same host synchronization as the value checks. With ``checks``, the value checks are
+    added to it instead (the caller runs them with its own, in one synchronization) and the
+    return value is ``False``; pass ``ignore_index=None`` then.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
@@ -75,28 +79,67 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
     if lora is not None:
         lora.check(hidden, weight)
     vocab = head.local().vocab_size
-    # One host sync for every value check.
+    own = ValueChecks() if checks is None else checks
     t = targets.reshape(-1)
     out_of_range = (t < 0) | (t >= vocab)
     if ignore_index is not None:
         out_of_range = out_of_range & (t != ignore_index)
-    bad_target = out_of_range.any()
-    none = torch.zeros((), dtype=torch.bool, device=hidden.device)
-    ignored = none if ignore_index is None else (t == ignore_index).any()
-    weight_known = _FINITE_WEIGHTS.known(weight)
-    flags = torch.stack([ignored, bad_target, any_nonfinite(hidden), none if weight_known else any_nonfinite(weight),
-                         none if bias is None else any_nonfinite(bias),
-                         none if lora is None else any_nonfinite(lora.a) | any_nonfinite(lora.b)]).tolist()
-    if not weight_known and not flags[3]:
-        _FINITE_WEIGHTS.add(weight)
-    if flags[1]:
-        bad = t[out_of_range][:5].tolist()
+
+    def bad_target() -> ValueError:
         extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
-        raise ValueError(f"targets must lie in [0, {vocab}){extra}; found {bad}")
-    for flag, name in zip(flags[2:], ("hidden", "weight", "bias", "HeadLoRA.a or HeadLoRA.b"), strict=True):
-        if flag:
-            raise ValueError(f"{name} contains NaN or inf")
-    return bool(flags[0])
+        return ValueError(f"targets must lie in [0, {vocab}){extra}; found {t[out_of_range][:5].tolist()}")
+
+    own.add(out_of_range.any(), bad_target)
+    own.add(any_nonfinite(hidden), lambda: ValueError("hidden contains NaN or inf"))
+    if not _FINITE_WEIGHTS.known(weight):
+        own.add(any_nonfinite(weight), lambda: ValueError("weight contains NaN or inf"),
+                on_pass=lambda: _FINITE_WEIGHTS.add(weight))
+    if bias is not None:
+        own.add(any_nonfinite(bias), lambda: ValueError("bias contains NaN or inf"))
+    if lora is not None:
+        own.add(any_nonfinite(lora.a) | any_nonfinite(lora.b),
+                lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf"))
+    if checks is not None:
+        if ignore_index is not None:
+            raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
+        return False
+    return any(own.run(*(() if ignore_index is None else ((t == ignore_index).any(),))))
+
+
+class ValueChecks:
+    """Checks of tensor values (NaN/inf, ranges) gathered from several places and read in one
+    host synchronization, so a call waits for the device once before its first kernel.
+
+    ``add(flag, error)``: ``flag`` is a bool tensor, true when the check fails, and ``error()``
+    builds the exception (it may read tensors: the values are on the host by then).
+    :meth:`run` raises the error of the first failed check, in the order added."""
+
+    def __init__(self) -> None:
+        self._flags: list[torch.Tensor] = []
+        self._then: list[Callable[[bool], None]] = []
+
+    def add(self, flag: torch.Tensor, error: Callable[[], Exception],
+            on_pass: Callable[[], None] | None = None) -> None:
+        def then(failed: bool) -> None:
+            if failed:
+                raise error()
+            if on_pass is not None:
+                on_pass()
+
+        self._flags.append(flag.reshape(()))
+        self._then.append(then)
+
+    def run(self, *reads: torch.Tensor) -> list[bool]:
+        """Read every flag and the bool tensors ``reads`` in one synchronization, raise the first
+        failed check's error, else return the values of ``reads``."""
+        flags = self._flags + [r.reshape(()) for r in reads]
+        if not flags:
+            return []
+        values = [bool(v) for v in torch.stack(flags).tolist()]
+        then, self._flags, self._then = self._then, [], []
+        for step, value in zip(then, values, strict=False):
+            step(value)
+        return values[len(then):]
 
 
 class _FiniteTensors:
