@@ -276,6 +276,15 @@ def test_weight_checked_once_per_version(monkeypatch):
     token_logprobs(h, w, t)
     token_logprobs(h, w, t)
     assert reads.count(True) == 3
-    # A new tensor object (here a detached alias) is checked on its own.
+    # A detached alias made per call (same storage and version counter) is known too; a
+    # write through it is seen; a view of other rows is checked on its own.
     token_logprobs(h, w.detach(), t)
-    assert reads.count(True) == 4
+    assert reads.count(True) == 3
+    with torch.no_grad():
+        w.detach()[0, 0] = math.inf
+    with pytest.raises(ValueError, match="weight contains NaN or inf"):
+        token_logprobs(h, w.detach(), t)
+    with torch.no_grad():
+        w[0, 0] = 1.0
+    token_logprobs(h, w[: V - 1].contiguous(), t.clamp(max=V - 2))
+    assert reads.count(True) == 5

@@ -24,6 +24,7 @@ from ..ops import (
     DistillStats,
     Head,
     PassOptions,
+    ValueChecks,
     as_head,
     as_options,
     check_head_inputs,
@@ -195,7 +196,9 @@ def distill_loss(
     # Labels and top-k ids are global: checked against the whole vocabulary, padding excluded.
     id_bound = head.local().vocab_size if head.shard is not None else vocab
     shape = hidden.shape[:-1]
-    check_head_inputs(hidden, Head(weight, bias), torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
+    checks = ValueChecks()  # the student's and the teacher's value checks in one synchronization
+    check_head_inputs(hidden, Head(weight, bias), torch.zeros(shape, dtype=torch.long, device=hidden.device), None,
+                      checks=checks)
     if dense:
         teacher_weight = teacher_weight[:vocab]
         teacher_bias = None if teacher_bias is None else teacher_bias[:vocab]
@@ -203,7 +206,8 @@ def distill_loss(
             raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} differs from "
                              f"hidden's {tuple(shape)}")
         check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias),
-                          torch.zeros(shape, dtype=torch.long, device=hidden.device), None)
+                          torch.zeros(shape, dtype=torch.long, device=hidden.device), None, checks=checks)
+    checks.run()
 
     counted = _counted(shape, mask, labels, hidden.device)
     idx = counted.reshape(-1).nonzero().squeeze(1)
