@@ -155,34 +155,37 @@ class _FiniteTensors:
     as NaN statistics, not as this named error."""
 
     def __init__(self) -> None:
-        # id(storage) -> (weak reference to the storage, the view's key when it was checked).
-        self._seen: dict[int, tuple[weakref.ref, tuple]] = {}
+        # (id(storage), view) -> (weak reference to the storage, version when checked).
+        self._seen: dict[tuple, tuple[weakref.ref, int]] = {}
 
     @staticmethod
-    def _key(x: torch.Tensor) -> tuple[object, tuple] | None:
+    def _key(x: torch.Tensor) -> tuple[object, tuple, int] | None:
         try:
             storage = x.untyped_storage()
-            return storage, (x._version, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
-        except (RuntimeError, NotImplementedError):  # inference tensors have no version counter
+            view = (id(storage), x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+            return storage, view, x._version
+        except (RuntimeError, NotImplementedError):  # e.g. inference tensors: no version counter
             return None
 
     def known(self, x: torch.Tensor) -> bool:
         got = self._key(x)
         if got is None:
             return False
-        entry = self._seen.get(id(got[0]))
-        return entry is not None and entry[0]() is got[0] and entry[1] == got[1]
+        storage, view, version = got
+        entry = self._seen.get(view)
+        return entry is not None and entry[0]() is storage and entry[1] == version
 
     def add(self, x: torch.Tensor) -> None:
         got = self._key(x)
         if got is None:
             return
+        storage, view, version = got
         try:
-            ref = weakref.ref(got[0])
+            ref = weakref.ref(storage)
         except TypeError:
             return
         self._seen = {k: e for k, e in self._seen.items() if e[0]() is not None}
-        self._seen[id(got[0])] = (ref, got[1])
+        self._seen[view] = (ref, version)
 
 
 _FINITE_WEIGHTS = _FiniteTensors()
