@@ -5,6 +5,7 @@ time, idle gaps (with the CPU op running in each) and the host's time before the
     python3 scripts/gpu_trace.py OUT_DIR [OBJECTIVE] [SHAPE] [ROW ...]
     python3 scripts/gpu_trace.py /tmp/t rollout 8k:llama3-8b floor kernel logitless trl-chunked
     HOST_PROFILE=1 python3 scripts/gpu_trace.py ...   # also cProfile the logitless rows' host side
+    TIMELINE=1 python3 scripts/gpu_trace.py ...       # and list their GPU ops up to the first long kernel
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
 
 
-def _profile(step, out: str, tag: str) -> None:
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def _profile(step, out: str, tag: str, timeline: bool = False) -> None:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=timeline) as prof:
         t0 = time.perf_counter_ns() / 1e3
         step()
         host_us = time.perf_counter_ns() / 1e3 - t0
@@ -66,6 +67,26 @@ def _profile(step, out: str, tag: str) -> None:
         by_name.setdefault(e["name"][:70], []).append(e["dur"])
     for name, ds in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]:
         print(f"    {sum(ds) / 1e3:7.3f} ms  x{len(ds):<3d} {name}")
+    if timeline:
+        _timeline(kern, cpu, start)
+
+
+def _timeline(kern, cpu, start) -> None:
+    """Every GPU op up to the first long kernel, with the idle gap before it and the innermost
+    logitless Python frames the host was in during that gap."""
+    print("    timeline up to the first kernel over 1 ms (offset, gap before, duration, op; host frames in the gap):")
+    prev_end = start
+    for e in kern:
+        gap = e["ts"] - prev_end
+        mid = prev_end + gap / 2
+        frames = [c for c in cpu if c.get("cat") == "python_function" and "logitless" in c["name"]
+                  and c["ts"] <= mid <= c["ts"] + c["dur"]]
+        where = " > ".join(c["name"].split("logitless/")[-1][:48] for c in sorted(frames, key=lambda c: c["ts"])[-3:])
+        at, dur = (e["ts"] - start) / 1e3, e["dur"] / 1e3
+        print(f"     {at:7.3f} {gap / 1e3:6.3f} {dur:7.3f}  {e['name'][:40]:40s} {where}")
+        prev_end = e["ts"] + e["dur"]
+        if e["dur"] > 1000:
+            break
 
 
 def _host_profile(step, reset) -> None:
@@ -127,7 +148,7 @@ def main() -> None:
         print(f"{name}: {times.median_ms:.3f} ms (events, median of 10); back to back "
               f"{start.elapsed_time(end) / 10:.3f} ms a call; host time of a call {statistics.median(host):.3f} ms")
         reset()
-        _profile(prepared.step, out, name)
+        _profile(prepared.step, out, name, timeline=bool(os.environ.get("TIMELINE")) and name.startswith("logitless"))
         reset()
         if os.environ.get("HOST_PROFILE") and name.startswith("logitless"):
             _host_profile(prepared.step, reset)

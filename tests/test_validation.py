@@ -261,8 +261,9 @@ def test_weight_checked_once_per_version(monkeypatch):
 
     h, w, t = head_inputs()
     reads = []
-    real = validate.any_nonfinite
-    monkeypatch.setattr(validate, "any_nonfinite", lambda x: reads.append(x.data_ptr() == w.data_ptr()) or real(x))
+    real = validate.ValueChecks.add_finite
+    monkeypatch.setattr(validate.ValueChecks, "add_finite",
+                        lambda self, x, *a, **k: reads.append(x.data_ptr() == w.data_ptr()) or real(self, x, *a, **k))
     token_logprobs(h, w, t)
     token_logprobs(torch.randn_like(h), w, t)
     assert reads.count(True) == 1
@@ -288,3 +289,57 @@ def test_weight_checked_once_per_version(monkeypatch):
         w[0, 0] = 1.0
     token_logprobs(h, w[: V - 1].contiguous(), t.clamp(max=V - 2))
     assert reads.count(True) == 5
+
+
+def test_policy_per_token_values_checked_at_counted_tokens(no_kernel):
+    """NaN/inf in a per-token input or a negative importance-sampling ratio at a counted token is
+    a named error before any pass; the same values at masked-out tokens are not."""
+    b, t = 2, 4
+    h, w = torch.randn(b, t, H), torch.randn(V, H)
+    ids = torch.randint(0, V, (b, t))
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1, 3] = 0
+    adv, old, ratio = torch.randn(b), torch.randn(b, t) - 2.0, torch.rand(b, t) + 0.5
+    cfg = PolicyConfig(loss_type="dapo")
+
+    def call(**kw):
+        args = dict(advantages=adv, old_logp=old, importance_sampling_ratio=ratio) | kw
+        return policy_loss(h, w, ids, mask, args.pop("advantages"), args.pop("old_logp"), config=cfg, **args)
+
+    bad_old = old.clone()
+    bad_old[0, 2] = math.inf
+    with pytest.raises(ValueError, match="old_logp contains NaN or inf"):
+        call(old_logp=bad_old)
+    bad_adv = adv.clone()
+    bad_adv[1] = math.nan
+    with pytest.raises(ValueError, match="advantages contains NaN or inf"):
+        call(advantages=bad_adv)
+    negative = ratio.clone()
+    negative[1, 0] = -0.25
+    with pytest.raises(ValueError, match="importance_sampling_ratio"):
+        call(importance_sampling_ratio=negative)
+    nan_ratio = ratio.clone()
+    nan_ratio[0, 0] = math.nan
+    with pytest.raises(ValueError, match="importance_sampling_ratio"):
+        call(importance_sampling_ratio=nan_ratio)
+    big_id = ids.clone()
+    big_id[0, 1] = V
+    with pytest.raises(ValueError, match=rf"\[0, {V}\).*{V}"):
+        policy_loss(h, w, big_id, mask, adv, old, config=cfg)
+    # Masked-out positions may hold anything: they never reach the pass or the checks.
+    masked_old, masked_ratio, masked_ids = old.clone(), ratio.clone(), ids.clone()
+    masked_old[1, 3], masked_ratio[1, 3], masked_ids[1, 3] = math.nan, -1.0, V + 5
+    with pytest.raises(AssertionError, match="vocabulary pass ran"):  # the checks passed: the pass was reached
+        policy_loss(h, w, masked_ids, mask, adv, masked_old, config=cfg, importance_sampling_ratio=masked_ratio)
+
+
+def test_ignored_targets_and_out_of_range_ids_together(no_kernel):
+    """With ``ignore_index`` among the targets, an id >= V elsewhere is still named; only
+    ``ignore_index`` itself is exempt."""
+    h, w, t = head_inputs(6)
+    t[0], t[4] = -100, V + 3
+    with pytest.raises(ValueError, match=rf"{V + 3}"):
+        vocab_stats(h, w, t, ignore_index=-100)
+    t[4] = V - 1
+    with pytest.raises(AssertionError, match="vocabulary pass ran"):
+        vocab_stats(h, w, t, ignore_index=-100)

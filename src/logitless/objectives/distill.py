@@ -194,7 +194,7 @@ def distill_loss(
     vocab = _common_vocab(weight, teacher_weight if dense else None, cfg.vocab_size)
     weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
     # Labels and top-k ids are global: checked against the whole vocabulary, padding excluded.
-    id_bound = head.local().vocab_size if head.shard is not None else vocab
+    id_bound = head.vocab_size() if head.shard is not None else vocab
     shape = hidden.shape[:-1]
     checks = ValueChecks()  # the student's and the teacher's value checks in one synchronization
     check_head_inputs(hidden, Head(weight, bias), torch.zeros(shape, dtype=torch.long, device=hidden.device), None,

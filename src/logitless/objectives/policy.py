@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -259,26 +260,24 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     checks = ValueChecks()
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
 
-    def check_finite(name: str, x: torch.Tensor, bad: torch.Tensor | None = None) -> None:
-        if x.numel():
-            checks.add((~torch.isfinite(x)).any() if bad is None else bad,
-                       lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens"))
+    def bad_values(name: str):
+        return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
 
     def tok_tensor(x, name):
         if x is None:
             return None
         out = lay.gather(x).to(sdt)
         if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
-            check_finite(name, out)
+            checks.add_finite(out, bad_values(name))
         return out
 
     per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
     adv_tok = lay.per_token(advantages, "advantages").to(sdt)
-    check_finite("advantages", adv_tok)
+    checks.add_finite(adv_tok, bad_values("advantages"))
     is_tok = log_is_seq = None
     if importance_sampling_ratio is not None:
         is_tok = lay.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
-        check_finite("importance_sampling_ratio", is_tok, (~torch.isfinite(is_tok) | (is_tok < 0)).any())
+        checks.add_range(is_tok, 0.0, math.inf, bad_values("importance_sampling_ratio"))
         if cfg.loss_type == "vespo":
             log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
 

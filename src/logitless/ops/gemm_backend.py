@@ -66,12 +66,13 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     ops = _operands(head, rows)
     hidden, targets = ops.hidden, ops.targets
     n, vocab = hidden.shape[0], ops.weight.shape[0]
-    owned = (targets >= 0) & (targets < vocab)
     if n == 0 or vocab == 0:
-        return RowStats.start(n, torch.float32, hidden.device, want, owned), None
+        return RowStats.start(n, torch.float32, hidden.device, want, (targets >= 0) & (targets < vocab)), None
     keep = keep_logits and plan.vocab_block >= vocab
     z = torch.empty((n, vocab), dtype=torch.float16, device=hidden.device) if keep else None
     parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z, gemm_config())
+    # Built after the launch: the host prepares it while the GEMM runs.
+    owned = (targets >= 0) & (targets < vocab)
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"])
 
 

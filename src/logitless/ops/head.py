@@ -57,6 +57,14 @@ class Head:
         """This head with the sampling ``temperature`` in its transform (scale and cap kept)."""
         return dataclasses.replace(self, transform=dataclasses.replace(self.transform, temperature=temperature))
 
+    def vocab_size(self) -> int:
+        """The full vocabulary's size: global token ids lie in ``[0, vocab_size)``.
+
+        Raises:
+            ValueError: a shard inconsistent with ``weight``'s rows.
+        """
+        return self.weight.shape[0] if self.shard is None else self.shard.resolve(self.weight.shape[0])[1]
+
     def local(self) -> LocalHead:
         """The rows that take part in the softmax and where they sit in the global vocabulary.
 

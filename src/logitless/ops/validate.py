@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 
@@ -78,68 +79,106 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
         raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
     if lora is not None:
         lora.check(hidden, weight)
-    vocab = head.local().vocab_size
+    vocab = head.vocab_size()
     own = ValueChecks() if checks is None else checks
     t = targets.reshape(-1)
-    out_of_range = (t < 0) | (t >= vocab)
-    if ignore_index is not None:
-        out_of_range = out_of_range & (t != ignore_index)
-
-    def bad_target() -> ValueError:
-        extra = "" if ignore_index is None else f" or equal ignore_index={ignore_index}"
-        return ValueError(f"targets must lie in [0, {vocab}){extra}; found {t[out_of_range][:5].tolist()}")
-
-    own.add(out_of_range.any(), bad_target)
-    own.add(any_nonfinite(hidden), lambda: ValueError("hidden contains NaN or inf"))
+    ignored = None if ignore_index is None else t == ignore_index
+    own.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
+                  lambda: _bad_targets(t, vocab, ignore_index))
+    own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))
     if not _FINITE_WEIGHTS.known(weight):
-        own.add(any_nonfinite(weight), lambda: ValueError("weight contains NaN or inf"),
-                on_pass=lambda: _FINITE_WEIGHTS.add(weight))
+        own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
+                       on_pass=lambda: _FINITE_WEIGHTS.add(weight))
     if bias is not None:
-        own.add(any_nonfinite(bias), lambda: ValueError("bias contains NaN or inf"))
+        own.add_finite(bias, lambda: ValueError("bias contains NaN or inf"))
     if lora is not None:
-        own.add(any_nonfinite(lora.a) | any_nonfinite(lora.b),
-                lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf"))
+        error = lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")  # noqa: E731
+        own.add_finite(lora.a, error)
+        own.add_finite(lora.b, error)
     if checks is not None:
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
         return False
-    return any(own.run(*(() if ignore_index is None else ((t == ignore_index).any(),))))
+    return any(own.run(*(() if ignored is None else (ignored.any(),))))
+
+
+def _bad_targets(t: torch.Tensor, vocab: int, ignore_index: int | None) -> ValueError:
+    out_of_range = (t < 0) | (t >= vocab)
+    extra = ""
+    if ignore_index is not None:
+        out_of_range &= t != ignore_index
+        extra = f" or equal ignore_index={ignore_index}"
+    return ValueError(f"targets must lie in [0, {vocab}){extra}; found {t[out_of_range][:5].tolist()}")
 
 
 class ValueChecks:
     """Checks of tensor values (NaN/inf, ranges) gathered from several places and read in one
     host synchronization, so a call waits for the device once before its first kernel.
 
-    ``add(flag, error)``: ``flag`` is a bool tensor, true when the check fails, and ``error()``
-    builds the exception (it may read tensors: the values are on the host by then).
-    :meth:`run` raises the error of the first failed check, in the order added."""
+    Each check reduces its tensor to one or two scalars on the device (one kernel: the inf-norm
+    for NaN/inf, ``aminmax`` for a range) and decides on the host, so a call's checks cost a
+    kernel each, one stack of the scalars and one copy. ``error()`` builds the exception of a
+    failed check (it may read tensors); :meth:`run` raises the error of the first failed check,
+    in the order added."""
 
     def __init__(self) -> None:
-        self._flags: list[torch.Tensor] = []
-        self._then: list[Callable[[bool], None]] = []
+        self._values: list[torch.Tensor] = []
+        self._then: list[Callable[[list[float]], None]] = []
 
-    def add(self, flag: torch.Tensor, error: Callable[[], Exception],
-            on_pass: Callable[[], None] | None = None) -> None:
-        def then(failed: bool) -> None:
-            if failed:
+    def _add(self, values: tuple[torch.Tensor, ...], failed: Callable[..., bool], error: Callable[[], Exception],
+             on_pass: Callable[[], None] | None) -> None:
+        first, count = len(self._values), len(values)
+
+        def then(read: list[float]) -> None:
+            if failed(*read[first:first + count]):
                 raise error()
             if on_pass is not None:
                 on_pass()
 
-        self._flags.append(flag.reshape(()))
+        self._values.extend(v.reshape(()) for v in values)
         self._then.append(then)
 
+    def add(self, flag: torch.Tensor, error: Callable[[], Exception],
+            on_pass: Callable[[], None] | None = None) -> None:
+        """``flag``: a one-element bool tensor, true when the check fails."""
+        self._add((flag,), bool, error, on_pass)
+
+    def add_finite(self, x: torch.Tensor, error: Callable[[], Exception],
+                   on_pass: Callable[[], None] | None = None) -> None:
+        """Fails when ``x`` holds NaN or inf (the inf-norm, max |x|, propagates both; unlike
+        ``isfinite(x).all()`` it reads ``x`` once and writes nothing its size)."""
+        if x.numel() == 0:
+            if on_pass is not None:
+                on_pass()
+            return
+        # A float32 (fp64 for fp64) norm: the stack below then keeps every value exact.
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(x.reshape(-1), float("inf"),
+                                            dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        self._add((norm,), lambda v: not math.isfinite(v), error, on_pass)
+
+    def add_range(self, x: torch.Tensor, low: float, high: float, error: Callable[[], Exception]) -> None:
+        """Fails when a value of ``x`` lies outside ``[low, high)`` (NaN and inf fail too)."""
+        if x.numel() == 0:
+            return
+        with torch.no_grad():
+            lo, hi = torch.aminmax(x.reshape(-1))
+        self._add((lo, hi), lambda a, b: not (low <= a and b < high), error, None)
+
     def run(self, *reads: torch.Tensor) -> list[bool]:
-        """Read every flag and the bool tensors ``reads`` in one synchronization, raise the first
-        failed check's error, else return the values of ``reads``."""
-        flags = self._flags + [r.reshape(()) for r in reads]
-        if not flags:
+        """Read every check's values and the one-element bool tensors ``reads`` in one
+        synchronization, raise the first failed check's error, else return the values of ``reads``."""
+        values = self._values + [r.reshape(()) for r in reads]
+        then, self._values, self._then = self._then, [], []
+        if not values:
             return []
-        values = [bool(v) for v in torch.stack(flags).tolist()]
-        then, self._flags, self._then = self._then, [], []
-        for step, value in zip(then, values, strict=False):
-            step(value)
-        return values[len(then):]
+        # float64 holds every value exactly (int64 ids up to 2^53, any float's value).
+        with torch.no_grad():
+            read = torch.stack(values, out=torch.empty(len(values), dtype=torch.float64, device=values[0].device))
+        host = read.tolist()
+        for step in then:
+            step(host)
+        return [bool(v) for v in host[len(host) - len(reads):]] if reads else []
 
 
 class _FiniteTensors:
@@ -189,11 +228,3 @@ class _FiniteTensors:
 
 
 _FINITE_WEIGHTS = _FiniteTensors()
-
-
-def any_nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """NaN/inf anywhere in ``x``, in one read-only reduction: the inf-norm (max |x|) propagates
-    NaN and inf, unlike ``isfinite(x).all()`` which first writes a bool tensor the size of ``x``."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=x.device)
-    return ~torch.isfinite(torch.linalg.vector_norm(x.reshape(-1), float("inf")))
