@@ -69,6 +69,25 @@ def _profile(step, out: str, tag: str, timeline: bool = False) -> None:
         print(f"    {sum(ds) / 1e3:7.3f} ms  x{len(ds):<3d} {name}")
     if timeline:
         _timeline(kern, cpu, start)
+        _sources(kern, cpu, [e for e in ev if e.get("cat") == "cuda_runtime"])
+
+
+def _sources(kern, cpu, runtime) -> None:
+    """The logitless Python frames that launched each GPU op over 50 us (by the launch's
+    correlation id), summed per (op, frames)."""
+    launch_at = {e["args"].get("correlation"): e["ts"] for e in runtime if "args" in e}
+    frames = [c for c in cpu if c.get("cat") == "python_function" and "logitless" in c["name"]]
+    total: dict[tuple[str, str], list[float]] = {}
+    for e in kern:
+        at = launch_at.get(e.get("args", {}).get("correlation"))
+        if e["dur"] < 50 or at is None:
+            continue
+        inside = sorted((c for c in frames if c["ts"] <= at <= c["ts"] + c["dur"]), key=lambda c: c["ts"])
+        where = " > ".join(c["name"].split("logitless/")[-1][:44] for c in inside[-3:])
+        total.setdefault((e["name"][:40], where), []).append(e["dur"])
+    print("    GPU ops over 50 us by the code that launched them (ms, count, op, frames):")
+    for (name, where), ds in sorted(total.items(), key=lambda kv: -sum(kv[1])):
+        print(f"     {sum(ds) / 1e3:7.3f} x{len(ds):<3d} {name:40s} {where}")
 
 
 def _timeline(kern, cpu, start) -> None:

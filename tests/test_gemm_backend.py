@@ -192,15 +192,15 @@ def test_resolve_and_refusals():
 
 
 def _poison_weight_grad_buffer(monkeypatch):
-    """Fill a stored-once ``d weight`` buffer with NaN, as reused memory may hold anything, so a
-    row the pass fails to write shows."""
+    """Fill an uninitialized ``d weight`` buffer (one the first chunk stores into) with NaN, as
+    reused memory may hold anything, so a row the pass fails to store shows."""
     from logitless.ops import engine
 
     real = engine._weight_grad_buffer
 
-    def poisoned(p, weight, write):
-        buf = real(p, weight, write)
-        if write:
+    def poisoned(p, weight, single):
+        buf = real(p, weight, single)
+        if p.stores_weight_grad:
             buf[:p.head.weight.shape[0]] = float("nan")
         return buf
 
@@ -282,15 +282,29 @@ def test_gpu_matches_torch(mode):
 
 
 @interpreted
+@pytest.mark.parametrize("chunks", ["one", "several"])
 @pytest.mark.parametrize("objective", ["logp", "constant"])
-def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective):
-    """In a one-chunk pass every local row of the stored ``d weight`` is written, also when the
+def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks):
+    """Every local row of ``d weight`` is stored by the first chunk (into an uninitialized buffer:
+    one chunk's in the head's dtype, several chunks' in fp32, the later ones added), also when the
     objective does not depend on the statistics (then exactly 0), and a vocabulary shard's padding
-    rows are 0; it equals the torch backend's fp32-accumulated gradient rounded once."""
+    rows are 0; it equals the torch backend's fp32-accumulated gradient."""
     from logitless import VocabShard
+    from logitless.ops import engine
     from logitless.ops.engine import ObjectiveSpec, run_objective
 
     _poison_weight_grad_buffer(monkeypatch)
+    budget = None
+    if chunks == "several":  # 24 rows in chunks of 8, d weight accumulated over them
+        from logitless.ops import plan
+
+        monkeypatch.setattr(engine, "_single_chunk", lambda *a: None)
+        monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
+        budget = 8 * V * 2
+    stores = []
+    real_first = engine._first_stores
+    monkeypatch.setattr(engine, "_first_stores",
+                        lambda p, acc, first: stores.append(first) or real_first(p, acc, first))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(24, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V + 5, H, generator=g) / H**0.5 * 3).to(torch.bfloat16)  # 5 padding rows
@@ -302,10 +316,12 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective):
     grads = {}
     for impl in ("torch", "gemm"):
         ww = w.clone().requires_grad_()
+        stores.clear()
         res = run_objective(h, Head(ww, shard=VocabShard(vocab_size=V)), t, terms, ObjectiveSpec(),
-                            PassOptions(mode="fused", impl=impl))
+                            PassOptions(mode="fused", impl=impl, chunk_bytes=budget))
         res.loss.backward()
         grads[impl] = ww.grad.float()
+    assert stores == ([True] if chunks == "one" else [True, False, False])  # the gemm pass's chunks
     assert torch.all(grads["gemm"][V:] == 0)
     if objective == "constant":
         assert torch.all(grads["gemm"] == 0)

@@ -272,6 +272,15 @@ def test_option(oracle, seed, option, loss_type):
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_complete_mask(oracle, seed, loss_type):
+    """Every position counted: the rows are views of the caller's tensors, not gathered copies;
+    the numbers and gradients are TRL's all the same."""
+    case = make_case(oracle, B=3, T=6, mask=torch.ones(3, 6, dtype=torch.long))
+    cfg = PolicyConfig(loss_type=loss_type, beta=0.04, entropy_coef=0.01, max_completion_length=MAX_LEN)
+    check(oracle, case, cfg)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_eval_mode(oracle, seed, loss_type):
     # Evaluation divides by neither G nor steps_per_generation; G = 4 here would show it.
     case = make_case(oracle, num_items=29)

@@ -53,13 +53,23 @@ class TokenLayout:
     def n(self) -> int:
         return int(self.index.shape[0])
 
+    @property
+    def complete(self) -> bool:
+        """Every position counts (``index`` is ``0..n-1``): gathers are views, not copies."""
+        return self.n == self.shape.numel()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The counted rows of ``x [*shape, ...]`` → ``[n, ...]`` (a view when :attr:`complete`)."""
+        flat = x.reshape(self.n if self.complete else -1, *x.shape[len(self.shape):])
+        return flat if self.complete else flat[self.index]
+
     def gather(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """Per-token tensor in the caller's layout (``shape``) → ``[n]``."""
         if x is None:
             return None
         if tuple(x.shape) != tuple(self.shape):
             raise ValueError(f"expected a per-token tensor of shape {tuple(self.shape)}, got {tuple(x.shape)}")
-        return x.reshape(-1)[self.index]
+        return self.rows(x)
 
     def per_token(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A per-sequence ``[S]`` or per-token (caller shape) tensor → ``[n]`` per token."""
@@ -68,7 +78,7 @@ class TokenLayout:
         if tuple(x.shape) == (self.num_segments, 1):
             return x[:, 0][self.seg]
         if tuple(x.shape) == tuple(self.shape):
-            return x.reshape(-1)[self.index]
+            return self.rows(x)
         raise ValueError(f"{name} must be [{self.num_segments}] (per sequence) or {list(self.shape)} "
                          f"(per token), got {list(x.shape)}")
 
@@ -112,7 +122,7 @@ class TokenLayout:
 
     @classmethod
     def _build(cls, index, seg, num, flat_mask, shape, group=None) -> TokenLayout:
-        weight = flat_mask[index].to(torch.get_default_dtype() if not flat_mask.is_floating_point()
-                                     else flat_mask.dtype)
+        counted = flat_mask if index.shape[0] == flat_mask.numel() else flat_mask[index]
+        weight = counted.to(torch.get_default_dtype() if not flat_mask.is_floating_point() else flat_mask.dtype)
         seg_len = all_reduce(weight.new_zeros(num).index_add(0, seg, weight), "sum", group)
         return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, group=group)

@@ -254,7 +254,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     sdt = stat_dtype_for(hidden.dtype)
     lay.weight = lay.weight.to(sdt)
     lay.seg_len = lay.seg_len.to(sdt)
-    h_flat = hidden.reshape(-1, hidden.shape[-1])[lay.index]
+    h_flat = lay.rows(hidden)
     t_flat = lay.gather(completion_ids).long()
     # One host synchronization for the head's value checks and the per-token inputs' below.
     checks = ValueChecks()

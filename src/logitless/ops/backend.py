@@ -218,9 +218,9 @@ class Accumulators:
         lora_x: ``[n, r]`` ``d x`` of the chunk's adapter rows.
         lora_b: ``[V_local, r]`` ``d b``.
         hidden: whether ``d hidden`` is returned.
-        write_weight: each row of ``weight`` gets exactly one product (a pass of one token
-            chunk): it is stored, not added, and ``weight`` is in the head's dtype and starts
-            uninitialized (only backends whose pass kind sets ``stores_weight_grad`` see it).
+        write_weight: this chunk's products are stored into ``weight`` (uninitialized before the
+            first chunk; fp32, or the head's dtype for a pass of one chunk), not added (only
+            backends whose pass kind sets ``stores_weight_grad`` see it).
     """
 
     weight: torch.Tensor | None = None

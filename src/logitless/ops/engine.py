@@ -287,15 +287,24 @@ def _single_chunk(p: PassKind, n: int, weight: torch.Tensor) -> PassKind | None:
     return None if plan is None else dataclasses.replace(p, plan=plan)
 
 
-def _weight_grad_buffer(p: PassKind, weight: torch.Tensor, write: bool) -> torch.Tensor:
-    """``d weight``'s buffer: fp32 zeros to accumulate into, or (``write``) the head's dtype,
-    uninitialized where the local rows' one product will be stored (a shard's padding rows
-    beyond them are zeroed)."""
-    if not write:
+def _weight_grad_buffer(p: PassKind, weight: torch.Tensor, single: bool) -> torch.Tensor:
+    """``d weight``'s buffer. A backend that stores products (``stores_weight_grad``) gets it
+    uninitialized: the first chunk stores each vocabulary block's product (:func:`_first_stores`)
+    and later chunks add to it, so it is neither zero-filled nor read before the first add; in
+    the head's dtype for a one-chunk pass (``single``), else fp32. A shard's padding rows beyond
+    the local rows are zeroed. Other backends add every chunk into fp32 zeros."""
+    if not p.stores_weight_grad:
         return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device)
-    buf = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    dtype = weight.dtype if single else stat_dtype_for(weight.dtype)
+    buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     buf[p.head.weight.shape[0]:].zero_()
     return buf
+
+
+def _first_stores(p: PassKind, acc: Accumulators, first: bool) -> Accumulators:
+    """The accumulators of one chunk: the first chunk's ``d weight`` products are stored into
+    the uninitialized buffer of :func:`_weight_grad_buffer`, later ones added."""
+    return dataclasses.replace(acc, write_weight=first and acc.weight is not None and p.stores_weight_grad)
 
 
 class _RecomputeFn(torch.autograd.Function):
@@ -339,14 +348,13 @@ class _RecomputeFn(torch.autograd.Function):
         low = local.low_rank(lora_x, lora_b)
         local_acc = Accumulators(weight=None if acc.weight is None else acc.weight[:rows_w],
                                  bias=None if acc.bias is None else acc.bias[:rows_w], lora_x=acc.lora_x,
-                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h,
-                                 write_weight=single is not None)
+                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.reduces_grad_hidden
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
-            for sl in p.plan.chunks(hidden.shape[0]):
-                chunk_acc = dataclasses.replace(local_acc,
+            for i, sl in enumerate(p.plan.chunks(hidden.shape[0])):
+                chunk_acc = dataclasses.replace(_first_stores(p, local_acc, i == 0),
                                                 lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl])
                 gh = p.backward(p.rows(hidden, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
                 if need_h:
@@ -402,7 +410,7 @@ class _FusedCall:
     p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
-    write_weight: bool = False  # one chunk: d weight is stored, not accumulated (_single_chunk)
+    single: bool = False  # one chunk: d weight is stored in the head's dtype (_single_chunk)
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
 
@@ -447,8 +455,9 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
     out = call.p.empty_stats(n, hidden.device)
     with advise_on_oom(call.p.plan, hidden.device):
-        for sl in call.chunks:
-            loss, stats, gh = _run_chunk(call, hidden, sl, low, acc)
+        for i, sl in enumerate(call.chunks):
+            chunk_acc = None if acc is None else _first_stores(call.p, acc, i == 0)
+            loss, stats, gh = _run_chunk(call, hidden, sl, low, chunk_acc)
             total = total + loss
             for dst, src in zip(out, stats, strict=True):
                 if dst is not None:
@@ -472,14 +481,12 @@ class _FusedFn(torch.autograd.Function):
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
         partial = p.head.reduces_grad_hidden
         grad_hidden = _zeros(need_h, hidden, sdt if partial else hidden.dtype)
-        write = call.write_weight and need_w
-        full = Accumulators(weight=_weight_grad_buffer(p, weight, write) if need_w else None,
+        full = Accumulators(weight=_weight_grad_buffer(p, weight, call.single) if need_w else None,
                             bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
                             lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
                              bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
-                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
-                             write_weight=write)
+                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h)
         total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
         grad_x = full.lora_x
         if partial and grad_hidden is not None:
@@ -561,7 +568,7 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
     single = _single_chunk(p, hidden.shape[0], weight) if grad and weight.requires_grad else None
     p = single or p
     check_workspace_fits(p.plan, hidden.device)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), write_weight=single is not None)
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), single=single is not None)
     if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)

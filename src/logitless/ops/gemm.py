@@ -28,6 +28,23 @@ def cuda_out_dtype_ok() -> bool:
         return False
 
 
+@functools.cache
+def cuda_store_ok() -> bool:
+    """Whether ``torch.addmm(out, a, b, beta=0, out_dtype=float32, out=out)`` stores ``a @ b``
+    on CUDA without reading ``out`` (NaN there must not propagate); probed once."""
+    if not cuda_out_dtype_ok():
+        return False
+    try:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        a = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16, generator=g)
+        b = torch.randn(48, 80, device="cuda", dtype=torch.bfloat16, generator=g)
+        out = torch.full((64, 80), float("nan"), device="cuda")
+        torch.addmm(out, a, b, beta=0, out_dtype=torch.float32, out=out)
+        return bool(torch.allclose(out, a.float() @ b.float(), atol=1e-3, rtol=1e-4))
+    except (RuntimeError, TypeError):
+        return False
+
+
 def _wide_gemm(a: torch.Tensor, out_dtype: torch.dtype) -> bool:
     return (a.device.type == "cuda" and a.dtype in _LOW_PRECISION and out_dtype == torch.float32
             and cuda_out_dtype_ok())
@@ -60,10 +77,15 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out = a @ b``, the products accumulated in fp32 (at least) and rounded once to ``out``'s
-    dtype. On CUDA one cuBLAS GEMM writes ``out`` (a contiguous view); elsewhere the product is
-    formed in fp32 (or the inputs' wider dtype) and copied."""
+    dtype (its old values, possibly uninitialized, are not read). On CUDA one cuBLAS GEMM writes
+    ``out`` (a contiguous view; bf16/fp16 inputs into fp32 too); elsewhere the product is formed
+    in fp32 (or the inputs' wider dtype) and copied."""
     b = b.to(a.dtype)
     if a.device.type == "cuda" and out.dtype == a.dtype:
         torch.mm(a, b, out=out)
+    elif _wide_gemm(a, out.dtype) and cuda_store_ok():  # beta = 0: out's old values are not read
+        torch.addmm(out, a, b, beta=0, out_dtype=torch.float32, out=out)
+    elif _wide_gemm(a, out.dtype):
+        addmm_(out.zero_(), a, b)
     else:
         out.copy_(mm(a, b, torch.promote_types(a.dtype, torch.float32)))
