@@ -93,6 +93,26 @@ def test_policy_loss_fused_and_recompute_vs_torch(case, level):
         assert rel(ent, base[3]) <= 1e-5, key
 
 
+def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch):
+    """``d weight`` accumulated over four token chunks: the first chunk's cuBLAS products are
+    stored into the uninitialized fp32 buffer (``beta = 0``), the later ones added."""
+    from logitless.ops import engine, gemm
+
+    monkeypatch.setattr(engine, "_single_chunk", lambda *a: None)
+    assert gemm.cuda_store_ok()
+    hid, w, b, tgt, _ = case
+    res = {}
+    for impl in ("torch", "triton", "gemm"):
+        hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _ = logitless.cross_entropy(hh, Head(ww, b, TRANSFORM), tgt,
+                                          options=PassOptions(mode="fused", impl=impl, chunk_bytes=64 << 20))
+        loss.backward()
+        res[impl] = (loss.detach(), hh.grad, ww.grad)
+    for impl in ("triton", "gemm"):
+        assert rel(res[impl][0], res["torch"][0]) <= 1e-4, impl
+        assert rel(res[impl][1], res["torch"][1]) <= 2e-2 and rel(res[impl][2], res["torch"][2]) <= 2e-2, impl
+
+
 def test_cross_entropy_with_smoothing_and_z_loss_vs_torch(case):
     hid, w, b, tgt, _ = case
     res = {}
