@@ -92,9 +92,8 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
     if bias is not None:
         own.add_finite(bias, lambda: ValueError("bias contains NaN or inf"))
     if lora is not None:
-        error = lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")  # noqa: E731
-        own.add_finite(lora.a, error)
-        own.add_finite(lora.b, error)
+        for factor in (lora.a, lora.b):
+            own.add_finite(factor, lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf"))
     if checks is not None:
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
@@ -137,11 +136,6 @@ class ValueChecks:
 
         self._values.extend(v.reshape(()) for v in values)
         self._then.append(then)
-
-    def add(self, flag: torch.Tensor, error: Callable[[], Exception],
-            on_pass: Callable[[], None] | None = None) -> None:
-        """``flag``: a one-element bool tensor, true when the check fails."""
-        self._add((flag,), bool, error, on_pass)
 
     def add_finite(self, x: torch.Tensor, error: Callable[[], Exception],
                    on_pass: Callable[[], None] | None = None) -> None:
