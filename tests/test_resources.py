@@ -119,7 +119,7 @@ def test_oom_inside_the_pass_names_a_chunk_bytes_that_fits(monkeypatch, mode):
 
 def test_workspace_larger_than_the_device_is_refused_before_allocating(monkeypatch):
     h, w, _b, t = _inputs(n=64, vocab=101)
-    monkeypatch.setattr(memory, "free_device_bytes", lambda device: 10_000)
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device, driver_free=None: 10_000)
     called = []
     monkeypatch.setattr(torch_backend, "chunk_forward", lambda *a, **k: called.append(1))
     with pytest.raises(PassOutOfMemoryError, match=r"refused before allocating.*PassOptions\(chunk_bytes=") as info:
@@ -128,7 +128,7 @@ def test_workspace_larger_than_the_device_is_refused_before_allocating(monkeypat
         info.value.suggested_chunk_bytes == memory._MIN_SUGGESTION
     assert not called
     # Within the device's memory it runs.
-    monkeypatch.setattr(memory, "free_device_bytes", lambda device: 2**40)
+    monkeypatch.setattr(memory, "free_device_bytes", lambda device, driver_free=None: 2**40)
     monkeypatch.undo()
     logitless.vocab_stats(h, w, t)
     assert engine.check_workspace_fits is memory.check_workspace_fits

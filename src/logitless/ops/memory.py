@@ -39,11 +39,11 @@ def workspace_bytes(plan: ChunkPlan) -> int:
     return plan.token_chunk * plan.vocab_block * plan.bytes_per_logit
 
 
-def free_device_bytes(device: torch.device) -> int | None:
-    """Bytes a new allocation on ``device`` can use: the driver's free memory plus what PyTorch's
-    caching allocator holds unused; ``None`` off CUDA or while a CUDA graph is captured (querying
-    the driver there is not allowed)."""
-    free = _driver_free_bytes(device)
+def free_device_bytes(device: torch.device, driver_free: int | None = None) -> int | None:
+    """Bytes a new allocation on ``device`` can use: the driver's free memory (``driver_free`` when
+    the caller just read it) plus what PyTorch's caching allocator holds unused; ``None`` off CUDA
+    or while a CUDA graph is captured (querying the driver there is not allowed)."""
+    free = _driver_free_bytes(device) if driver_free is None else driver_free
     if free is None:
         return None
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -91,7 +91,7 @@ def check_workspace_fits(plan: ChunkPlan, device: torch.device) -> None:
     driver_free = _driver_free_bytes(device)
     if driver_free is not None and workspace <= driver_free:
         return
-    free = free_device_bytes(device)
+    free = free_device_bytes(device, driver_free)
     if free is not None and workspace > free:
         raise _error(plan, device, "the vocabulary pass would not fit (refused before allocating)")
 
