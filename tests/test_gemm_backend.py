@@ -198,9 +198,9 @@ def _poison_weight_grad_buffer(monkeypatch):
 
     real = engine._weight_grad_buffer
 
-    def poisoned(p, weight, single):
-        buf = real(p, weight, single)
-        if p.stores_weight_grad:
+    def poisoned(p, weight, single, n):
+        buf = real(p, weight, single, n)
+        if p.stores_weight_grad and n:
             buf[:p.head.weight.shape[0]] = float("nan")
         return buf
 
@@ -328,6 +328,23 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
     else:
         assert grads["gemm"].abs().max() > 0
         torch.testing.assert_close(grads["gemm"], grads["torch"], rtol=2e-2, atol=2e-2 * grads["torch"].abs().max())
+
+
+@interpreted
+@pytest.mark.parametrize("impl", ["triton", "gemm"])
+def test_no_counted_tokens_give_zero_gradients(impl):
+    """A batch whose mask counts no token runs no chunk: ``d weight`` is zeros, not the
+    uninitialized buffer a first chunk would have stored into."""
+    from logitless import PolicyConfig, policy_loss
+
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(2, 5, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H**0.5).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, V, (2, 5), generator=g)
+    loss, _ = policy_loss(h, w, ids, torch.zeros(2, 5, dtype=torch.long), torch.randn(2, generator=g),
+                          config=PolicyConfig(loss_type="dapo"), options=PassOptions(impl=impl, mode="fused"))
+    loss.backward()
+    assert torch.all(w.grad == 0) and torch.all(h.grad == 0)
 
 
 def test_one_chunk_when_the_accumulator_bytes_hold_the_logits():

@@ -287,13 +287,14 @@ def _single_chunk(p: PassKind, n: int, weight: torch.Tensor) -> PassKind | None:
     return None if plan is None else dataclasses.replace(p, plan=plan)
 
 
-def _weight_grad_buffer(p: PassKind, weight: torch.Tensor, single: bool) -> torch.Tensor:
-    """``d weight``'s buffer. A backend that stores products (``stores_weight_grad``) gets it
-    uninitialized: the first chunk stores each vocabulary block's product (:func:`_first_stores`)
-    and later chunks add to it, so it is neither zero-filled nor read before the first add; in
-    the head's dtype for a one-chunk pass (``single``), else fp32. A shard's padding rows beyond
-    the local rows are zeroed. Other backends add every chunk into fp32 zeros."""
-    if not p.stores_weight_grad:
+def _weight_grad_buffer(p: PassKind, weight: torch.Tensor, single: bool, n: int) -> torch.Tensor:
+    """``d weight``'s buffer for a pass over ``n`` rows. A backend that stores products
+    (``stores_weight_grad``) gets it uninitialized: the first chunk stores each vocabulary block's
+    product (:func:`_first_stores`) and later chunks add to it, so it is neither zero-filled nor
+    read before the first add; in the head's dtype for a one-chunk pass (``single``), else fp32.
+    A shard's padding rows beyond the local rows are zeroed. Other backends, and a pass without
+    rows (no chunk to store), add into fp32 zeros."""
+    if not p.stores_weight_grad or n == 0:
         return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device)
     dtype = weight.dtype if single else stat_dtype_for(weight.dtype)
     buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
@@ -342,7 +343,8 @@ class _RecomputeFn(torch.autograd.Function):
         p = single or p
         local = p.head.rows_of(weight, bias)
         rows_w = local.weight.shape[0]
-        acc = Accumulators(weight=_weight_grad_buffer(p, weight, single is not None) if need_w else None,
+        grad_w = _weight_grad_buffer(p, weight, single is not None, hidden.shape[0]) if need_w else None
+        acc = Accumulators(weight=grad_w,
                            bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
                            lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         low = local.low_rank(lora_x, lora_b)
@@ -481,7 +483,7 @@ class _FusedFn(torch.autograd.Function):
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
         partial = p.head.reduces_grad_hidden
         grad_hidden = _zeros(need_h, hidden, sdt if partial else hidden.dtype)
-        full = Accumulators(weight=_weight_grad_buffer(p, weight, call.single) if need_w else None,
+        full = Accumulators(weight=_weight_grad_buffer(p, weight, call.single, hidden.shape[0]) if need_w else None,
                             bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
                             lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
