@@ -47,8 +47,7 @@ def main() -> None:
     for _rep in range(2):  # the first traced call warms the hook's own paths
         reset()
         _sync(dev)
-        start = time.perf_counter()
-        records = _traced(prepared.step)
+        records, start = _traced(prepared.step)
         host = time.perf_counter() - start
         _sync(dev)
         total = time.perf_counter() - start
@@ -89,10 +88,10 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _traced(step) -> list[tuple[int, float, float, str]]:
+def _traced(step) -> tuple[list[tuple[int, float, float, str]], float]:
     """Run ``step`` with every function and method of the logitless package wrapped in a timer
     (about a microsecond a call, far less than a profile hook that fires for every Python call):
-    (depth, start, wall time, name) of each call."""
+    (depth, start, wall time, name) of each call, and when ``step`` started (after the wrapping)."""
     import inspect
 
     records: list[tuple[int, float, float, str]] = []
@@ -131,12 +130,13 @@ def _traced(step) -> list[tuple[int, float, float, str]]:
                     w = timer(fn, f"{fn.__module__.removeprefix('logitless.')}.{fn.__qualname__}")
                     undo.append((obj, attr, raw))
                     setattr(obj, attr, type(raw)(w) if isinstance(raw, (staticmethod, classmethod)) else w)
+    start = time.perf_counter()
     try:
         step()
     finally:
         for owner, name, obj in reversed(undo):
             setattr(owner, name, obj)
-    return records
+    return records, start
 
 
 if __name__ == "__main__":
