@@ -13,7 +13,7 @@ from backend_calls import backward, forward
 from interpreter import INTERPRETED, child_run, interpreted
 from test_flash_backend import TRANSFORMS, _assert_bounded, _oracle
 
-from logitless import Head, LogitTransform, PassOptions
+from logitless import Head, LogitTransform, PassOptions, token_logprobs
 from logitless.ops.backend import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
@@ -347,6 +347,22 @@ def test_no_counted_tokens_give_zero_gradients(impl):
     assert torch.all(w.grad == 0) and torch.all(h.grad == 0)
 
 
+@interpreted
+@pytest.mark.parametrize("impl, dtype", [("flash", torch.float32), ("gemm", torch.bfloat16)])
+def test_hidden_size_one_with_a_non_unit_stride(impl, dtype):
+    """``hidden [n, 1]`` whose one column has stride 6 (a column of a transposed tensor): such a
+    tensor counts as contiguous, so ``contiguous()`` keeps the stride; the tile kernels read it."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 6, generator=g).to(dtype).t()[:, :1]
+    assert h.stride(1) != 1 and h.is_contiguous()
+    w = torch.randn(9, 1, generator=g).to(dtype)
+    t = torch.randint(0, 9, (6,), generator=g)
+    got = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl=impl))
+    want = token_logprobs(h.contiguous().clone(), w, t, return_entropy=True, options=PassOptions(impl="torch"))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_one_chunk_when_the_accumulator_bytes_hold_the_logits():
     """A pass whose logits fit the budget plus the fp32 ``d weight`` accumulator it makes
     unnecessary runs as one chunk (Llama-3 8k tokens: 2.1 GB of fp16 logits in 1 GiB + 2.1 GB);
@@ -412,7 +428,6 @@ def test_statistics_only_passes_take_longer_chunks():
 def test_rollout_runs_one_statistics_chunk(monkeypatch):
     """With a budget that cuts the logits into 4 chunks, a rollout on the gemm backend launches
     one forward over all tokens, and its log-probs and entropies match the torch backend's."""
-    from logitless import token_logprobs
     from logitless.ops import gemm_backend
 
     h, w, _b, _t, _tr = _inputs(torch.bfloat16, "plain")

@@ -28,6 +28,7 @@ from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedSt
 from .flash_kernels import FlashGrads, flash_config, launch_grad, launch_stats
 from .head import LocalHead
 from .plan import ChunkPlan
+from .tile_gemm import unit_stride
 
 NAME = "flash"
 PLAN = "triton"
@@ -35,8 +36,7 @@ PLAN = "triton"
 
 def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor):
     """Unit stride along ``H`` (what the kernels index), contiguous bias, int64 targets."""
-    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    hidden, weight = unit_stride(hidden), unit_stride(weight)
     return hidden, weight, None if bias is None else bias.contiguous(), targets.to(torch.int64).contiguous()
 
 

@@ -29,6 +29,7 @@ from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedSt
 from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_centred_grad, launch_forward
 from .head import LocalHead
 from .plan import ChunkPlan
+from .tile_gemm import unit_stride
 from .triton_backend import block_grads
 
 NAME = "gemm"
@@ -38,8 +39,7 @@ PLAN = "gemm"
 def operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
     """``hidden [n, H]`` against the head's local rows as kernel operands (unit stride along ``H``,
     contiguous bias, int64 ``targets``; ``None``: no target, -1 for every row)."""
-    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    weight = head.weight if head.weight.stride(1) == 1 else head.weight.contiguous()
+    hidden, weight = unit_stride(hidden), unit_stride(head.weight)
     if targets is None:
         targets = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
     bias = None if head.bias is None else head.bias.contiguous()

@@ -95,6 +95,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t [rows, K]`` with stride 1 along ``K``, as the kernels index it: ``t`` itself, a free
+    restride when ``K == 1`` (``contiguous()`` keeps any stride of a size-1 dimension, and every
+    stride addresses that one column), else a contiguous copy."""
+    if t.stride(1) == 1:
+        return t
+    if t.shape[1] == 1:
+        return t.as_strided(t.shape, (t.stride(0), 1))
+    return t.contiguous()
+
+
 def check_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     """The kernels' operand contract (asserted: callers convert before)."""
     assert hidden.dtype == weight.dtype and hidden.dtype in (torch.float16, torch.bfloat16, torch.float32)
