@@ -60,7 +60,7 @@ class TokenLayout:
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The counted rows of ``x [*shape, ...]`` → ``[n, ...]`` (a view when :attr:`complete`)."""
-        flat = x.reshape(self.n if self.complete else -1, *x.shape[len(self.shape):])
+        flat = x.reshape(-1, *x.shape[len(self.shape):])
         return flat if self.complete else flat[self.index]
 
     def gather(self, x: torch.Tensor | None) -> torch.Tensor | None:
