@@ -3,7 +3,7 @@
     python3 scripts/gpu_accuracy.py [shape] [out.json]     # shape: a bench shape, default 8k:llama3-8b
 
 The bench's realistic bf16 inputs (mean entropy 2 nats); the reference is the torch backend on
-the same values upcast to float64. For each backend and logits precision: the rollout log-probs'
+the same values upcast to float64. For each backend, logits precision and pass mode: the rollout log-probs'
 and entropies' max / mean absolute error (nats), and for the bench's GRPO objective (dapo,
 beta 0.04) the loss's relative error and the gradients' relative L2 error.
 """
@@ -20,7 +20,9 @@ from logitless import PassOptions
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.plain import GRPO_CONFIG
 
-ROWS = [("triton", "fp32"), ("gemm", "fp32"), ("triton", "input")]
+# (backend, logits precision, mode): recompute mode on the gemm backend writes dy from the GEMM epilogue.
+ROWS = [("triton", "fp32", "fused"), ("gemm", "fp32", "fused"), ("gemm", "fp32", "recompute"),
+        ("triton", "input", "fused")]
 
 
 def _run(x, hidden, weight, options):
@@ -39,10 +41,10 @@ def main() -> None:
     x = make_inputs(case, device, torch.bfloat16, target_entropy=2.0)
     ref = _run(x, x.hidden.double(), x.weight.double(), PassOptions(impl="torch"))
     rows = []
-    for impl, precision in ROWS:
-        got = _run(x, x.hidden, x.weight, PassOptions(impl=impl, logits_precision=precision))
+    for impl, precision, mode in ROWS:
+        got = _run(x, x.hidden, x.weight, PassOptions(impl=impl, logits_precision=precision, mode=mode))
         lp_err, ent_err = ((got[i] - ref[i]).abs() for i in (0, 1))
-        rows.append({"impl": impl, "logits_precision": precision,
+        rows.append({"impl": impl, "logits_precision": precision, "mode": mode,
                      "logp_max_abs": lp_err.max().item(), "logp_mean_abs": lp_err.mean().item(),
                      "entropy_max_abs": ent_err.max().item(),
                      "loss_rel": ((got[2] - ref[2]).abs() / ref[2].abs()).item(),
@@ -54,11 +56,11 @@ def main() -> None:
     record = {"device": name, "shape": case.label, "true_entropy": x.true_entropy,
               "rows": rows}
     print(f"{record['device']}  {case.label}  mean entropy {x.true_entropy:.2f} nats; errors vs float64")
-    print(f"{'backend':8s} {'logits':6s} {'logp max':>9s} {'logp mean':>9s} {'ent max':>9s} {'loss rel':>9s} "
-          f"{'dh rel':>9s} {'dW rel':>9s}")
+    print(f"{'backend':8s} {'logits':6s} {'mode':9s} {'logp max':>9s} {'logp mean':>9s} {'ent max':>9s} "
+          f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
     for r in rows:
-        print(f"{r['impl']:8s} {r['logits_precision']:6s} {r['logp_max_abs']:9.2e} {r['logp_mean_abs']:9.2e} "
-              f"{r['entropy_max_abs']:9.2e} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
+        print(f"{r['impl']:8s} {r['logits_precision']:6s} {r['mode']:9s} {r['logp_max_abs']:9.2e} "
+              f"{r['logp_mean_abs']:9.2e} {r['entropy_max_abs']:9.2e} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
               f"{r['grad_weight_rel']:9.2e}")
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:

@@ -92,7 +92,8 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
 
 
 # Backward: each statistic's gradient alone and all together, kept logits and recomputed vocabulary
-# blocks (70 entries: blocks that end inside a tile), both 16-bit dtypes, H = 40, plain loads once.
+# blocks (70 entries: blocks that end inside a tile), both 16-bit dtypes, H = 40, plain loads and
+# stores for kept and recomputed logits.
 BACKWARD_CASES = [
     # dtype, transform, (g_logp, g_lse, g_entropy, g_sum_z) present, H, vocab block, loads
     (torch.bfloat16, "full", (True, True, True, True), H, V, "tma"),
@@ -102,6 +103,7 @@ BACKWARD_CASES = [
     (torch.bfloat16, "full", (False, False, True, False), 40, V, "tma"),
     (torch.bfloat16, "plain", (False, False, False, True), H, 70, "tma"),
     (torch.bfloat16, "plain", (True, False, True, False), 40, V, "pointer"),
+    (torch.bfloat16, "full", (True, False, True, True), 40, 70, "pointer"),
 ]
 
 

@@ -8,9 +8,10 @@ The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backen
   ``keep_logits`` it also stores the chunk's logits as fp16 centred on each tile's maximum
   (:mod:`logitless.ops.gemm_kernels` says why that keeps ~2e-3 nats where it matters). No fp32
   logits are written, and no separate statistics kernel reads them back.
-* :func:`chunk_backward`: a row kernel turns the kept tile (or one recomputed block by block
-  with the same GEMM) into ``dy`` in place, then ``d hidden``/``d weight`` run in cuBLAS as in
-  :mod:`.triton_backend` (fp32 accumulation of ``d weight`` across chunks).
+* :func:`chunk_backward`: a row kernel turns the kept tile into ``dy`` in place; without kept
+  logits the same GEMM recomputes them block by block and writes ``dy`` from its epilogue. Then
+  ``d hidden``/``d weight`` run in cuBLAS as in :mod:`.triton_backend` (fp32 accumulation of
+  ``d weight`` across chunks).
 
 Against the Triton backend at default precision (fp32 logits) this halves the tile's bytes
 (so token chunks are twice as long in the same budget, and ``d weight`` is read and written half
@@ -26,7 +27,15 @@ from __future__ import annotations
 import torch
 
 from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
-from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_centred_grad, launch_forward
+from .gemm_kernels import (
+    CentredTile,
+    GemmConfig,
+    TileOperands,
+    gemm_config,
+    launch_centred_grad,
+    launch_forward,
+    launch_grad_tile,
+)
 from .head import LocalHead
 from .plan import ChunkPlan
 from .tile_gemm import unit_stride
@@ -91,10 +100,12 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     cfg = gemm_config()
     grad_hidden = None
     for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
-        tile = kept if kept is not None else recompute_tile(ops, block, plan.fp32_logits, cfg)
-        dy = tile.z.view(hidden.dtype)
-        launch_centred_grad(tile.z, tile.tile_max, dy, targets, block.start, head.transform, rc, cfg)
-        del tile
+        if kept is not None:
+            dy = kept.z.view(hidden.dtype)
+            launch_centred_grad(kept.z, kept.tile_max, dy, targets, block.start, head.transform, rc, cfg)
+        else:
+            dy = torch.empty((hidden.shape[0], block.stop - block.start), dtype=hidden.dtype, device=hidden.device)
+            launch_grad_tile(ops.block(block), rc, plan.fp32_logits, dy, cfg)
         grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
         del dy
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard

@@ -12,6 +12,9 @@ logits tile stored in fp16 centred on each tile's maximum.
 * :func:`_centred_grad_kernel` (backward): one program per token row reads the stored tile,
   ``z = (z - m) + m``, and overwrites it in place with ``dy = dL/dy`` in the GEMM dtype, ready for
   the ``d hidden``/``d weight`` GEMMs (cuBLAS, fp32 accumulation).
+* :func:`_grad_tile_kernel` (backward without kept logits): the forward's GEMM recomputes a
+  vocabulary block's logits and its epilogue writes ``dy`` from the fp32 accumulator, so the
+  block is neither stored nor read back.
 
 Why fp16 centred on the tile maximum: every stored value is ``<= 0``, and an entry that carries
 probability lies within a few nats of its row's maximum, hence of its tile's. fp16 keeps 11
@@ -100,6 +103,25 @@ def gemm_config() -> GemmConfig:
 
 
 @triton.jit
+def _logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+            logit_scale, softcap, temperature,
+            HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
+            ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_V]`` tile of logits ``z`` (fp32): the GEMM, the bias and the transform."""
+    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
+    if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
+        if USE_TMA:
+            y = y.to(h_src.dtype).to(tl.float32)
+        else:
+            y = y.to(h_src.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+
+
+@triton.jit
 def _epilogue_kernel(
     h_src, stride_hn,  # [n, H] hidden (descriptor of [BLOCK_N, BLOCK_K] blocks, or pointer)
     w_src, stride_wv,  # [V, H] weight (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
@@ -129,16 +151,9 @@ def _epilogue_kernel(
         cols = col0 + tl.arange(0, BLOCK_V)
         row_ok = rows < n
         col_ok = cols < vocab
-        y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                        BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
-        if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
-            if USE_TMA:
-                y = y.to(h_src.dtype).to(tl.float32)
-            else:
-                y = y.to(h_src.dtype.element_ty).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = _logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                    logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE, ROUND_Y,
+                    EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
         # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
         # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m is finite.
         z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
@@ -208,6 +223,60 @@ def _centred_grad_kernel(
         # softcap's chain rule would see z = -inf, and a softcap bounds |z| far below that.
         dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
         tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_tile_kernel(
+    h_src, stride_hn,  # [n, H] hidden (descriptor of [BLOCK_N, BLOCK_K] blocks, or pointer)
+    w_src, stride_wv,  # [V, H] weight rows of this block (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
+    bias_ptr, tgt_ptr,  # [V] or dummy; [n] int64 targets local to these rows
+    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,  # [n] fp32 (dummies when absent)
+    dy_dst, stride_dyn,  # [n, V] in the GEMM dtype (descriptor of [BLOCK_N, BLOCK_V] blocks, or pointer)
+    n, vocab, hidden_size,
+    logit_scale, softcap, temperature,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_LOGP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr,
+    STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    n_blocks = tl.cdiv(n, BLOCK_N)
+    n_tiles = tl.cdiv(vocab, BLOCK_V)
+    for tile in tl.range(tl.program_id(0), n_blocks * n_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        pid_n, pid_v = grouped(tile, n_blocks, n_tiles, GROUP_N)
+        row0 = pid_n * BLOCK_N
+        col0 = pid_v * BLOCK_V
+        rows = row0 + tl.arange(0, BLOCK_N)
+        cols = col0 + tl.arange(0, BLOCK_V)
+        row_ok = rows < n
+        col_ok = cols < vocab
+        z = _logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                    logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE, ROUND_Y,
+                    EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+        # Rows and columns outside the tensor compute finite garbage that is never stored.
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)  # g_lse - g_logp
+        p = tl.exp(z - lse[:, None])
+        if HAS_ENTROPY:
+            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+            c = tl.load(sum_pz_ptr + rows, mask=row_ok, other=0.0)
+            dz = p * (coef[:, None] - g_ent[:, None] * (z - c[:, None]))
+        else:
+            dz = p * coef[:, None]
+        if HAS_SUM_Z:
+            dz += tl.load(g_sz_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        if HAS_LOGP:
+            g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
+            tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+            dz += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
+        dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
+        if STORE_TMA:  # the copy engine clips the block at the tensor's edges
+            dy_dst.store([row0, col0], dy.to(dy_dst.dtype))
+        else:
+            ptrs = dy_dst + rows.to(tl.int64)[:, None] * stride_dyn + cols[None, :]
+            tl.store(ptrs, dy.to(dy_dst.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,3 +394,50 @@ def launch_centred_grad(z: torch.Tensor, tile_max: torch.Tensor, out: torch.Tens
         HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
         HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
         TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
+
+
+def launch_grad_tile(ops: TileOperands, rc: RowCoefficients, fp32_logits: bool, out: torch.Tensor,
+                     cfg: GemmConfig) -> None:
+    """Write ``dy = dL/dy`` of ``ops.hidden`` against ``ops.weight`` into ``out``, the logits
+    recomputed by the forward's GEMM and turned into ``dy`` in its epilogue (a backward that kept
+    no logits: no tile is stored and read back). Same formula as :func:`launch_centred_grad`, from
+    the fp32 logits.
+
+    Args:
+        ops: :class:`TileOperands` (``targets`` local to ``ops.weight``'s rows).
+        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+        fp32_logits: as in :func:`launch_forward`.
+        out: ``[n, V]`` in ``ops.hidden``'s dtype, unit column stride.
+    """
+    hidden, weight, bias, targets, transform = ops
+    check_operands(hidden, weight)
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    assert out.shape == (n, vocab) and out.stride(1) == 1 and out.dtype == hidden.dtype
+    assert (rc.sum_pz is None) == (rc.g_entropy is None)
+    if n == 0 or vocab == 0:
+        return
+    t = cfg.fwd
+    scalars, flags = transform_args(transform)
+    tma = cfg.tma and tma_ready(hidden, weight)
+    store_tma = cfg.store_tma and tma_ready(out)
+    dst = TensorDescriptor.from_tensor(out, [t.block_n, t.block_v]) if store_tma else out
+    programs = triton.cdiv(n, t.block_n) * triton.cdiv(vocab, t.block_v)
+    if cfg.persistent:
+        programs = min(programs, cfg.programs_per_sm * sm_count(hidden.device))
+    lse = rc.lse
+
+    def arg(x: torch.Tensor | None) -> torch.Tensor:
+        return lse if x is None else x
+
+    _grad_tile_kernel[(programs,)](
+        operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
+        weight.stride(0), hidden if bias is None else bias, targets,
+        lse, arg(rc.sum_pz), rc.coef, arg(rc.g_logp), arg(rc.g_entropy), arg(rc.g_sum_z),
+        dst, out.stride(0), n, vocab, hidden_size, *scalars,
+        HAS_BIAS=bias is not None, HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
+        HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
+        STORE_TMA=store_tma, ROUND_Y=not fp32_logits and hidden.dtype != torch.float32,
+        EVEN_K=hidden_size % t.block_k == 0, USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype),
+        UPCAST=interpreting(), BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
+        PERSISTENT=cfg.persistent, num_warps=t.warps, num_stages=t.stages, **flags)
