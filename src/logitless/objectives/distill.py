@@ -197,16 +197,14 @@ def distill_loss(
     id_bound = head.vocab_size() if head.shard is not None else vocab
     shape = hidden.shape[:-1]
     checks = ValueChecks()  # the student's and the teacher's value checks in one synchronization
-    check_head_inputs(hidden, Head(weight, bias), torch.zeros(shape, dtype=torch.long, device=hidden.device), None,
-                      checks=checks)
+    check_head_inputs(hidden, Head(weight, bias), None, None, checks=checks)
     if dense:
         teacher_weight = teacher_weight[:vocab]
         teacher_bias = None if teacher_bias is None else teacher_bias[:vocab]
         if teacher_hidden.shape[:-1] != shape:
             raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} differs from "
                              f"hidden's {tuple(shape)}")
-        check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias),
-                          torch.zeros(shape, dtype=torch.long, device=hidden.device), None, checks=checks)
+        check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias), None, None, checks=checks)
     checks.run()
 
     counted = _counted(shape, mask, labels, hidden.device)

@@ -16,12 +16,13 @@ from .transform import LogitTransform
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int | None,
+def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | None, ignore_index: int | None,
                       checks: ValueChecks | None = None) -> bool:
     """Validate ``hidden [..., H]``, the head (``weight [V, H]``, ``bias [V]``, its shard and
     adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
-    ``targets [...]`` (global ids). Returns whether some target equals ``ignore_index``, read in
-    the same host synchronization as the value checks. With ``checks``, the value checks are
+    ``targets [...]`` (global ids; ``None``: a pass without target ids, e.g. distillation's).
+    Returns whether some target equals ``ignore_index``, read in the same host synchronization
+    as the value checks. With ``checks``, the value checks are
     added to it instead (the caller runs them with its own, in one synchronization) and the
     return value is ``False``; pass ``ignore_index=None`` then.
 
@@ -39,7 +40,7 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
         if value is not None and not isinstance(value, kind):
             raise TypeError(f"Head.{name} must be a logitless.{kind.__name__} or None, got {type(value).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) and not (name == "targets" and t is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if hidden.dtype not in _FLOAT:
         raise TypeError(f"hidden must be float16/bfloat16/float32/float64, got {hidden.dtype}")
@@ -70,21 +71,11 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
             raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
         if bias.device != hidden.device:
             raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
-        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
-    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}")
-    if targets.device != hidden.device:
-        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    vocab = head.vocab_size()  # raises on a bad shard
+    own = ValueChecks() if checks is None else checks
+    ignored = None if targets is None else _check_targets(targets, hidden, vocab, ignore_index, own)
     if lora is not None:
         lora.check(hidden, weight)
-    vocab = head.vocab_size()
-    own = ValueChecks() if checks is None else checks
-    t = targets.reshape(-1)
-    ignored = None if ignore_index is None else t == ignore_index
-    own.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
-                  lambda: _bad_targets(t, vocab, ignore_index))
     own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))
     if not _FINITE_WEIGHTS.known(weight):
         own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
@@ -99,6 +90,24 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor, i
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
         return False
     return any(own.run(*(() if ignored is None else (ignored.any(),))))
+
+
+def _check_targets(targets: torch.Tensor, hidden: torch.Tensor, vocab: int, ignore_index: int | None,
+                   checks: ValueChecks) -> torch.Tensor | None:
+    """The targets' dtype, shape and device, and their range added to ``checks``; returns the
+    ``ignore_index`` mask (``None`` without one)."""
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
+        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+    if targets.device != hidden.device:
+        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    t = targets.reshape(-1)
+    ignored = None if ignore_index is None else t == ignore_index
+    checks.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
+                     lambda: _bad_targets(t, vocab, ignore_index))
+    return ignored
 
 
 def _bad_targets(t: torch.Tensor, vocab: int, ignore_index: int | None) -> ValueError:
