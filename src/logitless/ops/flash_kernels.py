@@ -63,15 +63,16 @@ from .tile_gemm import (
     check_operands,
     dot_precision,
     grouped,
+    head_logits,
     load_tile,
-    logits_tile,
     mma,
     operand_src,
     sm_count,
+    tile_dz,
     tma_ready,
 )
 from .transform import LogitTransform
-from .triton_common import interpreting, raw_grad, to_logits, transform_args
+from .triton_common import interpreting, raw_grad, transform_args
 
 if TYPE_CHECKING:
     from .backend import RowCoefficients
@@ -216,10 +217,6 @@ def _flash_stats_kernel(
     per_split = tl.cdiv(n_tiles, n_splits)
     tile_lo = split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
-    if USE_TMA:
-        in_dtype = h_src.dtype
-    else:
-        in_dtype = h_src.dtype.element_ty
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
@@ -231,14 +228,10 @@ def _flash_stats_kernel(
     for tile in range(tile_lo, tile_hi):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < vocab
-        y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, pid_n * BLOCK_N,
-                         tile * BLOCK_V, hidden_size, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION,
-                         UPCAST)
-        if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
-            y = y.to(in_dtype).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, pid_n * BLOCK_N,
+                        tile * BLOCK_V, hidden_size, logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE,
+                        HAS_SOFTCAP, HAS_TEMPERATURE, ROUND_Y, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST,
+                        BLOCK_N, BLOCK_V, BLOCK_K)
         # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
         # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m_new is finite.
         z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
@@ -291,52 +284,34 @@ def _flash_grad_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     row0 = pid_n * BLOCK_N
     col0 = pid_v * BLOCK_V
-    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                     BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
-    if USE_TMA:
-        in_dtype = h_src.dtype
-    else:
-        in_dtype = h_src.dtype.element_ty
-    if ROUND_Y:
-        y = y.to(in_dtype).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)  # g_lse - g_logp
-    p = tl.exp(z - lse[:, None])
-    if HAS_ENTROPY:
-        g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-        c = tl.load(sum_pz_ptr + rows, mask=row_ok, other=0.0)
-        dz = p * (coef[:, None] - g_ent[:, None] * (z - c[:, None]))
-    else:
-        dz = p * coef[:, None]
-    if HAS_SUM_Z:
-        g_sz = tl.load(g_sz_ptr + rows, mask=row_ok, other=0.0)
-        dz += g_sz[:, None]
-    if HAS_LOGP:
-        g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-        dz += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
+    z = head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0,
+                    hidden_size, logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP,
+                    HAS_TEMPERATURE, ROUND_Y, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+    dz = tile_dz(z, rows, row_ok, cols, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
+                 HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
     # Dead lanes: dead rows may hold exp overflow (lse = 0 there) times 0, i.e. NaN; zero them.
     dz = tl.where(mask, dz, 0.0)
     dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
     if NEED_DB:
         tl.atomic_add(db_ptr + cols, tl.sum(dy, axis=0), mask=col_ok, sem="relaxed")
-    if FILTER:
-        scale = tl.abs(coef)
+    if FILTER:  # the row inputs again (cached): tile_dz keeps them to itself
+        scale = tl.abs(tl.load(coef_ptr + rows, mask=row_ok, other=0.0))
         if HAS_ENTROPY:
-            scale += tl.abs(g_ent)
+            scale += tl.abs(tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0))
         skip = tl.max(tl.abs(dz) - filter_eps * scale[:, None]) <= 0.0
         if HAS_LOGP:
+            tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
             skip = skip & (tl.max(tl.where(row_ok & (tgt >= pid_v * BLOCK_V) & (tgt < pid_v * BLOCK_V + BLOCK_V),
                                            1, 0)) == 0)
         if HAS_SUM_Z:
-            skip = skip & (tl.max(tl.abs(g_sz)) == 0.0)
+            skip = skip & (tl.max(tl.abs(tl.load(g_sz_ptr + rows, mask=row_ok, other=0.0))) == 0.0)
     else:
         skip = False
     if not skip:
-        dy_mm = dy.to(in_dtype)
+        if USE_TMA:
+            dy_mm = dy.to(h_src.dtype)
+        else:
+            dy_mm = dy.to(h_src.dtype.element_ty)
         num_k = tl.cdiv(hidden_size, BLOCK_K)
         # Programs of one token block (or one vocabulary tile) start at different H blocks, so
         # their atomic additions to the same d hidden (d weight) rows do not queue on one address.

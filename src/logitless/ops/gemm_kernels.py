@@ -37,9 +37,19 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .tile_gemm import Tiles, check_operands, dot_precision, grouped, logits_tile, operand_src, sm_count, tma_ready
+from .tile_gemm import (
+    Tiles,
+    check_operands,
+    dot_precision,
+    grouped,
+    head_logits,
+    operand_src,
+    sm_count,
+    tile_dz,
+    tma_ready,
+)
 from .transform import LogitTransform
-from .triton_common import interpreting, raw_grad, to_logits, transform_args
+from .triton_common import interpreting, raw_grad, transform_args
 
 if TYPE_CHECKING:
     from .backend import RowCoefficients
@@ -103,22 +113,15 @@ def gemm_config() -> GemmConfig:
 
 
 @triton.jit
-def _logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-            logit_scale, softcap, temperature,
-            HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMPERATURE: tl.constexpr,
-            ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_V]`` tile of logits ``z`` (fp32): the GEMM, the bias and the transform."""
-    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
-    if ROUND_Y:  # the plain path's bf16/fp16 matmul output (ChunkPlan.fp32_logits = False)
-        if USE_TMA:
-            y = y.to(h_src.dtype).to(tl.float32)
-        else:
-            y = y.to(h_src.dtype.element_ty).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    return to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+def _tile_at(tile, n, vocab, n_blocks, n_tiles, GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Where tile number ``tile`` of a persistent walk lies: its first row and column, its rows and
+    columns, and which of them exist."""
+    pid_n, pid_v = grouped(tile, n_blocks, n_tiles, GROUP_N)
+    row0 = pid_n * BLOCK_N
+    col0 = pid_v * BLOCK_V
+    rows = row0 + tl.arange(0, BLOCK_N)
+    cols = col0 + tl.arange(0, BLOCK_V)
+    return row0, col0, rows, cols, rows < n, cols < vocab
 
 
 @triton.jit
@@ -144,23 +147,17 @@ def _epilogue_kernel(
     # loop nest lets the pipeline load the next tile's operands during this tile's epilogue.
     for tile in tl.range(tl.program_id(0), n_blocks * n_tiles, tl.num_programs(0), flatten=PERSISTENT,
                          warp_specialize=WARP_SPECIALIZE):
-        pid_n, pid_v = grouped(tile, n_blocks, n_tiles, GROUP_N)
-        row0 = pid_n * BLOCK_N
-        col0 = pid_v * BLOCK_V
-        rows = row0 + tl.arange(0, BLOCK_N)
-        cols = col0 + tl.arange(0, BLOCK_V)
-        row_ok = rows < n
-        col_ok = cols < vocab
-        z = _logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                    logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE, ROUND_Y,
-                    EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+        row0, col0, rows, cols, row_ok, col_ok = _tile_at(tile, n, vocab, n_blocks, n_tiles, GROUP_N, BLOCK_N, BLOCK_V)
+        z = head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0,
+                        hidden_size, logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP,
+                        HAS_TEMPERATURE, ROUND_Y, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
         # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
         # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m is finite.
         z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
         m = tl.max(z_or_ninf, axis=1)
         centred = z_or_ninf - m[:, None]
         e = tl.exp(centred)
-        out = pid_v * n + rows
+        out = (col0 // BLOCK_V) * n + rows  # this tile's row of the [tiles, n] partials
         tl.store(m_ptr + out, m, mask=row_ok)
         tl.store(se_ptr + out, tl.sum(e, axis=1), mask=row_ok)
         if WANT_ENTROPY:
@@ -245,32 +242,12 @@ def _grad_tile_kernel(
     n_blocks = tl.cdiv(n, BLOCK_N)
     n_tiles = tl.cdiv(vocab, BLOCK_V)
     for tile in tl.range(tl.program_id(0), n_blocks * n_tiles, tl.num_programs(0), flatten=PERSISTENT):
-        pid_n, pid_v = grouped(tile, n_blocks, n_tiles, GROUP_N)
-        row0 = pid_n * BLOCK_N
-        col0 = pid_v * BLOCK_V
-        rows = row0 + tl.arange(0, BLOCK_N)
-        cols = col0 + tl.arange(0, BLOCK_V)
-        row_ok = rows < n
-        col_ok = cols < vocab
-        z = _logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
-                    logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE, ROUND_Y,
-                    EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
-        # Rows and columns outside the tensor compute finite garbage that is never stored.
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-        coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)  # g_lse - g_logp
-        p = tl.exp(z - lse[:, None])
-        if HAS_ENTROPY:
-            g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
-            c = tl.load(sum_pz_ptr + rows, mask=row_ok, other=0.0)
-            dz = p * (coef[:, None] - g_ent[:, None] * (z - c[:, None]))
-        else:
-            dz = p * coef[:, None]
-        if HAS_SUM_Z:
-            dz += tl.load(g_sz_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        if HAS_LOGP:
-            g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
-            tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-            dz += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
+        row0, col0, rows, cols, row_ok, col_ok = _tile_at(tile, n, vocab, n_blocks, n_tiles, GROUP_N, BLOCK_N, BLOCK_V)
+        z = head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0,
+                        hidden_size, logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP,
+                        HAS_TEMPERATURE, ROUND_Y, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
+        dz = tile_dz(z, rows, row_ok, cols, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
+                     HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
         dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
         if STORE_TMA:  # the copy engine clips the block at the tensor's edges
             dy_dst.store([row0, col0], dy.to(dy_dst.dtype))

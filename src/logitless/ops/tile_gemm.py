@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_common import interpreting
+from .triton_common import interpreting, to_logits
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,53 @@ def logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, 
         b = load_tile(w_src, stride_wv, cols, col_ok, col0, k0, hidden_size, BLOCK_K, EVEN_K, USE_TMA)
         acc = mma(a, tl.trans(b), acc, DOT_PRECISION, UPCAST)
     return acc
+
+
+@triton.jit
+def head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                logit_scale, softcap, temperature,
+                HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_TEMPERATURE: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The head's logits ``z`` of a ``[BLOCK_N, BLOCK_V]`` tile in fp32: :func:`logits_tile`, then
+    (``ROUND_Y``) the plain path's rounding of the matmul output to the input dtype, the bias and
+    the :class:`~logitless.ops.transform.LogitTransform`."""
+    y = logits_tile(h_src, stride_hn, w_src, stride_wv, rows, cols, row_ok, col_ok, row0, col0, hidden_size,
+                    BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST)
+    if ROUND_Y:  # ChunkPlan.fp32_logits = False
+        if USE_TMA:
+            y = y.to(h_src.dtype).to(tl.float32)
+        else:
+            y = y.to(h_src.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+
+
+@triton.jit
+def tile_dz(z, rows, row_ok, cols, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
+            HAS_LOGP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr):
+    """``dL/dz`` of a tile of logits ``z`` from each row's ``lse`` and statistic gradients
+    (:mod:`logitless.ops.backend`): ``p (coef - g_entropy (z - sum_pz)) + g_sum_z + g_logp [v == y]``
+    with ``p = exp(z - lse)``, ``coef = g_lse - g_logp``. Rows outside the tensor read zeros (their
+    values are garbage that is never stored)."""
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+    p = tl.exp(z - lse[:, None])
+    if HAS_ENTROPY:
+        g_ent = tl.load(g_ent_ptr + rows, mask=row_ok, other=0.0)
+        c = tl.load(sum_pz_ptr + rows, mask=row_ok, other=0.0)
+        dz = p * (coef[:, None] - g_ent[:, None] * (z - c[:, None]))
+    else:
+        dz = p * coef[:, None]
+    if HAS_SUM_Z:
+        dz += tl.load(g_sz_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    if HAS_LOGP:
+        g_logp = tl.load(g_logp_ptr + rows, mask=row_ok, other=0.0)
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        dz += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
+    return dz
 
 
 def dot_precision(dtype: torch.dtype) -> str:
