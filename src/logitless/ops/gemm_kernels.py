@@ -151,29 +151,35 @@ def _epilogue_kernel(
         z = head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok, col_ok, row0, col0,
                         hidden_size, logit_scale, softcap, temperature, HAS_BIAS, HAS_SCALE, HAS_SOFTCAP,
                         HAS_TEMPERATURE, ROUND_Y, EVEN_K, USE_TMA, DOT_PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_K)
-        # Masked columns: -inf for the max and exp (e = 0); z itself is finite there (y = 0), so
-        # e * z is 0 rather than 0 * -inf. Every tile has a valid column, so m is finite.
+        # Every sum comes from the centred tile c = z - m alone (Σ e z = Σ e c + m Σ e, z_y = c_y + m):
+        # z is dead once c is formed, so one [BLOCK_N, BLOCK_V] fp32 tensor is live, not two
+        # (measured: no register spills, against 26 for the statistics and 74 with the store).
+        # Masked columns: -inf for the max and exp (e = 0), 0 in the sums of c. Every tile has a
+        # valid column, so m is finite.
         z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
         m = tl.max(z_or_ninf, axis=1)
         centred = z_or_ninf - m[:, None]
-        e = tl.exp(centred)
-        out = (col0 // BLOCK_V) * n + rows  # this tile's row of the [tiles, n] partials
-        tl.store(m_ptr + out, m, mask=row_ok)
-        tl.store(se_ptr + out, tl.sum(e, axis=1), mask=row_ok)
-        if WANT_ENTROPY:
-            tl.store(sez_ptr + out, tl.sum(e * z, axis=1), mask=row_ok)
-        if WANT_SUM_Z:
-            tl.store(sz_ptr + out, tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1), mask=row_ok)
-        # The target's logit comes from the same fp32 tile as the sums, so is_top1 is exact.
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-        here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V)
-        tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1), mask=here)
         if STORE_Z:
             if STORE_TMA:  # the copy engine clips the block at the tensor's edges
                 z_dst.store([row0, col0], centred.to(tl.float16))
             else:
                 ptrs = z_dst + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
                 tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
+        finite = tl.where(col_ok[None, :], centred, 0.0)
+        e = tl.exp(centred)
+        se = tl.sum(e, axis=1)
+        out = (col0 // BLOCK_V) * n + rows  # this tile's row of the [tiles, n] partials
+        tl.store(m_ptr + out, m, mask=row_ok)
+        tl.store(se_ptr + out, se, mask=row_ok)
+        if WANT_ENTROPY:
+            tl.store(sez_ptr + out, tl.sum(e * finite, axis=1) + m * se, mask=row_ok)
+        if WANT_SUM_Z:
+            tl.store(sz_ptr + out, tl.sum(finite, axis=1) + m * tl.sum(col_ok.to(tl.float32), axis=0), mask=row_ok)
+        # The target's logit from the same tile as the maximum: exactly m when it is the largest,
+        # so is_top1 is exact.
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V) & (tgt < vocab)
+        tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], finite, 0.0), axis=1) + m, mask=here)
 
 
 @triton.jit
