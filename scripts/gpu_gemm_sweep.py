@@ -6,7 +6,9 @@ On the bench's inputs for SHAPE (trained-model-like logits: a GEMM's speed depen
 through the GPU's power draw, so random normal operands time differently), prints in ms:
 cuBLAS's logits GEMM (bf16 and fp32 output), the flash forward, and the epilogue kernel for each
 variant with and without storing the centred fp16 tile, then the row kernel that turns a stored
-tile into ``dy`` for a few step widths.
+tile into ``dy`` for a few step widths, the GEMM that writes ``dy`` from its epilogue, and each
+compiled kernel's registers, spills and descriptor-store waits (``SWEEP_REPEATS=k`` runs the
+variants k times in turn: the spread between calls of one variant is large).
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from logitless.ops import gemm
 from logitless.ops.backend import RowCoefficients, RowStats, SavedStats, StatGrads
 from logitless.ops.flash_kernels import flash_config
 from logitless.ops.flash_kernels import launch_stats as flash_stats
-from logitless.ops.gemm_kernels import TileOperands, _epilogue_kernel, gemm_config, launch_centred_grad, launch_forward
+from logitless.ops.gemm_kernels import (
+    TileOperands,
+    _epilogue_kernel,
+    _grad_tile_kernel,
+    gemm_config,
+    launch_centred_grad,
+    launch_forward,
+    launch_grad_tile,
+)
 from logitless.ops.tile_gemm import Tiles
 from logitless.ops.transform import LogitTransform
 
@@ -83,6 +93,9 @@ def main() -> None:
         zz = z.clone()
         ms[f"centred grad {block} w{warps}"] = do_bench(
             lambda c=c, zz=zz: launch_centred_grad(zz, m, zz.view(torch.bfloat16), tgt, 0, tr, rc, c))
+    dy_out = torch.empty((n, v), dtype=torch.bfloat16, device="cuda")
+    ms["recompute + dy in the epilogue (backward without kept logits)"] = do_bench(
+        lambda: launch_grad_tile(ops, rc, True, dy_out, cfg))
     dy = torch.randn(n, v, device="cuda").to(torch.bfloat16)
     acc = torch.zeros(v, h, device="cuda")
     ms["cublas dh (bf16 dy @ W, fp32 out)"] = do_bench(lambda: gemm.mm(dy, w, torch.float32))
@@ -99,12 +112,15 @@ def _dump_compiled() -> None:
     """Each compiled variant's TTGIR into $OUT (when set), with its shared memory and where the
     descriptor stores wait: whether a store overlaps the next tile's main loop."""
     out = os.environ.get("OUT")
-    for i, kernel in enumerate(_epilogue_kernel.device_caches[torch.cuda.current_device()][0].values()):
+    compiled = [k for fn in (_epilogue_kernel, _grad_tile_kernel)
+                for k in fn.device_caches[torch.cuda.current_device()][0].values()]
+    for i, kernel in enumerate(compiled):
         ttgir = kernel.asm.get("ttgir", "")
         lines = ttgir.splitlines()
         waits = [j for j, line in enumerate(lines) if "store_wait" in line]
         copies = [j for j, line in enumerate(lines) if "copy_local_to_global" in line]
-        print(f"compiled {i}: shared {kernel.metadata.shared} B, warps {kernel.metadata.num_warps}, registers "
+        meta = kernel.metadata
+        print(f"compiled {i} ({getattr(meta, 'name', '?')}): shared {meta.shared} B, warps {meta.num_warps}, registers "
               f"{getattr(kernel, 'n_regs', '?')}, spills {getattr(kernel, 'n_spills', '?')}, stores at lines "
               f"{copies}, waits at {waits} of {len(lines)}", flush=True)
         if out:

@@ -434,3 +434,28 @@ def test_memory_two_heads_within_bound():
     assert res["finite"]
     assert res["max_err"] < 1e-4
     assert res["peak_bytes"] < 0.6 * 2**30
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_counted_rows_are_views_when_every_position_counts(monkeypatch, masked):
+    """With every position counted, the pass reads the caller's hidden states in place (no gathered
+    copy of either side's ``[N, H]``); with a mask, the counted rows are gathered. Same loss either
+    way as the float64 oracle on the counted rows."""
+    hs, ws, _, ht, wt, _ = _heads()
+    seen = {}
+    make = distill_ops.DistillPass.make
+
+    def spy(h, head, targets, th, teacher, beta, options):
+        seen["student"], seen["teacher"] = h.data_ptr(), th.data_ptr()
+        return make(h, head, targets, th, teacher, beta, options)
+
+    monkeypatch.setattr(distill_ops.DistillPass, "make", staticmethod(spy))
+    mask = torch.ones(N, dtype=torch.bool)
+    if masked:
+        mask[torch.randperm(N)[: N // 3]] = False
+    per, _ = distill_loss(hs, ws, ht, wt, mask=mask, config=DistillConfig(reduction="none"), options=SMALL)
+    same = (seen["student"] == hs.data_ptr(), seen["teacher"] == ht.data_ptr())
+    assert same == ((False, False) if masked else (True, True))
+    ref = _oracle(hs, ws, None, ht, wt, None, LogitTransform(), LogitTransform(), 0.5)["div"]
+    _assert_close([per[mask]], [ref[mask]], what="divergence")
+    assert torch.all(per[~mask] == 0)

@@ -209,22 +209,29 @@ def distill_loss(
 
     counted = _counted(shape, mask, labels, hidden.device)
     idx = counted.reshape(-1).nonzero().squeeze(1)
-    n = int(idx.shape[0])
-    h = hidden.reshape(-1, hidden.shape[-1])[idx]
+    n, positions = int(idx.shape[0]), counted.numel()
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        """The counted positions of ``x [*shape, ...]`` → ``[n, ...]``: a view when every position
+        counts (no copy of the hidden states, and no scatter of their gradient)."""
+        flat = x.reshape(positions, *x.shape[len(shape):])
+        return flat if n == positions else flat[idx]
+
+    h = rows(hidden)
     cols: list[torch.Tensor] = []
     if sparse:
         topk_ids, topk_lp = _check_topk(teacher_topk_ids, teacher_topk_logprobs, shape, id_bound)
-        topk_ids, topk_lp = topk_ids.reshape(-1, topk_ids.shape[-1])[idx], topk_lp.reshape(-1, topk_lp.shape[-1])[idx]
+        topk_ids, topk_lp = rows(topk_ids), rows(topk_lp)
         cols.append(topk_ids)
     if labels is not None:
-        y = labels.reshape(-1)[idx].long()
+        y = rows(labels).long()
         bad = (y < 0) | (y >= id_bound)
         if n and bool(bad.any()):
             raise ValueError(f"labels must lie in [0, {id_bound}) or equal -100; found {y[bad][:5].tolist()}")
         cols.append(y[:, None])
     targets = torch.cat(cols, dim=1) if cols else torch.zeros((n, 0), dtype=torch.long, device=hidden.device)
 
-    th = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if dense else None
+    th = rows(teacher_hidden) if dense else None
     # The pass reads the heads cut to the shared vocabulary; the gradient goes to the caller's
     # tensors (padded rows: zero).
     p = DistillPass.make(h, replace(head, weight=weight, bias=bias), targets, th,
@@ -268,7 +275,7 @@ def distill_loss(
     metrics["entropy"] = stats.entropy
     metrics = {name: v.detach().sum() / count for name, v in metrics.items()}
     if cfg.reduction == "none":
-        out = loss.new_zeros(counted.numel()).index_put((idx,), loss)
+        out = loss if n == positions else loss.new_zeros(positions).index_put((idx,), loss)
         return out.reshape(shape), metrics
     return loss, metrics
 
