@@ -469,3 +469,26 @@ def test_launch_variants_agree(monkeypatch):
     for other in results[1:]:
         for a, c in zip(results[0], other, strict=True):
             assert torch.equal(a, c)
+
+
+@interpreted
+def test_recompute_backward_gets_no_gradient_for_unused_statistics(monkeypatch):
+    """A statistic the loss leaves out (the entropy, computed for a metric) reaches the recompute
+    backward as ``None``, not zeros, so the gradient kernel compiles without its terms; the
+    gradient equals the torch backend's."""
+    from logitless import vocab_stats
+    from logitless.ops import gemm_backend
+
+    seen = []
+    launch = gemm_backend.launch_grad_tile
+    monkeypatch.setattr(gemm_backend, "launch_grad_tile", lambda ops, rc, *a: (seen.append(rc), launch(ops, rc, *a)))
+    h, w, b, t, tr = _inputs(torch.bfloat16, "full", seed=5)
+    t = t.clamp(0, V - 1)  # _inputs mixes in ids of other shards
+    grads = {}
+    for impl in ("gemm", "torch"):
+        hh = h.detach().clone().requires_grad_()
+        st = vocab_stats(hh, Head(w, b, tr), t, entropy=True, options=PassOptions(impl=impl, chunk_bytes=1 << 14))
+        (st.logp.float() * torch.linspace(-1, 1, N)).sum().backward()
+        grads[impl] = hh.grad.double()
+    assert seen and all(rc.g_entropy is None and rc.sum_pz is None and rc.g_logp is not None for rc in seen)
+    torch.testing.assert_close(grads["gemm"], grads["torch"], rtol=0, atol=2**-7 * grads["torch"].abs().max())

@@ -318,6 +318,9 @@ class _RecomputeFn(torch.autograd.Function):
         stats, saved = p.forward_all(hidden, p.head.low_rank(lora_x, lora_b))
         ctx.save_for_backward(hidden, weight, bias, lora_x, lora_b, *saved)
         ctx.p, ctx.saved_type, ctx.fields = p, type(saved), stats._fields
+        # A statistic the loss does not use gets None, not zeros: the backward then skips its
+        # terms (e.g. an entropy taken only for metrics costs the gradient kernels nothing).
+        ctx.set_materialize_grads(False)
         n, sdt = hidden.shape[0], stat_dtype_for(hidden.dtype)
         outs, frozen = [], []
         for name, t in zip(stats._fields, stats, strict=True):

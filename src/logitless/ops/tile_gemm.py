@@ -1,6 +1,7 @@
 """Triton tile-GEMM helpers shared by the kernels that compute logits tiles with ``tl.dot``
 (:mod:`.flash_kernels`, :mod:`.gemm_kernels`): launch shapes, program ordering, operand loads
-through tensor descriptors (the Hopper copy engine) or pointers, and the tile GEMM itself."""
+through tensor descriptors (the Hopper copy engine) or pointers, the tile GEMM itself, a tile's
+head logits (bias and transform applied) and its ``dL/dz``."""
 
 from __future__ import annotations
 
