@@ -31,6 +31,7 @@ from ..ops import (
     check_shards,
     run_distill,
 )
+from .layout import counted_rows
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]
@@ -211,11 +212,8 @@ def distill_loss(
     idx = counted.reshape(-1).nonzero().squeeze(1)
     n, positions = int(idx.shape[0]), counted.numel()
 
-    def rows(x: torch.Tensor) -> torch.Tensor:
-        """The counted positions of ``x [*shape, ...]`` → ``[n, ...]``: a view when every position
-        counts (no copy of the hidden states, and no scatter of their gradient)."""
-        flat = x.reshape(positions, *x.shape[len(shape):])
-        return flat if n == positions else flat[idx]
+    def rows(x: torch.Tensor) -> torch.Tensor:  # a view when every position counts
+        return counted_rows(x, len(shape), idx, n == positions)
 
     h = rows(hidden)
     cols: list[torch.Tensor] = []

@@ -16,6 +16,14 @@ import torch
 from ..distributed import all_reduce, all_reduce_sum_autograd, is_active
 
 
+def counted_rows(x: torch.Tensor, lead_dims: int, index: torch.Tensor, complete: bool) -> torch.Tensor:
+    """Rows ``index`` of ``x [*lead, ...]`` flattened over its ``lead_dims`` leading dimensions →
+    ``[len(index), ...]``; when every position counts (``complete``), the flattened view itself:
+    no copy, and no scatter of its gradient."""
+    flat = x.reshape(-1, *x.shape[lead_dims:])
+    return flat if complete else flat[index]
+
+
 @dataclass
 class TokenLayout:
     """Where the counted tokens sit in the caller's layout.
@@ -60,8 +68,7 @@ class TokenLayout:
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The counted rows of ``x [*shape, ...]`` → ``[n, ...]`` (a view when :attr:`complete`)."""
-        flat = x.reshape(-1, *x.shape[len(self.shape):])
-        return flat if self.complete else flat[self.index]
+        return counted_rows(x, len(self.shape), self.index, self.complete)
 
     def gather(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """Per-token tensor in the caller's layout (``shape``) → ``[n]``."""
