@@ -41,3 +41,21 @@ for name, fn in cases.items():
         print(f"{name:28s} {per_call(fn):8.1f} us")
     except Exception as e:
         print(f"{name:28s} failed: {type(e).__name__}: {e}")
+
+# A statistics GEMM launch (the rollout's one Triton launch) at a bench shape, and its parts.
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_forward  # noqa: E402
+from logitless.ops.transform import LogitTransform  # noqa: E402
+
+w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16)
+tgt = torch.randint(0, 128256, (8192,), device="cuda")
+ops = TileOperands(x, w, None, tgt, LogitTransform())
+cfg = gemm_config()
+launches = {
+    "launch_forward stats (async)": lambda: launch_forward(ops, (True, False), True, None, cfg),
+    "TensorDescriptor.from_tensor": lambda: TensorDescriptor.from_tensor(w, [256, 64]),
+    "torch.empty [501, 8192] f32": lambda: torch.empty((501, 8192), dtype=torch.float32, device="cuda"),
+}
+for name, fn in launches.items():
+    print(f"{name:28s} {per_call(fn, n=20):8.1f} us")

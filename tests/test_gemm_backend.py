@@ -194,19 +194,21 @@ def test_resolve_and_refusals():
 
 
 def _poison_weight_grad_buffer(monkeypatch):
-    """Fill an uninitialized ``d weight`` buffer (one the first chunk stores into) with NaN, as
-    reused memory may hold anything, so a row the pass fails to store shows."""
+    """Fill an uninitialized ``d weight`` buffer and pair residual (ones the first chunk stores
+    into) with NaN, as reused memory may hold anything, so a row the pass fails to store shows."""
     from logitless.ops import engine
 
-    real = engine._weight_grad_buffer
+    real = engine._weight_grad_buffers
 
-    def poisoned(p, weight, single, n):
-        buf = real(p, weight, single, n)
+    def poisoned(p, weight, layout, n):
+        buf, lo = real(p, weight, layout, n)
         if p.stores_weight_grad and n:
             buf[:p.head.weight.shape[0]] = float("nan")
-        return buf
+            if lo is not None:
+                lo.fill_(float("nan"))
+        return buf, lo
 
-    monkeypatch.setattr(engine, "_weight_grad_buffer", poisoned)
+    monkeypatch.setattr(engine, "_weight_grad_buffers", poisoned)
 
 
 @interpreted
@@ -222,8 +224,8 @@ def test_policy_loss_matches_torch(monkeypatch, mode, layout):
 
     _poison_weight_grad_buffer(monkeypatch)
     plans = []
-    real_single = engine._single_chunk
-    monkeypatch.setattr(engine, "_single_chunk", lambda *a: plans.append(real_single(*a)) or plans[-1])
+    real_plan = engine._weight_grad_plan
+    monkeypatch.setattr(engine, "_weight_grad_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
 
     g = torch.Generator().manual_seed(3)
     b_, t_, hid = 4, 40, 32
@@ -243,8 +245,9 @@ def test_policy_loss_matches_torch(monkeypatch, mode, layout):
                                               options=PassOptions(mode=mode, impl=impl, chunk_bytes=budget))
         loss.backward()
         res[impl] = (loss.detach(), hh.grad.float(), ww.grad.float(), metrics)
-    gemm_plan = plans[-1].plan  # the torch backend accumulates in fp32: no single-chunk plan
-    assert plans[0] is None and gemm_plan.token_chunk == int(mask.sum())  # the unmasked tokens
+    gemm_plan = plans[-1][0].plan  # the torch backend accumulates in fp32: no single-chunk plan
+    assert plans[0][1] == "fp32" and plans[-1][1] == "single"
+    assert gemm_plan.token_chunk == int(mask.sum())  # the unmasked tokens
     assert gemm_plan.vocab_block == (V if layout == "one_block" else 10)
     torch.testing.assert_close(res["gemm"][0], res["torch"][0], rtol=1e-4, atol=1e-5)
     for i in (1, 2):  # bf16 dy in both; bf16 gradients out
@@ -284,23 +287,35 @@ def test_gpu_matches_torch(mode):
 
 
 @interpreted
-@pytest.mark.parametrize("chunks", ["one", "several"])
+@pytest.mark.parametrize("chunks", ["one", "several-fp32", "several-pair"])
 @pytest.mark.parametrize("objective", ["logp", "constant"])
 def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks):
     """Every local row of ``d weight`` is stored by the first chunk (into an uninitialized buffer:
-    one chunk's in the head's dtype, several chunks' in fp32, the later ones added), also when the
-    objective does not depend on the statistics (then exactly 0), and a vocabulary shard's padding
-    rows are 0; it equals the torch backend's fp32-accumulated gradient."""
+    one chunk's in the head's dtype, several chunks' in fp32 or a bf16 pair, the later ones
+    added), also when the objective does not depend on the statistics (then exactly 0), and a
+    vocabulary shard's padding rows are 0; it equals the torch backend's fp32-accumulated gradient."""
     from logitless import VocabShard
     from logitless.ops import engine
     from logitless.ops.engine import ObjectiveSpec, run_objective
+    from logitless.ops.plan import ChunkPlan
 
     _poison_weight_grad_buffer(monkeypatch)
     budget = None
-    if chunks == "several":  # 24 rows in chunks of 8, d weight accumulated over them
+    layouts = []
+    real_plan = engine._weight_grad_plan
+
+    def spy(*a):
+        planned = real_plan(*a)
+        layouts.append(planned[1])
+        return planned
+
+    monkeypatch.setattr(engine, "_weight_grad_plan", spy)
+    if chunks != "one":  # 24 rows in chunks of 8, d weight accumulated over them
         from logitless.ops import plan
 
-        monkeypatch.setattr(engine, "_single_chunk", lambda *a: None)
+        monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
+        monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a: self)  # keep the chunks of 8
+        monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(lambda p: chunks == "several-pair"))
         monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
         budget = 8 * V * 2
     stores = []
@@ -324,6 +339,7 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
         res.loss.backward()
         grads[impl] = ww.grad.float()
     assert stores == ([True] if chunks == "one" else [True, False, False])  # the gemm pass's chunks
+    assert layouts[-1] == {"one": "single", "several-fp32": "fp32", "several-pair": "pair"}[chunks]
     assert torch.all(grads["gemm"][V:] == 0)
     if objective == "constant":
         assert torch.all(grads["gemm"] == 0)
@@ -365,10 +381,13 @@ def test_hidden_size_one_with_a_non_unit_stride(impl, dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_one_chunk_when_the_accumulator_bytes_hold_the_logits():
+@pytest.mark.parametrize("pairs", [True, False])
+def test_weight_grad_layout_by_the_accumulator_bytes(pairs):
     """A pass whose logits fit the budget plus the fp32 ``d weight`` accumulator it makes
-    unnecessary runs as one chunk (Llama-3 8k tokens: 2.1 GB of fp16 logits in 1 GiB + 2.1 GB);
-    Gemma-2's 8k (4.2 GB against 1 GiB + 2.4 GB) keeps two chunks and the accumulator."""
+    unnecessary runs as one chunk (Llama-3 8k tokens: 2.1 GB of fp16 logits in 1 GiB + 2.1 GB).
+    Gemma-2's 8k (4.2 GB against 1 GiB + 2.4 GB) needs several chunks: a kind that adds into a
+    bf16 pair gets the 1.2 GB the pair saves against fp32 (two chunks of 4096 tokens, not four of
+    2048), others keep the fp32 accumulator and the budget's chunks."""
     import dataclasses
 
     from logitless.ops import engine
@@ -379,16 +398,24 @@ def test_one_chunk_when_the_accumulator_bytes_hold_the_logits():
         plan: ChunkPlan
         head: Head
         stores_weight_grad: bool = True
+        pairs_weight_grad: bool = pairs
 
-    for n, v, hid, single in ((8192, 128256, 4096, True), (8192, 256000, 2304, False), (0, 128256, 4096, False)):
-        kind = Kind(ChunkPlan.make(n, v, 2**30, torch.bfloat16, "gemm"),
-                    Head(torch.empty(v, hid, dtype=torch.bfloat16, device="meta")))
-        got = engine._single_chunk(kind, n, kind.head.weight)
-        assert (got is not None) == single, (n, v)
-        if single:
-            assert got.plan.token_chunk == n and got.plan.keep_logits and got.plan.chunks(n) == [slice(0, n)]
-    kind.head = Head(torch.empty(128256, 4096, dtype=torch.float32, device="meta"))  # fp32: accumulate
-    assert engine._single_chunk(kind, 8192, kind.head.weight) is None
+    def kind_for(n, v, hid, dtype=torch.bfloat16):
+        return Kind(ChunkPlan.make(n, v, 2**30, torch.bfloat16, "gemm"),
+                    Head(torch.empty(v, hid, dtype=dtype, device="meta")))
+
+    llama = kind_for(8192, 128256, 4096)
+    got, layout = engine._weight_grad_plan(llama, 8192, llama.head.weight)
+    assert layout == "single" and got.plan.keep_logits and got.plan.chunks(8192) == [slice(0, 8192)]
+    gemma = kind_for(8192, 256000, 2304)
+    got, layout = engine._weight_grad_plan(gemma, 8192, gemma.head.weight)
+    assert layout == ("pair" if pairs else "fp32")
+    want = 4096 if pairs else 2048
+    assert got.plan.keep_logits and got.plan.chunks(8192) == [slice(s, s + want) for s in range(0, 8192, want)]
+    assert got.plan.budget == 2**30 + (256000 * 2304 * 2 if pairs else 0)
+    assert engine._weight_grad_plan(llama, 0, llama.head.weight)[1] == "fp32"
+    fp32 = kind_for(8192, 128256, 4096, torch.float32)  # an fp32 head accumulates in fp32
+    assert engine._weight_grad_plan(fp32, 8192, fp32.head.weight) == (fp32, "fp32")
 
 
 def test_plan_keeps_two_bytes_a_logit():

@@ -93,12 +93,26 @@ def test_policy_loss_fused_and_recompute_vs_torch(case, level):
         assert rel(ent, base[3]) <= 1e-5, key
 
 
-def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch):
-    """``d weight`` accumulated over four token chunks: the first chunk's cuBLAS products are
-    stored into the uninitialized fp32 buffer (``beta = 0``), the later ones added."""
+@pytest.mark.parametrize("pairs", [True, False])
+def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch, pairs):
+    """``d weight`` accumulated over four token chunks: the first chunk's products are stored into
+    the uninitialized buffer, the later ones added; an fp32 buffer by cuBLAS (``beta = 0`` first),
+    or the gemm backend's bf16 pair by its own GEMM (``weight_grad_kernels``)."""
     from logitless.ops import engine, gemm
+    from logitless.ops.plan import ChunkPlan
 
-    monkeypatch.setattr(engine, "_single_chunk", lambda *a: None)
+    layouts = []
+    real_plan = engine._weight_grad_plan
+
+    def spy(*a):
+        planned = real_plan(*a)
+        layouts.append(planned[1])
+        return planned
+
+    monkeypatch.setattr(engine, "_weight_grad_plan", spy)
+    monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
+    monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a: self)  # keep the four chunks
+    monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(lambda p: pairs and p.backend.NAME == "gemm"))
     assert gemm.cuda_store_ok()
     hid, w, b, tgt, _ = case
     res = {}
@@ -108,6 +122,7 @@ def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch):
                                           options=PassOptions(mode="fused", impl=impl, chunk_bytes=64 << 20))
         loss.backward()
         res[impl] = (loss.detach(), hh.grad, ww.grad)
+    assert layouts == ["fp32", "fp32", "pair" if pairs else "fp32"]
     for impl in ("triton", "gemm"):
         assert rel(res[impl][0], res["torch"][0]) <= 1e-4, impl
         assert rel(res[impl][1], res["torch"][1]) <= 2e-2 and rel(res[impl][2], res["torch"][2]) <= 2e-2, impl

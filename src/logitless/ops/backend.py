@@ -221,6 +221,10 @@ class Accumulators:
         write_weight: this chunk's products are stored into ``weight`` (uninitialized before the
             first chunk; fp32, or the head's dtype for a pass of one chunk), not added (only
             backends whose pass kind sets ``stores_weight_grad`` see it).
+        weight_lo: ``[V_local, H]`` bf16, or ``None``. Given (only to pass kinds that set
+            ``pairs_weight_grad``), ``d weight`` is the pair ``weight + weight_lo``, both bf16:
+            ``weight`` the nearest bf16 to the sum so far, ``weight_lo`` the residual
+            (:mod:`logitless.ops.weight_grad_kernels`).
     """
 
     weight: torch.Tensor | None = None
@@ -229,6 +233,7 @@ class Accumulators:
     lora_b: torch.Tensor | None = None
     hidden: bool = False
     write_weight: bool = False
+    weight_lo: torch.Tensor | None = None
 
 
 class Backend(Protocol):

@@ -478,6 +478,10 @@ class DistillPass:
     def stores_weight_grad(self) -> bool:
         return self.gemm
 
+    @property
+    def pairs_weight_grad(self) -> bool:
+        return self.gemm
+
     def fields_present(self) -> tuple[bool, ...]:
         t = self.teacher is not None
         return True, True, True, t, t, self.jsd_beta is not None, t, t

@@ -132,6 +132,11 @@ class PassKind(Protocol):
         """Whether the backward honours :attr:`Accumulators.write_weight`."""
         ...
 
+    @property
+    def pairs_weight_grad(self) -> bool:
+        """Whether the backward honours :attr:`Accumulators.weight_lo` (a bf16 pair)."""
+        ...
+
     def fields_present(self) -> tuple[bool, ...]: ...
 
     def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> Any: ...
@@ -183,6 +188,10 @@ class _Pass:
     @property
     def stores_weight_grad(self) -> bool:
         return self.backend.NAME in ("triton", "gemm") and self.lora_b is None
+
+    @property
+    def pairs_weight_grad(self) -> bool:
+        return self.backend.NAME == "gemm" and self.lora_b is None
 
     def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> ChunkRows:
         return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
@@ -271,40 +280,59 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
     return None if g is None else g.to(like.dtype)
 
 
-def _single_chunk(p: PassKind, n: int, weight: torch.Tensor) -> PassKind | None:
-    """``p`` as one chunk of all ``n`` rows, when ``d weight`` can then be stored in the head's
-    dtype by one GEMM per vocabulary block instead of accumulated in fp32 over the chunks (no
-    zero-fill, no read-modify-write, no final cast; the products are rounded once either way).
-    ``p`` itself when its plan already has one chunk; else the memory of the fp32 accumulator
-    this saves goes to a larger chunk, so the pass stays within its budget plus that
-    accumulator. ``None``: more than one chunk is needed."""
+WeightGradLayout = Literal["fp32", "single", "pair"]
+
+
+def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKind, WeightGradLayout]:
+    """How a pass over ``n`` rows holds ``d weight``, and the pass planned for it.
+
+    * ``"single"``: all rows in one chunk, when their logits fit the budget plus the fp32
+      accumulator this saves; each vocabulary block's ``d weight`` rows are stored once in the
+      head's dtype (no zero-fill, read-modify-write or cast; the products are rounded once
+      either way).
+    * ``"pair"``: several chunks adding into a bf16 pair (bf16 heads on a kind that sets
+      ``pairs_weight_grad``: :mod:`logitless.ops.weight_grad_kernels`); the pair is ``2 V H``
+      bytes smaller than an fp32 accumulator and those bytes go to larger chunks, so the pass
+      stays within its budget plus that accumulator.
+    * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a
+      ``d weight`` buffer of its own kind).
+    """
     if n == 0 or not p.stores_weight_grad or weight.dtype not in (torch.float16, torch.bfloat16):
-        return None
+        return p, "fp32"
     if p.plan.token_chunk >= n:
-        return p
-    rows_w = p.head.weight.shape[0]
-    plan = p.plan.whole(n, rows_w, rows_w * weight.shape[1] * 4)
-    return None if plan is None else dataclasses.replace(p, plan=plan)
+        return p, "single"
+    rows_w, hidden_size = p.head.weight.shape[0], weight.shape[1]
+    whole = p.plan.whole(n, rows_w, rows_w * hidden_size * 4)
+    if whole is not None:
+        return dataclasses.replace(p, plan=whole), "single"
+    if p.pairs_weight_grad and weight.dtype == torch.bfloat16:
+        return dataclasses.replace(p, plan=p.plan.widened(n, rows_w, rows_w * hidden_size * 2)), "pair"
+    return p, "fp32"
 
 
-def _weight_grad_buffer(p: PassKind, weight: torch.Tensor, single: bool, n: int) -> torch.Tensor:
-    """``d weight``'s buffer for a pass over ``n`` rows. A backend that stores products
-    (``stores_weight_grad``) gets it uninitialized: the first chunk stores each vocabulary block's
-    product (:func:`_first_stores`) and later chunks add to it, so it is neither zero-filled nor
-    read before the first add; in the head's dtype for a one-chunk pass (``single``), else fp32.
-    A shard's padding rows beyond the local rows are zeroed. Other backends, and a pass without
-    rows (no chunk to store), add into fp32 zeros."""
+def _weight_grad_buffers(p: PassKind, weight: torch.Tensor, layout: WeightGradLayout,
+                         n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``d weight``'s buffer for a pass over ``n`` rows, and the residual half of a pair
+    (``[V_local, H]`` bf16, or ``None``). A backend that stores products
+    (``stores_weight_grad``) gets the buffer uninitialized: the first chunk stores each
+    vocabulary block's product (:func:`_first_stores`) and later chunks add to it, so it is
+    neither zero-filled nor read before the first add; in the head's dtype for ``"single"`` and
+    ``"pair"``, else fp32. A shard's padding rows beyond the local rows are zeroed. Other
+    backends, and a pass without rows (no chunk to store), add into fp32 zeros."""
     if not p.stores_weight_grad or n == 0:
-        return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device)
-    dtype = weight.dtype if single else stat_dtype_for(weight.dtype)
+        return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device), None
+    dtype = stat_dtype_for(weight.dtype) if layout == "fp32" else weight.dtype
     buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     buf[p.head.weight.shape[0]:].zero_()
-    return buf
+    lo = None
+    if layout == "pair":
+        lo = torch.empty((p.head.weight.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    return buf, lo
 
 
 def _first_stores(p: PassKind, acc: Accumulators, first: bool) -> Accumulators:
     """The accumulators of one chunk: the first chunk's ``d weight`` products are stored into
-    the uninitialized buffer of :func:`_weight_grad_buffer`, later ones added."""
+    the uninitialized buffer of :func:`_weight_grad_buffers`, later ones added."""
     return dataclasses.replace(acc, write_weight=first and acc.weight is not None and p.stores_weight_grad)
 
 
@@ -342,18 +370,20 @@ class _RecomputeFn(torch.autograd.Function):
                             if name in p.DIFFERENTIABLE and present[name]})
         need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
         sdt = stat_dtype_for(hidden.dtype)
-        single = _single_chunk(p, hidden.shape[0], weight) if need_w else None
-        p = single or p
+        layout: WeightGradLayout = "fp32"
+        if need_w:
+            p, layout = _weight_grad_plan(p, hidden.shape[0], weight)
         local = p.head.rows_of(weight, bias)
         rows_w = local.weight.shape[0]
-        grad_w = _weight_grad_buffer(p, weight, single is not None, hidden.shape[0]) if need_w else None
+        grad_w, grad_w_lo = _weight_grad_buffers(p, weight, layout, hidden.shape[0]) if need_w else (None, None)
         acc = Accumulators(weight=grad_w,
                            bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
                            lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         low = local.low_rank(lora_x, lora_b)
         local_acc = Accumulators(weight=None if acc.weight is None else acc.weight[:rows_w],
                                  bias=None if acc.bias is None else acc.bias[:rows_w], lora_x=acc.lora_x,
-                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h)
+                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h,
+                                 weight_lo=grad_w_lo)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.reduces_grad_hidden
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
@@ -415,7 +445,7 @@ class _FusedCall:
     p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
-    single: bool = False  # one chunk: d weight is stored in the head's dtype (_single_chunk)
+    weight_grad: WeightGradLayout = "fp32"  # how d weight is held (_weight_grad_plan)
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
 
@@ -447,6 +477,8 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
         grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
     elif want_grad and acc.write_weight and acc.weight is not None:
         acc.weight.zero_()  # nothing reaches the logits: d weight is 0, and nothing else writes it
+        if acc.weight_lo is not None:
+            acc.weight_lo.zero_()
     return loss.detach(), stats, grad_hidden
 
 
@@ -486,12 +518,14 @@ class _FusedFn(torch.autograd.Function):
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
         partial = p.head.reduces_grad_hidden
         grad_hidden = _zeros(need_h, hidden, sdt if partial else hidden.dtype)
-        full = Accumulators(weight=_weight_grad_buffer(p, weight, call.single, hidden.shape[0]) if need_w else None,
-                            bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
+        grad_w, grad_w_lo = (_weight_grad_buffers(p, weight, call.weight_grad, hidden.shape[0]) if need_w
+                             else (None, None))
+        full = Accumulators(weight=grad_w, bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
                             lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
         local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
                              bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
-                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h)
+                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
+                             weight_lo=grad_w_lo)
         total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
         grad_x = full.lora_x
         if partial and grad_hidden is not None:
@@ -570,10 +604,11 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
     """
     tensors = (hidden, weight, bias, lora_x, lora_b)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    single = _single_chunk(p, hidden.shape[0], weight) if grad and weight.requires_grad else None
-    p = single or p
+    layout: WeightGradLayout = "fp32"
+    if grad and weight.requires_grad:
+        p, layout = _weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), single=single is not None)
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), weight_grad=layout)
     if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)

@@ -118,6 +118,16 @@ class ChunkPlan:
             return None
         return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True)
 
+    def widened(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan:
+        """This plan for ``n_tokens`` rows with ``extra`` bytes more budget (memory the caller
+        saves elsewhere), so with larger chunks."""
+        budget = self.budget + extra
+        per_token = max(1, vocab) * self.bytes_per_logit
+        token_chunk = _even_chunk(max(1, n_tokens), max(budget // per_token, self.token_chunk))
+        vocab_block = min(max(1, vocab), max(1, budget // (token_chunk * self.bytes_per_logit)))
+        return dataclasses.replace(self, budget=budget, token_chunk=token_chunk, vocab_block=vocab_block,
+                                   keep_logits=vocab_block >= vocab)
+
     def vocab_blocks(self, vocab: int, whole: bool = False) -> list[slice]:
         """The vocabulary rows ``[0, vocab)`` in blocks of ``vocab_block`` (one block with
         ``whole``: a pass over logits kept whole)."""

@@ -27,6 +27,7 @@ from .head import LocalHead
 from .lora import LowRank, low_rank_grads, low_rank_into
 from .plan import ChunkPlan
 from .triton_kernels import KernelConfig, kernel_config, launch_dlogits, launch_stats
+from .weight_grad_kernels import launch_weight_grad
 
 NAME = "triton"
 PLAN = "triton"
@@ -104,7 +105,8 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
     ``d bias[block] += Σ_n dy``, ``d weight[block] += dyᵀ @ hidden`` (fp32 accumulator), and
     ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
     the first block, or without ``acc.hidden``). With ``acc.write_weight`` the ``d weight``
-    product is stored in ``acc.weight``'s dtype instead of added."""
+    product is stored in ``acc.weight``'s dtype instead of added; with ``acc.weight_lo`` it goes
+    into that bf16 pair (:func:`~logitless.ops.weight_grad_kernels.launch_weight_grad`)."""
     if acc.bias is not None:
         acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
     if acc.hidden:
@@ -113,7 +115,9 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
             grad_hidden = gemm.mm(dy, w, torch.float32)
         else:
             gemm.addmm_(grad_hidden, dy, w)
-    if acc.weight is not None and acc.write_weight:
+    if acc.weight is not None and acc.weight_lo is not None:
+        launch_weight_grad(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight)
+    elif acc.weight is not None and acc.write_weight:
         gemm.mm_into(acc.weight[block], dy.t(), hidden)
     elif acc.weight is not None:
         gemm.addmm_(acc.weight[block], dy.t(), hidden)

@@ -1,0 +1,170 @@
+"""``d weight`` of the GEMM-epilogue backend over several token chunks, held as a pair of bf16
+tensors instead of one fp32 accumulator.
+
+``d weight = Σ_chunks dyᵀ @ hidden`` is summed over token chunks. An fp32 accumulator costs
+``4 V H`` bytes beside the bf16 result, a read and a write of all of it per chunk, and a final
+cast. Here the running sum is ``hi + lo``: ``hi`` is the gradient's own bf16 buffer (the
+result, rounded to nearest) and ``lo = bf16(sum - hi)`` its residual, ``2 V H`` bytes. One GEMM
+per chunk (:func:`_weight_grad_kernel`) adds its fp32 product to ``hi + lo`` in its epilogue
+and splits the sum again, so the result needs no cast, and the ``2 V H`` bytes saved go to
+larger token chunks (fewer read-modify-writes; :func:`logitless.ops.engine._weight_grad_layout`).
+
+Accuracy: ``hi + lo`` carries 16 significant bits, so each chunk's update is rounded to about
+``2**-17`` of the running sum (fp32: ``2**-24``); both are far below the final rounding of the
+result to bf16 (``2**-9``), which is the same here as a cast of an fp32 sum (``hi`` is the
+nearest bf16 to the pair's sum).
+
+Layout: kernel -> launcher; :mod:`logitless.ops.gemm_backend` calls the launcher.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .tile_gemm import grouped, mma, sm_count, tma_ready
+from .triton_common import interpreting
+
+
+@dataclass(frozen=True)
+class WeightGradConfig:
+    """Launch shape: ``block_v`` vocabulary rows x ``block_h`` hidden columns of ``d weight`` per
+    tile, ``block_k`` tokens per ``tl.dot`` step, ``warps``, pipeline ``stages``, ``group_v``
+    vocabulary blocks whose tiles run together (their ``dy`` columns hit L2), whether operands
+    go through tensor descriptors (``tma``) and whether the pair does too (``pair_tma``: shared
+    memory for its blocks beside the pipeline's, against address registers for pointers)."""
+
+    block_v: int
+    block_h: int
+    block_k: int
+    warps: int
+    stages: int
+    group_v: int
+    tma: bool
+    pair_tma: bool = False
+
+
+@functools.cache
+def weight_grad_config() -> WeightGradConfig:
+    """The config for this process. Under the interpreter: 16 x 32 tiles and 16-token steps, so
+    small test shapes cover several tiles, masked edges and steps."""
+    if interpreting():
+        return WeightGradConfig(16, 32, 16, 1, 1, 2, tma=True, pair_tma=True)
+    # Measured on one H100 (scripts/gpu_weight_grad_sweep.py; Qwen2.5's head, 7117-token chunks):
+    # adding to the pair 12.6 ms against cuBLAS's fp32 accumulation 11.5 (its store: 11.5 against
+    # 11.6). 64-token steps with 3 stages leave no shared memory for the pair's blocks, and
+    # pointer loads of the pair spill 154 registers (12.5-13.3 ms); 2 stages: 15.5.
+    return WeightGradConfig(128, 256, 32, 8, 4, 8, tma=True, pair_tma=True)
+
+
+@triton.jit
+def _nearest_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even) in every Triton: the interpreter's
+    cast truncates, the GPU's rounds to nearest. NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x).to(tl.bfloat16)
+
+
+@triton.jit
+def _weight_grad_kernel(
+    dy_src, stride_dy,  # [n, V] dy (descriptor of [BLOCK_K, BLOCK_V] blocks, or pointer)
+    h_src, stride_h,  # [n, H] hidden (descriptor of [BLOCK_K, BLOCK_H] blocks, or pointer)
+    hi_dst, lo_dst, stride_w,  # [V, H] bf16 pair (descriptors of [BLOCK_V, BLOCK_H] blocks, or pointers)
+    n, vocab, hidden_size,
+    FIRST: tl.constexpr, USE_TMA: tl.constexpr, PAIR_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
+):
+    v_blocks = tl.cdiv(vocab, BLOCK_V)
+    h_blocks = tl.cdiv(hidden_size, BLOCK_H)
+    # A program per SM walks the tiles; the flattened loop nest loads the next tile's operands
+    # during this tile's epilogue.
+    for tile in tl.range(tl.program_id(0), v_blocks * h_blocks, tl.num_programs(0), flatten=True):
+        pid_v, pid_h = grouped(tile, v_blocks, h_blocks, GROUP_V)
+        v0 = pid_v * BLOCK_V
+        h0 = pid_h * BLOCK_H
+        vs = v0 + tl.arange(0, BLOCK_V)
+        hs = h0 + tl.arange(0, BLOCK_H)
+        acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+        for k0 in range(0, n, BLOCK_K):
+            if USE_TMA:  # the copy engine fills rows past n and columns past V or H with zeros
+                a = dy_src.load([k0, v0])
+                b = h_src.load([k0, h0])
+            else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < n
+                a = tl.load(dy_src + ks.to(tl.int64)[:, None] * stride_dy + vs[None, :],
+                            mask=k_ok[:, None] & (vs < vocab)[None, :], other=0.0)
+                b = tl.load(h_src + ks.to(tl.int64)[:, None] * stride_h + hs[None, :],
+                            mask=k_ok[:, None] & (hs < hidden_size)[None, :], other=0.0)
+            acc = mma(tl.trans(a), b, acc, "tf32", UPCAST)
+        # The sum so far is added one half at a time and the new pair formed in place, so at most
+        # one bf16 tile is live beside the fp32 accumulator.
+        if PAIR_TMA:  # the copy engine reads zeros and clips stores outside the tensor
+            if not FIRST:
+                acc += hi_dst.load([v0, h0]).to(tl.float32)
+                acc += lo_dst.load([v0, h0]).to(tl.float32)
+            hi = _nearest_bf16(acc)
+            hi_dst.store([v0, h0], hi)
+            acc -= hi.to(tl.float32)
+            lo_dst.store([v0, h0], acc.to(tl.bfloat16))
+        else:
+            ok = (vs < vocab)[:, None] & (hs < hidden_size)[None, :]
+            # A tile's own int64 base and int32 offsets within it (V * H may exceed 2**31).
+            hi_tile = hi_dst + v0.to(tl.int64) * stride_w + h0
+            lo_tile = lo_dst + v0.to(tl.int64) * stride_w + h0
+            offs = tl.arange(0, BLOCK_V)[:, None] * stride_w + tl.arange(0, BLOCK_H)[None, :]
+            if not FIRST:
+                acc += tl.load(hi_tile + offs, mask=ok, other=0.0).to(tl.float32)
+                acc += tl.load(lo_tile + offs, mask=ok, other=0.0).to(tl.float32)
+            hi = _nearest_bf16(acc)
+            tl.store(hi_tile + offs, hi, mask=ok)
+            acc -= hi.to(tl.float32)
+            tl.store(lo_tile + offs, acc.to(tl.bfloat16), mask=ok)
+
+
+def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, first: bool,
+                       cfg: WeightGradConfig | None = None) -> None:
+    """``hi + lo (+)= dyᵀ @ hidden``, the pair split again (see the module docstring).
+
+    Args:
+        dy: ``[n, V]`` bf16, unit column stride (``d loss / d logits`` of a chunk's vocabulary block).
+        hidden: ``[n, H]`` bf16, unit column stride.
+        hi, lo: ``[V, H]`` bf16 with unit column stride and one row stride, overwritten: ``hi``
+            the bf16 nearest the sum, ``lo`` the residual. With ``first`` they are not read
+            (uninitialized before); else they hold the sum so far.
+    """
+    cfg = cfg or weight_grad_config()
+    n, vocab = dy.shape
+    hidden_size = hidden.shape[1]
+    assert dy.dtype == hidden.dtype == hi.dtype == lo.dtype == torch.bfloat16
+    assert hidden.shape[0] == n and hi.shape == lo.shape == (vocab, hidden_size) and hi.stride() == lo.stride()
+    assert dy.stride(1) == 1 and hidden.stride(1) == 1 and hi.stride(1) == 1
+    if vocab == 0 or hidden_size == 0:
+        return
+    if n == 0:  # an empty chunk adds nothing; the first one stores zeros
+        if first:
+            hi.zero_()
+            lo.zero_()
+        return
+    tma = cfg.tma and tma_ready(dy, hidden)
+    pair_tma = tma and cfg.pair_tma and tma_ready(hi, lo)
+    dy_src, h_src, hi_dst, lo_dst = dy, hidden, hi, lo
+    if tma:
+        dy_src = TensorDescriptor.from_tensor(dy, [cfg.block_k, cfg.block_v])
+        h_src = TensorDescriptor.from_tensor(hidden, [cfg.block_k, cfg.block_h])
+    if pair_tma:
+        hi_dst = TensorDescriptor.from_tensor(hi, [cfg.block_v, cfg.block_h])
+        lo_dst = TensorDescriptor.from_tensor(lo, [cfg.block_v, cfg.block_h])
+    tiles = triton.cdiv(vocab, cfg.block_v) * triton.cdiv(hidden_size, cfg.block_h)
+    _weight_grad_kernel[(min(tiles, sm_count(dy.device)),)](
+        dy_src, dy.stride(0), h_src, hidden.stride(0), hi_dst, lo_dst, hi.stride(0),
+        n, vocab, hidden_size,
+        FIRST=first, USE_TMA=tma, PAIR_TMA=pair_tma, UPCAST=interpreting(),
+        BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, GROUP_V=cfg.group_v,
+        num_warps=cfg.warps, num_stages=cfg.stages)

@@ -1,0 +1,100 @@
+"""The bf16-pair ``d weight`` GEMM (``weight_grad_kernels``) against float64, under the Triton
+interpreter (a child pytest with ``TRITON_INTERPRET=1``, as in ``test_gemm_backend.py``) and,
+where CUDA exists, compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from interpreter import INTERPRETED, child_run, interpreted
+
+pytest.importorskip("triton")
+
+test_under_interpreter = child_run(__file__)
+
+
+def _chunks(sizes, vocab, hidden_size, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dys = [(torch.randn(n, vocab, device=device, generator=g) * 1e-2).to(torch.bfloat16) for n in sizes]
+    hs = [torch.randn(n, hidden_size, device=device, generator=g).to(torch.bfloat16) for n in sizes]
+    return dys, hs
+
+
+def _check_pair(hi, lo, want):
+    """The pair's sum carries ~16 significant bits (a bf16 result is off by up to 2**-9 of
+    itself); ``hi`` is a bf16 within one rounding of it, ``lo`` below an ulp of ``hi``."""
+    scale = want.abs().max()
+    total = hi.double() + lo.double()
+    assert (total - want).abs().max() <= 2.0**-14 * scale
+    assert ((hi.double() - total).abs() <= 2.0**-8 * total.abs() + 1e-30).all()  # hi = bf16(sum)
+    assert (lo.double().abs() <= 2.0**-8 * hi.double().abs() + 1e-30).all()  # a residual, not a second sum
+
+
+@interpreted
+@pytest.mark.parametrize("loads", ["tma", "pair-tma", "pointer"])
+@pytest.mark.parametrize("shape", [(72, 48), (203, 40)])  # descriptor-aligned; a tail tile and H step
+def test_pair_sums_chunks_against_float64(loads, shape):
+    """Three chunks (37, 50 and 16 tokens: tails of the 16-token steps) stored then added into an
+    uninitialized (NaN) pair; the descriptors are emulated by the interpreter, and tensors whose
+    rows are not 16-byte aligned fall back to pointers."""
+    from logitless.ops.weight_grad_kernels import launch_weight_grad, weight_grad_config
+
+    vocab, hidden_size = shape
+    cfg = dataclasses.replace(weight_grad_config(), tma=loads != "pointer", pair_tma=loads == "pair-tma")
+    dys, hs = _chunks((37, 50, 16), vocab, hidden_size, "cpu", seed=vocab)
+    hi = torch.full((vocab, hidden_size), float("nan"), dtype=torch.bfloat16)
+    lo = hi.clone()
+    want = torch.zeros(vocab, hidden_size, dtype=torch.float64)
+    for i, (dy, h) in enumerate(zip(dys, hs, strict=True)):
+        launch_weight_grad(dy, h, hi, lo, i == 0, cfg)
+        want += dy.double().t() @ h.double()
+        _check_pair(hi, lo, want)
+
+
+@interpreted
+def test_pair_of_a_vocabulary_block_view():
+    """``hi``/``lo`` rows of a block of a larger buffer (the engine's vocabulary blocks), ``dy`` a
+    column block of a wider tile: only the block's rows change."""
+    from logitless.ops.weight_grad_kernels import launch_weight_grad
+
+    dys, hs = _chunks((29,), 96, 32, "cpu", seed=1)
+    hi = torch.randn(120, 32).to(torch.bfloat16)
+    lo = torch.zeros_like(hi)
+    before = hi.clone()
+    launch_weight_grad(dys[0][:, 16:64], hs[0], hi[40:88], lo[40:88], True)
+    _check_pair(hi[40:88], lo[40:88], dys[0][:, 16:64].double().t() @ hs[0].double())
+    assert torch.equal(hi[:40], before[:40]) and torch.equal(hi[88:], before[88:])
+
+
+@interpreted
+def test_empty_chunk_stores_zeros_and_adds_nothing():
+    from logitless.ops.weight_grad_kernels import launch_weight_grad
+
+    dys, hs = _chunks((0, 9), 40, 16, "cpu", seed=2)
+    hi = torch.full((40, 16), float("nan"), dtype=torch.bfloat16)
+    lo = hi.clone()
+    launch_weight_grad(dys[0], hs[0], hi, lo, True)
+    assert torch.all(hi == 0) and torch.all(lo == 0)
+    launch_weight_grad(dys[1], hs[1], hi, lo, False)
+    launch_weight_grad(dys[0], hs[0], hi, lo, False)
+    _check_pair(hi, lo, dys[1].double().t() @ hs[1].double())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+@pytest.mark.parametrize("vocab", [5056, 5003])  # descriptors; pointers (rows not 16-byte aligned)
+def test_gpu_pair_against_float64(vocab):
+    """The compiled kernel (tensor cores) at sizes that are not multiples of its tiles, three chunks."""
+    from logitless.ops.weight_grad_kernels import launch_weight_grad
+
+    hidden_size = 520
+    dys, hs = _chunks((1000, 777, 64), vocab, hidden_size, "cuda", seed=3)
+    hi = torch.full((vocab, hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lo = hi.clone()
+    want = torch.zeros(vocab, hidden_size, dtype=torch.float64, device="cuda")
+    for i, (dy, h) in enumerate(zip(dys, hs, strict=True)):
+        launch_weight_grad(dy, h, hi, lo, i == 0)
+        want += dy.double().t() @ h.double()
+    _check_pair(hi, lo, want)
