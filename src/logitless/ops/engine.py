@@ -292,8 +292,8 @@ def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKi
       either way).
     * ``"pair"``: several chunks adding into a bf16 pair (bf16 heads on a kind that sets
       ``pairs_weight_grad``: :mod:`logitless.ops.weight_grad_kernels`); the pair is ``2 V H``
-      bytes smaller than an fp32 accumulator and those bytes go to larger chunks, so the pass
-      stays within its budget plus that accumulator.
+      bytes smaller than an fp32 accumulator and those bytes go to larger chunks (their logits
+      and fp32 ``d hidden`` rows), so the pass holds what it would with that accumulator.
     * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a
       ``d weight`` buffer of its own kind).
     """
@@ -306,7 +306,9 @@ def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKi
     if whole is not None:
         return dataclasses.replace(p, plan=whole), "single"
     if p.pairs_weight_grad and weight.dtype == torch.bfloat16:
-        return dataclasses.replace(p, plan=p.plan.widened(n, rows_w, rows_w * hidden_size * 2)), "pair"
+        # A chunk's fp32 d hidden rows grow with it: 4 H bytes a token beside its logits.
+        plan = p.plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4)
+        return dataclasses.replace(p, plan=plan), "pair"
     return p, "fp32"
 
 

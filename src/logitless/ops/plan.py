@@ -118,12 +118,15 @@ class ChunkPlan:
             return None
         return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True)
 
-    def widened(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan:
+    def widened(self, n_tokens: int, vocab: int, extra: int, row_bytes: int = 0) -> ChunkPlan:
         """This plan for ``n_tokens`` rows with ``extra`` bytes more budget (memory the caller
-        saves elsewhere), so with larger chunks."""
+        saves elsewhere), so with larger chunks. ``row_bytes``: what a chunk holds per token
+        beside its logits (outside the budget, e.g. fp32 ``d hidden`` rows); the larger chunks'
+        growth of it comes out of ``extra``, so the pass's memory stays what it was."""
         budget = self.budget + extra
         per_token = max(1, vocab) * self.bytes_per_logit
-        token_chunk = _even_chunk(max(1, n_tokens), max(budget // per_token, self.token_chunk))
+        rows = (budget + self.token_chunk * row_bytes) // (per_token + row_bytes)
+        token_chunk = _even_chunk(max(1, n_tokens), max(rows, self.token_chunk))
         vocab_block = min(max(1, vocab), max(1, budget // (token_chunk * self.bytes_per_logit)))
         return dataclasses.replace(self, budget=budget, token_chunk=token_chunk, vocab_block=vocab_block,
                                    keep_logits=vocab_block >= vocab)
