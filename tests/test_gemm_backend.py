@@ -314,7 +314,7 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
         from logitless.ops import plan
 
         monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
-        monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a: self)  # keep the chunks of 8
+        monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)  # keep the chunks of 8
         monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(lambda p: chunks == "several-pair"))
         monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
         budget = 8 * V * 2

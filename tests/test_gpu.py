@@ -111,7 +111,7 @@ def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch, pairs):
 
     monkeypatch.setattr(engine, "_weight_grad_plan", spy)
     monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
-    monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a: self)  # keep the four chunks
+    monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)  # keep the four chunks
     monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(lambda p: pairs and p.backend.NAME == "gemm"))
     assert gemm.cuda_store_ok()
     hid, w, b, tgt, _ = case
