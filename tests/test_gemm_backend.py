@@ -387,7 +387,8 @@ def test_weight_grad_layout_by_the_accumulator_bytes(pairs):
     unnecessary runs as one chunk (Llama-3 8k tokens: 2.1 GB of fp16 logits in 1 GiB + 2.1 GB).
     Gemma-2's 8k (4.2 GB against 1 GiB + 2.4 GB) needs several chunks: a kind that adds into a
     bf16 pair gets the 1.2 GB the pair saves against fp32 (two chunks of 4096 tokens, not four of
-    2048), others keep the fp32 accumulator and the budget's chunks."""
+    2048), others keep the fp32 accumulator and the budget's chunks; chunks of 4096 tokens
+    already (Llama-3 128k) keep it too."""
     import dataclasses
 
     from logitless.ops import engine
@@ -413,6 +414,8 @@ def test_weight_grad_layout_by_the_accumulator_bytes(pairs):
     want = 4096 if pairs else 2048
     assert got.plan.keep_logits and got.plan.chunks(8192) == [slice(s, s + want) for s in range(0, 8192, want)]
     assert got.plan.budget == 2**30 + (256000 * 2304 * 2 if pairs else 0)
+    llama_128k = kind_for(131072, 128256, 4096)  # 4096-token chunks: the fp32 accumulator's GEMMs are as fast
+    assert engine._weight_grad_plan(llama_128k, 131072, llama_128k.head.weight) == (llama_128k, "fp32")
     assert engine._weight_grad_plan(llama, 0, llama.head.weight)[1] == "fp32"
     fp32 = kind_for(8192, 128256, 4096, torch.float32)  # an fp32 head accumulates in fp32
     assert engine._weight_grad_plan(fp32, 8192, fp32.head.weight) == (fp32, "fp32")

@@ -282,6 +282,11 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 
 WeightGradLayout = Literal["fp32", "single", "pair"]
 
+# Chunks of fewer tokens make cuBLAS's gradient GEMMs lose more (12% at Qwen2.5's 3.3k-token
+# chunks against 14k) than the pair's own GEMM costs against cuBLAS (1.08-1.10x); at 4096-token
+# chunks the pair was measured 2.7% slower (Llama-3 128k GRPO, H200): benchmarks/NOTES-h100.md.
+_PAIR_BELOW_TOKENS = 4096
+
 
 def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKind, WeightGradLayout]:
     """How a pass over ``n`` rows holds ``d weight``, and the pass planned for it.
@@ -290,8 +295,9 @@ def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKi
       accumulator this saves; each vocabulary block's ``d weight`` rows are stored once in the
       head's dtype (no zero-fill, read-modify-write or cast; the products are rounded once
       either way).
-    * ``"pair"``: several chunks adding into a bf16 pair (bf16 heads on a kind that sets
-      ``pairs_weight_grad``: :mod:`logitless.ops.weight_grad_kernels`); the pair is ``2 V H``
+    * ``"pair"``: several chunks of fewer than ``_PAIR_BELOW_TOKENS`` tokens adding into a bf16
+      pair (bf16 heads on a kind that sets ``pairs_weight_grad``:
+      :mod:`logitless.ops.weight_grad_kernels`); the pair is ``2 V H``
       bytes smaller than an fp32 accumulator and those bytes go to larger chunks (their logits
       and fp32 ``d hidden`` rows), so the pass holds what it would with that accumulator.
     * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a
@@ -305,7 +311,7 @@ def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKi
     whole = p.plan.whole(n, rows_w, rows_w * hidden_size * 4)
     if whole is not None:
         return dataclasses.replace(p, plan=whole), "single"
-    if p.pairs_weight_grad and weight.dtype == torch.bfloat16:
+    if p.pairs_weight_grad and weight.dtype == torch.bfloat16 and p.plan.token_chunk < _PAIR_BELOW_TOKENS:
         # A chunk's fp32 d hidden rows grow with it: 4 H bytes a token beside its logits.
         plan = p.plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4)
         return dataclasses.replace(p, plan=plan), "pair"
