@@ -7,14 +7,16 @@ cast. Here the running sum is ``hi + lo``: ``hi`` is the gradient's own bf16 buf
 result, rounded to nearest) and ``lo = bf16(sum - hi)`` its residual, ``2 V H`` bytes. One GEMM
 per chunk (:func:`_weight_grad_kernel`) adds its fp32 product to ``hi + lo`` in its epilogue
 and splits the sum again, so the result needs no cast, and the ``2 V H`` bytes saved go to
-larger token chunks (fewer read-modify-writes; :func:`logitless.ops.engine._weight_grad_layout`).
+longer token chunks, on which the other GEMMs of the pass run faster
+(:func:`logitless.ops.engine._weight_grad_plan` says where that pays).
 
 Accuracy: ``hi + lo`` carries 16 significant bits, so each chunk's update is rounded to about
 ``2**-17`` of the running sum (fp32: ``2**-24``); both are far below the final rounding of the
 result to bf16 (``2**-9``), which is the same here as a cast of an fp32 sum (``hi`` is the
 nearest bf16 to the pair's sum).
 
-Layout: kernel -> launcher; :mod:`logitless.ops.gemm_backend` calls the launcher.
+Layout: config -> kernels -> launcher; :func:`logitless.ops.triton_backend.block_grads` (the
+gradient GEMMs of the gemm backend and of distillation's) calls the launcher.
 """
 
 from __future__ import annotations
