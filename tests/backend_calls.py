@@ -1,5 +1,6 @@
 """Calls of one backend's contract (``logitless.ops.backend``) on plain tensors, for the tests
-that compare backends chunk by chunk: a whole, unsharded head."""
+that compare backends chunk by chunk: a whole, unsharded head; and the engine's chunk planning
+pinned for tests of several chunks."""
 
 from __future__ import annotations
 
@@ -22,3 +23,32 @@ def backward(backend, h, w, b, t, tr, plan, saved: SavedStats, grads: StatGrads,
              low=None):
     """``backend.chunk_backward`` of the same rows."""
     return backend.chunk_backward(local_head(w, b, tr), ChunkRows(h, t, low), plan, saved, grads, acc, kept)
+
+
+def record_layouts(monkeypatch) -> list[str]:
+    """The list each engine pass's ``d weight`` layout (``_weight_grad_plan``) is appended to."""
+    from logitless.ops import engine
+
+    layouts = []
+    real_plan = engine._weight_grad_plan
+
+    def spy(*a):
+        planned = real_plan(*a)
+        layouts.append(planned[1])
+        return planned
+
+    monkeypatch.setattr(engine, "_weight_grad_plan", spy)
+    return layouts
+
+
+def keep_planned_chunks(monkeypatch, pairs) -> list[str]:
+    """Make the engine's passes keep their planned token chunks (no one-chunk plan, no chunks
+    widened by the bf16 pair's savings), with ``pairs(pass)`` deciding whether a single-head
+    pass adds ``d weight`` into the bf16 pair; returns :func:`record_layouts`' list."""
+    from logitless.ops import engine
+    from logitless.ops.plan import ChunkPlan
+
+    monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
+    monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)
+    monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(pairs))
+    return record_layouts(monkeypatch)

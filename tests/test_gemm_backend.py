@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_calls import backward, forward
+from backend_calls import backward, forward, keep_planned_chunks, record_layouts
 from interpreter import INTERPRETED, child_run, interpreted
 from test_flash_backend import TRANSFORMS, _assert_bounded, _oracle
 
@@ -297,25 +297,15 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
     from logitless import VocabShard
     from logitless.ops import engine
     from logitless.ops.engine import ObjectiveSpec, run_objective
-    from logitless.ops.plan import ChunkPlan
 
     _poison_weight_grad_buffer(monkeypatch)
     budget = None
-    layouts = []
-    real_plan = engine._weight_grad_plan
-
-    def spy(*a):
-        planned = real_plan(*a)
-        layouts.append(planned[1])
-        return planned
-
-    monkeypatch.setattr(engine, "_weight_grad_plan", spy)
-    if chunks != "one":  # 24 rows in chunks of 8, d weight accumulated over them
+    if chunks == "one":
+        layouts = record_layouts(monkeypatch)
+    else:  # 24 rows in chunks of 8, d weight accumulated over them
         from logitless.ops import plan
 
-        monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
-        monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)  # keep the chunks of 8
-        monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(lambda p: chunks == "several-pair"))
+        layouts = keep_planned_chunks(monkeypatch, lambda p: chunks == "several-pair")
         monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
         budget = 8 * V * 2
     stores = []

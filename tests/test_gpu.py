@@ -98,21 +98,11 @@ def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch, pairs):
     """``d weight`` accumulated over four token chunks: the first chunk's products are stored into
     the uninitialized buffer, the later ones added; an fp32 buffer by cuBLAS (``beta = 0`` first),
     or the gemm backend's bf16 pair by its own GEMM (``weight_grad_kernels``)."""
-    from logitless.ops import engine, gemm
-    from logitless.ops.plan import ChunkPlan
+    from backend_calls import keep_planned_chunks
 
-    layouts = []
-    real_plan = engine._weight_grad_plan
+    from logitless.ops import gemm
 
-    def spy(*a):
-        planned = real_plan(*a)
-        layouts.append(planned[1])
-        return planned
-
-    monkeypatch.setattr(engine, "_weight_grad_plan", spy)
-    monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
-    monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)  # keep the four chunks
-    monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(lambda p: pairs and p.backend.NAME == "gemm"))
+    layouts = keep_planned_chunks(monkeypatch, lambda p: pairs and p.backend.NAME == "gemm")  # four chunks
     assert gemm.cuda_store_ok()
     hid, w, b, tgt, _ = case
     res = {}
