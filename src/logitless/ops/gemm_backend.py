@@ -11,7 +11,8 @@ The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backen
 * :func:`chunk_backward`: a row kernel turns the kept tile into ``dy`` in place; without kept
   logits the same GEMM recomputes them block by block and writes ``dy`` from its epilogue. Then
   ``d hidden``/``d weight`` run in cuBLAS as in :mod:`.triton_backend` (fp32 accumulation of
-  ``d weight`` across chunks).
+  ``d weight`` across chunks), except that a pass of several short chunks adds ``d weight`` into
+  a bf16 pair with its own GEMM (:mod:`logitless.ops.weight_grad_kernels`).
 
 Against the Triton backend at default precision (fp32 logits) this halves the tile's bytes
 (so token chunks are twice as long in the same budget, and ``d weight`` is read and written half
