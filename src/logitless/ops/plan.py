@@ -25,9 +25,6 @@ _ALIGN = 128  # token chunks are multiples of this (when a chunk is not the whol
 # that shape: 7 x 4 / 256 = 0.11 bytes, rounded up. Fewer, longer chunks then replace several
 # per-chunk launches (Llama-3 8k: one GEMM instead of two).
 _STATS_ONLY_BYTES: dict[str, float] = {"gemm": 0.125}
-# ...but not longer than this: one H100, Llama-3's head, 65536 tokens: 110.9 ms in one statistics
-# GEMM against 102.1 in two of 32768 and 101.7 in four of 16384 (cuBLAS: 95-99 ms any way).
-_STATS_ONLY_MAX_TOKENS = 32768
 
 
 def _even_chunk(n: int, rows: int) -> int:
@@ -80,8 +77,7 @@ class ChunkPlan:
             accumulated in fp32 either way).
         stats_chunk: tokens per chunk of a pass that keeps no logits (a rollout, recompute
             mode's forward): at least ``token_chunk``, more where the kind's statistics-only
-            forward holds less than a logits block per element (``_STATS_ONLY_BYTES``), up to
-            ``_STATS_ONLY_MAX_TOKENS``.
+            forward holds less than a logits block per element (``_STATS_ONLY_BYTES``).
     """
 
     token_chunk: int
@@ -111,8 +107,7 @@ class ChunkPlan:
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
         stats_chunk = token_chunk
         if kind in _STATS_ONLY_BYTES and stat_dtype_for(in_dtype) != torch.float64:
-            fits = int(budget / (vocab * _STATS_ONLY_BYTES[kind] * arrays))
-            stats_chunk = _even_chunk(n, max(token_chunk, min(fits, _STATS_ONLY_MAX_TOKENS)))
+            stats_chunk = _even_chunk(n, max(token_chunk, int(budget / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
                    fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk)
 
