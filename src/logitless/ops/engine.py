@@ -282,7 +282,7 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 
 WeightGradLayout = Literal["fp32", "single", "pair"]
 
-# Chunks of fewer tokens make cuBLAS's gradient GEMMs lose more (12% at Qwen2.5's 3.3k-token
+# Chunks of fewer tokens make cuBLAS's gradient GEMMs lose more (14% at Qwen2.5's 3.3k-token
 # chunks against 14k) than the pair's own GEMM costs against cuBLAS (1.08-1.10x); at 4096-token
 # chunks the pair was measured 2.7% slower (Llama-3 128k GRPO, H200): benchmarks/NOTES-h100.md.
 _PAIR_BELOW_TOKENS = 4096
