@@ -338,6 +338,26 @@ def _weight_grad_buffers(p: PassKind, weight: torch.Tensor, layout: WeightGradLa
     return buf, lo
 
 
+def _accumulators(p: PassKind, weight: torch.Tensor, bias: torch.Tensor | None, lora_x: torch.Tensor | None,
+                  lora_b: torch.Tensor | None, needs: tuple[bool, ...], layout: WeightGradLayout,
+                  n: int) -> tuple[Accumulators, Accumulators]:
+    """The gradient accumulators of a pass over ``n`` rows, for the inputs whose ``needs``
+    (``hidden, weight, bias, lora_x, lora_b``, as ``ctx.needs_input_grad``) are set: the
+    head-sized ones (``d weight`` laid out as ``layout``, :func:`_weight_grad_buffers`) and their
+    views of the head's local rows, which the chunks update."""
+    need_h, need_w, need_b, need_x, need_lb = needs[:5]
+    sdt = stat_dtype_for(weight.dtype)
+    rows_w = p.head.weight.shape[0]
+    grad_w, grad_w_lo = _weight_grad_buffers(p, weight, layout, n) if need_w else (None, None)
+    full = Accumulators(weight=grad_w, bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
+                        lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
+    local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
+                         bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
+                         lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
+                         weight_lo=grad_w_lo)
+    return full, local
+
+
 def _first_stores(p: PassKind, acc: Accumulators, first: bool) -> Accumulators:
     """The accumulators of one chunk: the first chunk's ``d weight`` products are stored into
     the uninitialized buffer of :func:`_weight_grad_buffers`, later ones added."""
@@ -376,22 +396,14 @@ class _RecomputeFn(torch.autograd.Function):
         present = dict(zip(ctx.fields, p.fields_present(), strict=True))
         grads = p.grads_of({name: g for name, g in zip(ctx.fields, g_stats, strict=True)
                             if name in p.DIFFERENTIABLE and present[name]})
-        need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
+        need_h, need_w = ctx.needs_input_grad[:2]
         sdt = stat_dtype_for(hidden.dtype)
         layout: WeightGradLayout = "fp32"
         if need_w:
             p, layout = _weight_grad_plan(p, hidden.shape[0], weight)
         local = p.head.rows_of(weight, bias)
-        rows_w = local.weight.shape[0]
-        grad_w, grad_w_lo = _weight_grad_buffers(p, weight, layout, hidden.shape[0]) if need_w else (None, None)
-        acc = Accumulators(weight=grad_w,
-                           bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
-                           lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
+        acc, local_acc = _accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, layout, hidden.shape[0])
         low = local.low_rank(lora_x, lora_b)
-        local_acc = Accumulators(weight=None if acc.weight is None else acc.weight[:rows_w],
-                                 bias=None if acc.bias is None else acc.bias[:rows_w], lora_x=acc.lora_x,
-                                 lora_b=None if acc.lora_b is None else acc.lora_b[:rows_w], hidden=need_h,
-                                 weight_lo=grad_w_lo)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.reduces_grad_hidden
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
@@ -519,21 +531,13 @@ class _FusedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, lora_x, lora_b, call: _FusedCall):
-        need_h, need_w, need_b, need_x, need_lb = ctx.needs_input_grad[:5]
         p = call.p
-        sdt = stat_dtype_for(hidden.dtype)
-        rows_w = p.head.weight.shape[0]
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
         partial = p.head.reduces_grad_hidden
-        grad_hidden = _zeros(need_h, hidden, sdt if partial else hidden.dtype)
-        grad_w, grad_w_lo = (_weight_grad_buffers(p, weight, call.weight_grad, hidden.shape[0]) if need_w
-                             else (None, None))
-        full = Accumulators(weight=grad_w, bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),
-                            lora_b=_zeros(need_lb, lora_b, sdt), hidden=need_h)
-        local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
-                             bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
-                             lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
-                             weight_lo=grad_w_lo)
+        sdt = stat_dtype_for(hidden.dtype)
+        grad_hidden = _zeros(ctx.needs_input_grad[0], hidden, sdt if partial else hidden.dtype)
+        full, local = _accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
+                                    hidden.shape[0])
         total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
         grad_x = full.lora_x
         if partial and grad_hidden is not None:
