@@ -343,3 +343,23 @@ def test_ignored_targets_and_out_of_range_ids_together(no_kernel):
     t[4] = V - 1
     with pytest.raises(AssertionError, match="vocabulary pass ran"):
         vocab_stats(h, w, t, ignore_index=-100)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+def test_ignore_index_outside_and_inside_the_vocabulary(ignore_index):
+    """The targets' range and ``ignore_index`` are decided from one reduction when no target can
+    be ignored, exactly otherwise (an ``ignore_index`` inside ``[0, V)`` always takes the exact
+    path): ignored rows give 0, the others match float64 materialized logits."""
+    torch.manual_seed(11 + ignore_index)
+    h, w, t = head_inputs(9)
+    t[t == ignore_index] = (ignore_index + 1) % V
+    t[2] = t[6] = ignore_index
+    got = vocab_stats(h, w, t, ignore_index=ignore_index).logp
+    ref = torch.log_softmax(h.double() @ w.double().T, -1).gather(1, t.clamp(0, V - 1)[:, None])[:, 0]
+    keep = t != ignore_index
+    torch.testing.assert_close(got[keep].double(), ref[keep], atol=1e-5, rtol=1e-5)
+    assert got[~keep].abs().max() == 0
+    t[2] = t[6] = (ignore_index + 2) % V  # nothing ignored now: the same rows as the oracle's
+    got = vocab_stats(h, w, t, ignore_index=ignore_index).logp
+    ref = torch.log_softmax(h.double() @ w.double().T, -1).gather(1, t[:, None])[:, 0]
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)

@@ -244,12 +244,16 @@ def _forward_all(p: _Pass, hidden: torch.Tensor, low: LowRank | None) -> tuple[C
     # Whole-pass buffers filled chunk by chunk: keeping every chunk's small result tensors alive
     # instead pins the heap between the chunks' large logits blocks on CPU (glibc), and resident
     # memory then grows by about one block per chunk, i.e. with N x V.
-    out = RowStats.empty(n, stat_dtype_for(hidden.dtype), hidden.device, p.want)
+    chunks = p.plan.stats_chunks(n)
     with advise_on_oom(p.plan, hidden.device):
-        for sl in p.plan.stats_chunks(n):
-            part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
-            out.write(sl, part)
-            del part
+        if len(chunks) == 1:  # the common case: the chunk's own buffers, no copy
+            out, _ = p.forward(p.rows(hidden, chunks[0], low), p.plan, keep_logits=False)
+        else:
+            out = RowStats.empty(n, stat_dtype_for(hidden.dtype), hidden.device, p.want)
+            for sl in chunks:
+                part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
+                out.write(sl, part)
+                del part
     stats, saved = _stats_of(out.reduce(p.head.group))
     check_rounded_logits(p.plan, hidden.dtype, stats)
     return stats, saved
@@ -331,7 +335,8 @@ def _weight_grad_buffers(p: PassKind, weight: torch.Tensor, layout: WeightGradLa
         return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device), None
     dtype = stat_dtype_for(weight.dtype) if layout == "fp32" else weight.dtype
     buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    buf[p.head.weight.shape[0]:].zero_()
+    if p.head.weight.shape[0] < weight.shape[0]:
+        buf[p.head.weight.shape[0]:].zero_()
     lo = None
     if layout == "pair":
         lo = torch.empty((p.head.weight.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
@@ -431,7 +436,10 @@ def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bia
         PassOutOfMemoryError: the workspace does not fit the device, or it ran out of memory.
     """
     check_workspace_fits(p.plan, hidden.device)
-    outs = _RecomputeFn.apply(hidden, weight, bias, lora_x, lora_b, p)
+    tensors = (hidden, weight, bias, lora_x, lora_b)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        return p.forward_all(hidden, p.head.low_rank(lora_x, lora_b))[0]  # no graph to record
+    outs = _RecomputeFn.apply(*tensors, p)
     template = p.empty_stats(0, hidden.device)
     return type(template)(*(t if present else None for t, present in zip(outs, p.fields_present(), strict=True)))
 
@@ -508,19 +516,28 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     gradients go into it (``grad_hidden`` rows written per chunk)."""
     sdt = stat_dtype_for(hidden.dtype)
     n = hidden.shape[0]
-    total = torch.zeros((), dtype=sdt, device=hidden.device)
+    total = None
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
-    out = call.p.empty_stats(n, hidden.device)
+    # One chunk keeps its own.
+    out = call.p.empty_stats(n, hidden.device) if len(call.chunks) > 1 else None
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
             chunk_acc = None if acc is None else _first_stores(call.p, acc, i == 0)
             loss, stats, gh = _run_chunk(call, hidden, sl, low, chunk_acc)
-            total = total + loss
-            for dst, src in zip(out, stats, strict=True):
-                if dst is not None:
-                    dst[sl] = src
-            if grad_hidden is not None and gh is not None:
-                grad_hidden[sl] = gh
+            total = loss.to(sdt) if total is None else total + loss
+            if out is None:
+                out = stats
+            else:
+                for dst, src in zip(out, stats, strict=True):
+                    if dst is not None:
+                        dst[sl] = src
+            if grad_hidden is not None:
+                if gh is None:
+                    grad_hidden[sl].zero_()  # nothing reached this chunk's logits
+                else:
+                    grad_hidden[sl] = gh
+    if total is None:  # no rows
+        total, out = torch.zeros((), dtype=sdt, device=hidden.device), call.p.empty_stats(n, hidden.device)
     check_rounded_logits(call.p.plan, hidden.dtype, out)
     return total, out
 
@@ -535,7 +552,8 @@ class _FusedFn(torch.autograd.Function):
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
         partial = p.head.reduces_grad_hidden
         sdt = stat_dtype_for(hidden.dtype)
-        grad_hidden = _zeros(ctx.needs_input_grad[0], hidden, sdt if partial else hidden.dtype)
+        # Every chunk writes its rows (zeros where nothing reached its logits).
+        grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if ctx.needs_input_grad[0] else None
         full, local = _accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
                                     hidden.shape[0])
         total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)

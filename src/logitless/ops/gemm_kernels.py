@@ -318,7 +318,9 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
     names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
-    out = {k: torch.empty((tiles, n), dtype=torch.float32, device=hidden.device) for k in names}
+    # One allocation for every partial (each is a host-side cost while the GPU waits).
+    out = dict(zip(names, torch.empty((len(names), tiles, n), dtype=torch.float32, device=hidden.device),
+                   strict=True))
     out["zy"] = torch.zeros((1, n), dtype=torch.float32, device=hidden.device)
     scalars, flags = transform_args(transform)
     tma = cfg.tma and tma_ready(hidden, weight)

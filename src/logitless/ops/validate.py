@@ -73,7 +73,18 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
     vocab = head.vocab_size()  # raises on a bad shard
     own = ValueChecks() if checks is None else checks
-    ignored = None if targets is None else _check_targets(targets, hidden, vocab, ignore_index, own)
+    t = None
+    if targets is not None:
+        _check_target_tensor(targets, hidden)
+        t = targets.reshape(-1)
+    # An ignore_index outside [0, V) (TRL's -100) can only occur where the targets' range check
+    # fails: one reduction answers both in the common case; the exact check runs only then.
+    span = None
+    if t is not None and t.numel() and ignore_index is not None and not 0 <= ignore_index < vocab:
+        with torch.no_grad():
+            span = torch.aminmax(t)
+    elif t is not None:
+        _add_target_range(own, t, vocab, ignore_index)
     if lora is not None:
         lora.check(hidden, weight)
     own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))
@@ -89,13 +100,25 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
         return False
-    return any(own.run(*(() if ignored is None else (ignored.any(),))))
+    if span is not None:
+        low, high = own.run(*span)
+        if 0 <= low and high < vocab:
+            return False
+        _add_target_range(own, t, vocab, ignore_index)
+    if t is None or ignore_index is None:
+        own.run()
+        return False
+    return bool(own.run((t == ignore_index).any())[0])
 
 
-def _check_targets(targets: torch.Tensor, hidden: torch.Tensor, vocab: int, ignore_index: int | None,
-                   checks: ValueChecks) -> torch.Tensor | None:
-    """The targets' dtype, shape and device, and their range added to ``checks``; returns the
-    ``ignore_index`` mask (``None`` without one)."""
+def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int, ignore_index: int | None) -> None:
+    """Targets in ``[0, vocab)``, ``ignore_index`` allowed too."""
+    valid = t if ignore_index is None else t.masked_fill(t == ignore_index, 0)
+    checks.add_range(valid, 0, vocab, lambda: _bad_targets(t, vocab, ignore_index))
+
+
+def _check_target_tensor(targets: torch.Tensor, hidden: torch.Tensor) -> None:
+    """The targets' dtype, shape and device."""
     if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
@@ -103,11 +126,6 @@ def _check_targets(targets: torch.Tensor, hidden: torch.Tensor, vocab: int, igno
                          f"{tuple(hidden.shape[:-1])}")
     if targets.device != hidden.device:
         raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
-    t = targets.reshape(-1)
-    ignored = None if ignore_index is None else t == ignore_index
-    checks.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
-                     lambda: _bad_targets(t, vocab, ignore_index))
-    return ignored
 
 
 def _bad_targets(t: torch.Tensor, vocab: int, ignore_index: int | None) -> ValueError:
@@ -168,9 +186,10 @@ class ValueChecks:
             lo, hi = torch.aminmax(x.reshape(-1))
         self._add((lo, hi), lambda a, b: not (low <= a and b < high), error, None)
 
-    def run(self, *reads: torch.Tensor) -> list[bool]:
-        """Read every check's values and the one-element bool tensors ``reads`` in one
-        synchronization, raise the first failed check's error, else return the values of ``reads``."""
+    def run(self, *reads: torch.Tensor) -> list[float]:
+        """Read every check's values and the one-element tensors ``reads`` in one
+        synchronization, raise the first failed check's error, else return the values of ``reads``
+        (as floats: exact for ids below 2^53 and for bools)."""
         values = self._values + [r.reshape(()) for r in reads]
         then, self._values, self._then = self._then, [], []
         if not values:
@@ -181,7 +200,7 @@ class ValueChecks:
         host = read.tolist()
         for step in then:
             step(host)
-        return [bool(v) for v in host[len(host) - len(reads):]] if reads else []
+        return host[len(host) - len(reads):] if reads else []
 
 
 class _FiniteTensors:
