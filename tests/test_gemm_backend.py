@@ -7,6 +7,8 @@ CUDA exists. Errors are bounded by the torch backend's own: ``|ours - fp64| <= |
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from backend_calls import backward, forward, keep_planned_chunks, record_layouts
@@ -89,6 +91,28 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
     centred = z64 - m64.t()[:, tile_of]
     assert torch.all(kept.z.double() <= 0)
     assert torch.all((kept.z.double() - centred).abs() <= centred.abs() * 2**-10 + 1e-4)
+
+
+@interpreted
+def test_forward_needs_no_zeroed_buffers(monkeypatch):
+    """Every buffer of the statistics GEMM is allocated uninitialized: with ``torch.empty``
+    poisoned (NaN / -7), the partials and the target logits (0 for targets of another shard) are
+    those of a clean run."""
+    from logitless.ops import gemm_backend
+
+    h, w, b, t, tr = _inputs(torch.bfloat16, "plain")
+    clean, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = real_empty(*args, **kwargs)
+        return x.fill_(math.nan if x.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    dirty, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
+    assert torch.all(dirty.target_logit[~dirty.owned] == 0)
+    for name in ("max_logit", "sum_exp", "sum_exp_logit", "target_logit", "sum_logit"):
+        assert torch.equal(getattr(dirty, name), getattr(clean, name)), name
 
 
 # Backward: each statistic's gradient alone and all together, kept logits and recomputed vocabulary

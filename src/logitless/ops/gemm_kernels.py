@@ -6,8 +6,9 @@ logits tile stored in fp16 centred on each tile's maximum.
   accumulator), applies bias and the :class:`~logitless.ops.transform.LogitTransform` in
   registers and writes the tile's partial statistics: per row its maximum ``m``, ``Σ exp(z - m)``,
   ``Σ exp(z - m) z`` and ``Σ z`` (``[tiles, n]`` fp32), and the target's logit (``[n]``, written
-  by the one tile that holds it). The statistics come from the fp32 accumulator, so they are as
-  accurate as an fp32 logits matrix, which is never written. Optionally the tile is stored as
+  by the one tile that holds it; 0, by the first tile, for a target outside the vocabulary). The
+  statistics come from the fp32 accumulator, so they are as accurate as an fp32 logits matrix,
+  which is never written. Optionally the tile is stored as
   ``z - m`` in fp16 (``[n, V]``, 2 bytes a logit: the traffic of the plain path's bf16 logits).
 * :func:`_centred_grad_kernel` (backward): one program per token row reads the stored tile,
   ``z = (z - m) + m``, and overwrites it in place with ``dy = dL/dy`` in the GEMM dtype, ready for
@@ -130,7 +131,7 @@ def _epilogue_kernel(
     w_src, stride_wv,  # [V, H] weight (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
     bias_ptr, tgt_ptr,  # [V] or dummy; [n] int64 targets (outside [0, V): not in this range)
     m_ptr, se_ptr, sez_ptr, sz_ptr,  # [tiles, n] fp32 partials (row stride n)
-    zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it
+    zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it (0 by the first tile: none does)
     z_dst, stride_zn,  # [n, V] fp16 centred logits (descriptor of [BLOCK_N, BLOCK_V] blocks, or pointer) or dummy
     n, vocab, hidden_size,
     logit_scale, softcap, temperature,
@@ -178,8 +179,12 @@ def _epilogue_kernel(
         # The target's logit from the same tile as the maximum: exactly m when it is the largest,
         # so is_top1 is exact.
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-        here = row_ok & (tgt >= col0) & (tgt < col0 + BLOCK_V) & (tgt < vocab)
-        tl.store(zy_ptr + rows, tl.sum(tl.where(cols[None, :] == tgt[:, None], finite, 0.0), axis=1) + m, mask=here)
+        here = (tgt >= col0) & (tgt < col0 + BLOCK_V) & (tgt < vocab)
+        # A target outside [0, vocab) gets 0 from the first tile, so the buffer needs no zero-fill.
+        # (col0 broadcast first: the interpreter mishandles a scalar term in a mask.)
+        absent = ((tgt < 0) | (tgt >= vocab)) & (tl.zeros_like(rows) + col0 == 0)
+        zy = tl.sum(tl.where(cols[None, :] == tgt[:, None], finite, 0.0), axis=1) + m
+        tl.store(zy_ptr + rows, tl.where(here, zy, 0.0), mask=row_ok & (here | absent))
 
 
 @triton.jit
@@ -308,7 +313,8 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     Returns:
         ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``);
         for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its maximum logit,
-        ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``; ``zy`` the target's logit.
+        ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``; ``zy`` the target's
+        logit (0 for a target outside ``[0, V)``).
     """
     hidden, weight, bias, targets, transform = ops
     check_operands(hidden, weight)
@@ -318,10 +324,10 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
     names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
-    # One allocation for every partial (each is a host-side cost while the GPU waits).
-    out = dict(zip(names, torch.empty((len(names), tiles, n), dtype=torch.float32, device=hidden.device),
-                   strict=True))
-    out["zy"] = torch.zeros((1, n), dtype=torch.float32, device=hidden.device)
+    # One allocation for every partial, uninitialized (each is a host-side cost while the GPU waits).
+    flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
+    out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
+    out["zy"] = flat[-n:].view(1, n)
     scalars, flags = transform_args(transform)
     tma = cfg.tma and tma_ready(hidden, weight)
     store_tma = z_out is not None and cfg.store_tma and tma_ready(z_out)
