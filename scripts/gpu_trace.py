@@ -128,6 +128,7 @@ def _host_profile(step, reset) -> None:
 
 def main() -> None:
     out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
     objective = sys.argv[2] if len(sys.argv) > 2 else "rollout"
     case = parse_shape(sys.argv[3] if len(sys.argv) > 3 else "8k:llama3-8b")
     names = sys.argv[4:] or ["floor", "logitless", "logitless-fused", "trl-chunked"]
