@@ -22,9 +22,10 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
     ``targets [...]`` (global ids; ``None``: a pass without target ids, e.g. distillation's).
     Returns whether some target equals ``ignore_index``, read in the same host synchronization
-    as the value checks. With ``checks``, the value checks are
-    added to it instead (the caller runs them with its own, in one synchronization) and the
-    return value is ``False``; pass ``ignore_index=None`` then.
+    as the value checks (a second one only when ``ignore_index`` lies outside ``[0, V)`` and so
+    does some target: the targets' range alone answers otherwise). With ``checks``, the value
+    checks are added to it instead (the caller runs them with its own, in one synchronization)
+    and the return value is ``False``; pass ``ignore_index=None`` then.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
