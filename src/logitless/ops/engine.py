@@ -276,6 +276,11 @@ def check_rounded_logits(plan: ChunkPlan, dtype: torch.dtype, stats: NamedTuple)
                          f"use PassOptions(logits_precision='fp32') (or LOGITLESS_LOGITS_PRECISION=fp32)")
 
 
+def _records_graph(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether autograd records a graph through ``tensors`` (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _zeros(want: bool, like: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return torch.zeros(like.shape, dtype=dtype, device=like.device) if want and like is not None else None
 
@@ -437,7 +442,7 @@ def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bia
     """
     check_workspace_fits(p.plan, hidden.device)
     tensors = (hidden, weight, bias, lora_x, lora_b)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+    if not _records_graph(tensors):
         return p.forward_all(hidden, p.head.low_rank(lora_x, lora_b))[0]  # no graph to record
     outs = _RecomputeFn.apply(*tensors, p)
     template = p.empty_stats(0, hidden.device)
@@ -633,7 +638,7 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
         ValueError: ``logits_precision="input"`` and logits beyond the input dtype's range.
     """
     tensors = (hidden, weight, bias, lora_x, lora_b)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    grad = _records_graph(tensors)
     layout: WeightGradLayout = "fp32"
     if grad and weight.requires_grad:
         p, layout = _weight_grad_plan(p, hidden.shape[0], weight)

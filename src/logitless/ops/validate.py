@@ -80,12 +80,12 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         t = targets.reshape(-1)
     # An ignore_index outside [0, V) (TRL's -100) can only occur where the targets' range check
     # fails: one reduction answers both in the common case; the exact check runs only then.
-    span = None
+    span = ignored = None
     if t is not None and t.numel() and ignore_index is not None and not 0 <= ignore_index < vocab:
         with torch.no_grad():
             span = torch.aminmax(t)
     elif t is not None:
-        _add_target_range(own, t, vocab, ignore_index)
+        ignored = _add_target_range(own, t, vocab, ignore_index)
     if lora is not None:
         lora.check(hidden, weight)
     own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))
@@ -105,17 +105,21 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         low, high = own.run(*span)
         if 0 <= low and high < vocab:
             return False
-        _add_target_range(own, t, vocab, ignore_index)
-    if t is None or ignore_index is None:
+        ignored = _add_target_range(own, t, vocab, ignore_index)
+    if ignored is None:
         own.run()
         return False
-    return bool(own.run((t == ignore_index).any())[0])
+    return bool(own.run(ignored.any())[0])
 
 
-def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int, ignore_index: int | None) -> None:
-    """Targets in ``[0, vocab)``, ``ignore_index`` allowed too."""
-    valid = t if ignore_index is None else t.masked_fill(t == ignore_index, 0)
-    checks.add_range(valid, 0, vocab, lambda: _bad_targets(t, vocab, ignore_index))
+def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int,
+                      ignore_index: int | None) -> torch.Tensor | None:
+    """Targets in ``[0, vocab)``, ``ignore_index`` allowed too, added to ``checks``; returns the
+    ``ignore_index`` mask (``None`` without one)."""
+    ignored = None if ignore_index is None else t == ignore_index
+    checks.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
+                     lambda: _bad_targets(t, vocab, ignore_index))
+    return ignored
 
 
 def _check_target_tensor(targets: torch.Tensor, hidden: torch.Tensor) -> None:
