@@ -143,7 +143,8 @@ def policy_loss(
 
     spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
-                         before_loss=set_entropy_mask if cfg.needs_global_entropy else None)
+                         before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
+                         zero_rows=cfg.beta == 0.0 and cfg.entropy_coef == 0.0)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
     loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)

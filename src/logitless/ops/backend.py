@@ -242,11 +242,32 @@ class Backend(Protocol):
     NAME: str
     PLAN: PlanKind  # whose block-size heuristic the pass uses (:class:`ChunkPlan`)
 
+    def kept_rows(self, kept: object, idx: torch.Tensor) -> object:
+        """The kept logits of ``chunk_forward`` restricted to the rows ``idx`` (``[m]`` int64,
+        ascending), for a ``chunk_backward`` of those rows; may reuse (and overwrite) ``kept``."""
+        ...
+
     def chunk_forward(self, head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
                       keep_logits: bool) -> tuple[RowStats, object | None]: ...
 
     def chunk_backward(self, head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats,
                        grads: StatGrads, acc: Accumulators, kept: object | None) -> torch.Tensor | None: ...
+
+
+def compact_rows_(tile: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Move the rows ``idx`` (``[m]`` int64, ascending) of ``tile`` to its first ``m`` rows, in
+    place, and return ``tile[:m]``.
+
+    In place is safe block by block in ascending order: row ``i`` receives row ``idx[i] >= i``,
+    so a block reads only rows at or after its own first row, which no earlier block wrote, and
+    it gathers its rows before it writes them. Blocks of at most 128 MiB bound the temporary.
+    """
+    m = idx.numel()
+    step = max(1, 2**27 // max(1, tile[0].numel() * tile.element_size())) if m else 1
+    for start in range(0, m, step):
+        stop = min(start + step, m)
+        tile[start:stop] = tile.index_select(0, idx[start:stop])
+    return tile[:m]
 
 
 def triton_available() -> bool:

@@ -76,12 +76,17 @@ class ObjectiveSpec:
             entropy quantile), so it runs in recompute mode.
         before_loss: called with every token's detached statistics before the objective, in
             recompute mode (e.g. to set a quantile mask).
+        zero_rows: some rows' gradients may be exactly zero (a policy loss without KL or
+            entropy bonus: zero advantages, the clipped side of the PPO minimum, masked weights);
+            with :attr:`PassOptions.skip_zero_rows` the pass then runs the gradient GEMMs on the
+            other rows only (one host synchronization per chunk, or per pass in recompute mode).
     """
 
     want: StatRequest = field(default_factory=StatRequest)
     cuts: Sequence[int] | None = None
     needs_all_stats: bool = False
     before_loss: Callable[[ChunkStats], None] | None = None
+    zero_rows: bool = False
 
 
 class PassResult(NamedTuple):
@@ -126,6 +131,9 @@ class PassKind(Protocol):
     head: LocalHead
     plan: ChunkPlan
     DIFFERENTIABLE: tuple[str, ...]
+    # Whether the backward may run on the rows whose statistics have a nonzero gradient only
+    # (:meth:`pick`); a kind that sets it implements ``pick``, ``pick_kept`` and ``select``.
+    skips_zero_rows: bool
 
     @property
     def stores_weight_grad(self) -> bool:
@@ -171,9 +179,10 @@ class _Pass:
     plan: ChunkPlan
     want: StatRequest
     lora_b: torch.Tensor | None = None  # [V, r] the adapter's vocabulary-side factor (GEMM dtype)
+    skips_zero_rows: bool = False
 
     @classmethod
-    def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
+    def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
              options: PassOptions) -> tuple[_Pass, torch.Tensor | None]:
         """The pass and the adapter's hidden-side factor ``x`` (differentiable, or ``None``)."""
         local = head.local()
@@ -183,7 +192,21 @@ class _Pass:
         x = b = None
         if head.lora is not None:
             x, b = head.lora.factors(hidden, head.weight)
-        return cls(backend, local, local.local_targets(targets), plan, want, b), x
+        # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
+        skips = spec.zero_rows and options.skip_zero_rows and head.lora is None
+        return cls(backend, local, local.local_targets(targets), plan, spec.want, b, skips), x
+
+    def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
+        """The rows ``idx`` (``[m]`` int64, ascending) of a chunk (no adapter: see :meth:`make`)."""
+        return ChunkRows(rows.hidden[idx], rows.targets[idx], None)
+
+    def pick_kept(self, kept: object | None, idx: torch.Tensor) -> object | None:
+        """The backend's kept logits of the rows ``idx`` (moved in place to the tile's first rows)."""
+        return None if kept is None else self.backend.kept_rows(kept, idx)
+
+    def select(self, idx: torch.Tensor) -> _Pass:
+        """This pass restricted to the rows ``idx`` of its tokens."""
+        return dataclasses.replace(self, targets=self.targets[idx])
 
     @property
     def stores_weight_grad(self) -> bool:
@@ -408,22 +431,32 @@ class _RecomputeFn(torch.autograd.Function):
                             if name in p.DIFFERENTIABLE and present[name]})
         need_h, need_w = ctx.needs_input_grad[:2]
         sdt = stat_dtype_for(hidden.dtype)
+        # The backward runs on the rows with a gradient only: ``rows`` (``hidden``'s, or a gathered copy).
+        picked = _nonzero_rows(grads) if p.skips_zero_rows and grads.any() else None
+        rows = hidden
+        if picked is not None:
+            p, rows, saved, grads = p.select(picked), hidden[picked], rows_of(saved, picked), grads.rows(picked)
+        n = rows.shape[0]
         layout: WeightGradLayout = "fp32"
         if need_w:
-            p, layout = _weight_grad_plan(p, hidden.shape[0], weight)
+            p, layout = _weight_grad_plan(p, n, weight)
         local = p.head.rows_of(weight, bias)
-        acc, local_acc = _accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, layout, hidden.shape[0])
+        acc, local_acc = _accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, layout, n)
         low = local.low_rank(lora_x, lora_b)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.reduces_grad_hidden
-        grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if need_h else None
+        grad_rows = torch.empty_like(rows, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
-            for i, sl in enumerate(p.plan.chunks(hidden.shape[0])):
+            for i, sl in enumerate(p.plan.chunks(n)):
                 chunk_acc = dataclasses.replace(_first_stores(p, local_acc, i == 0),
                                                 lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl])
-                gh = p.backward(p.rows(hidden, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
+                gh = p.backward(p.rows(rows, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
                 if need_h:
-                    grad_hidden[sl] = gh
+                    grad_rows[sl] = gh
+        grad_hidden = grad_rows
+        if need_h and picked is not None:
+            grad_hidden = torch.zeros_like(hidden, dtype=grad_rows.dtype)
+            grad_hidden[picked] = grad_rows
         if partial:
             grad_hidden = all_reduce(grad_hidden, "sum", local.group).to(hidden.dtype)
         if acc.lora_x is not None and local.reduces_grad_hidden:
@@ -450,7 +483,7 @@ def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bia
 
 
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
-                  options: PassOptions) -> ChunkStats:
+                  options: PassOptions, zero_rows: bool = False) -> ChunkStats:
     """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
     mode; under ``torch.no_grad`` only the forward runs: one GEMM's worth of work).
 
@@ -460,11 +493,12 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
         targets: ``[n]`` int64 global token ids, all valid.
         want: statistics beyond ``logp``/``lse``/``is_top1``.
         options: :class:`PassOptions` (``mode`` is not read: this is recompute mode).
+        zero_rows: some rows' gradients may be exactly zero (:attr:`ObjectiveSpec.zero_rows`).
 
     Returns:
         :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
     """
-    p, x = _Pass.make(hidden, head, targets, want, options)
+    p, x = _Pass.make(hidden, head, targets, ObjectiveSpec(want=want, zero_rows=zero_rows), options)
     return recompute_stats(p, hidden, head.weight, head.bias, x, p.lora_b)
 
 
@@ -486,7 +520,8 @@ class _FusedCall:
 def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None,
                acc: Accumulators | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
     """A chunk's statistics, its loss term and (``acc`` given) its gradients:
-    ``(loss term, detached stats, d hidden rows | None)``."""
+    ``(loss term, detached stats, d hidden rows | None, picked | None)``; with ``picked`` (the
+    rows with a gradient, :func:`_nonzero_rows`) the ``d hidden`` rows are those rows' only."""
     p = call.p
     rows = p.rows(hidden, sl, low)
     plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
@@ -504,15 +539,33 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
             got = torch.autograd.grad(loss, [getattr(leaves, k) for k in names], allow_unused=True)
             grads = p.grads_of(dict(zip(names, got, strict=True)))
     call.collected.append(collected)
-    grad_hidden = None
-    if want_grad and grads.any():
+    grad_hidden = picked = None
+    if want_grad and grads.any() and p.skips_zero_rows:
+        picked = _nonzero_rows(grads)
+        if picked is not None and picked.numel():
+            rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
+                p.pick_kept(kept, picked)
+    if want_grad and grads.any() and (picked is None or picked.numel()):
         chunk_acc = dataclasses.replace(acc, lora_x=None if acc.lora_x is None else acc.lora_x[sl])
         grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
     elif want_grad and acc.write_weight and acc.weight is not None:
         acc.weight.zero_()  # nothing reaches the logits: d weight is 0, and nothing else writes it
         if acc.weight_lo is not None:
             acc.weight_lo.zero_()
-    return loss.detach(), stats, grad_hidden
+    return loss.detach(), stats, grad_hidden, picked
+
+
+def _nonzero_rows(grads: NamedTuple) -> torch.Tensor | None:
+    """The rows (``[m]`` int64, ascending) where a statistic has a nonzero gradient, or ``None``
+    when every row has one. A row whose statistics all have a zero gradient has ``dz = 0`` exactly
+    (``p_v`` times zero coefficients), so it adds nothing to ``d weight`` and its ``d hidden`` is
+    zero: the gradient GEMMs may leave it out. One host synchronization (the count)."""
+    mask = None
+    for g in grads:
+        if g is not None:
+            mask = g != 0 if mask is None else mask | (g != 0)
+    idx = mask.nonzero().squeeze(1)
+    return None if idx.numel() == mask.numel() else idx
 
 
 def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
@@ -528,7 +581,7 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
             chunk_acc = None if acc is None else _first_stores(call.p, acc, i == 0)
-            loss, stats, gh = _run_chunk(call, hidden, sl, low, chunk_acc)
+            loss, stats, gh, picked = _run_chunk(call, hidden, sl, low, chunk_acc)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:
                 out = stats
@@ -537,10 +590,12 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
                     if dst is not None:
                         dst[sl] = src
             if grad_hidden is not None:
-                if gh is None:
-                    grad_hidden[sl].zero_()  # nothing reached this chunk's logits
-                else:
+                if gh is None or picked is not None:
+                    grad_hidden[sl].zero_()  # nothing reached these rows' logits
+                if gh is not None and picked is None:
                     grad_hidden[sl] = gh
+                elif gh is not None:
+                    grad_hidden[sl.start + picked] = gh.to(grad_hidden.dtype)
     if total is None:  # no rows
         total, out = torch.zeros((), dtype=sdt, device=hidden.device), call.p.empty_stats(n, hidden.device)
     check_rounded_logits(call.p.plan, hidden.dtype, out)
@@ -617,12 +672,12 @@ def run_objective(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objec
     """
     mode = resolve_mode(options.mode, spec.needs_all_stats)
     if mode == "recompute":
-        stats = compute_stats(hidden, head, targets, spec.want, options)
+        stats = compute_stats(hidden, head, targets, spec.want, options, spec.zero_rows)
         if spec.before_loss is not None:
             spec.before_loss(stats.detached())
         loss, collected = objective(slice(0, hidden.shape[0]), stats)
         return PassResult(loss, stats.detached(), [collected])
-    p, x = _Pass.make(hidden, head, targets, spec.want, options)
+    p, x = _Pass.make(hidden, head, targets, spec, options)
     return run_fused(p, objective, hidden, head.weight, head.bias, x, p.lora_b, spec.cuts)
 
 

@@ -60,6 +60,11 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     return RowStats.combine(parts, owned), None
 
 
+def kept_rows(kept: None, idx: torch.Tensor) -> None:
+    """Raises ``ValueError``: the flash backend keeps no logits, so there are none to select."""
+    raise ValueError("the flash backend keeps no logits; there are no kept rows to select")
+
+
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
                    acc: Accumulators, kept: None) -> torch.Tensor | None:
     """``d hidden`` (fp32) of one chunk and, in place, the ``d weight``/``d bias`` accumulators

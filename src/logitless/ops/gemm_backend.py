@@ -27,7 +27,16 @@ from __future__ import annotations
 
 import torch
 
-from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
+from .backend import (
+    Accumulators,
+    ChunkRows,
+    RowCoefficients,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+    compact_rows_,
+)
 from .gemm_kernels import (
     CentredTile,
     GemmConfig,
@@ -84,6 +93,12 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"])
+
+
+def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
+    """The kept tile's rows ``idx``, moved in place to its first rows (``kept.z`` is overwritten),
+    with their tile maxima."""
+    return CentredTile(compact_rows_(kept.z, idx), kept.tile_max[:, idx].contiguous())
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

@@ -37,6 +37,10 @@ class PassOptions:
             ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
             first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
             still accumulate in fp32). ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``.
+        skip_zero_rows: where the objective says rows may have an exactly zero gradient (a policy
+            loss without KL or entropy bonus: zero advantages, clipped tokens), run the gradient
+            GEMMs on the other rows only, after one host synchronization per chunk (exact: those
+            rows add nothing). ``False`` runs them on every row.
 
     Raises:
         ValueError: a value outside its choices, or ``chunk_bytes <= 0``.
@@ -46,6 +50,7 @@ class PassOptions:
     impl: Impl = "auto"
     chunk_bytes: int | None = None
     logits_precision: LogitsPrecision | None = None
+    skip_zero_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -54,6 +59,8 @@ class PassOptions:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
         if self.chunk_bytes is not None and (isinstance(self.chunk_bytes, bool) or int(self.chunk_bytes) <= 0):
             raise ValueError(f"chunk_bytes must be a positive number of bytes or None, got {self.chunk_bytes!r}")
+        if not isinstance(self.skip_zero_rows, bool):
+            raise TypeError(f"skip_zero_rows must be True or False, got {self.skip_zero_rows!r}")
         if self.logits_precision not in (None, "fp32", "input"):
             raise ValueError(f"logits_precision must be 'fp32', 'input' or None, got {self.logits_precision!r}")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import gemm
-from .backend import Accumulators, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest
+from .backend import Accumulators, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, compact_rows_
 from .head import LocalHead
 from .lora import LowRank, low_rank_grads, low_rank_into
 from .plan import ChunkPlan, stat_dtype_for
@@ -70,6 +70,11 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         if keep_logits and end - start == vocab:
             kept = z
     return st, kept
+
+
+def kept_rows(kept: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The kept ``[n, V]`` tile's rows ``idx``, moved in place to its first rows (``kept`` is overwritten)."""
+    return compact_rows_(kept, idx)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
