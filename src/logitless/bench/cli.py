@@ -26,6 +26,7 @@ import torch
 
 from ..argtypes import csv_of, non_negative_float, non_negative_int, positive_float, positive_int, usage_error
 from . import e2e, report
+from .batches import GROUP_OBJECTIVES, is_group_objective
 from .cases import (
     CPU_MODELS,
     CPU_TOKENS,
@@ -65,6 +66,13 @@ def _shape(text: str) -> Case:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _objective(text: str) -> str:
+    if text in OBJECTIVES or is_group_objective(text):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown objective {text!r}: one of {', '.join(OBJECTIVES)}, or "
+                                     f"grpo-c<percent>[-kl] (e.g. {', '.join(GROUP_OBJECTIVES)})")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the bench subcommand's options on ``parser`` and make :func:`run` its handler."""
     parser.description = DESCRIPTION
@@ -81,8 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"architectures: {', '.join(e2e.ARCHS)}")
     parser.add_argument("--tokens", type=csv_of(positive_int), default=None,
                         help=f"token counts of the grid (default {','.join(map(str, DEFAULT_TOKENS))}; 8k = 8192)")
-    parser.add_argument("--objectives", type=csv_of(choices=OBJECTIVES), default=None,
-                        help=f"objectives to run (default all): {','.join(OBJECTIVES)}")
+    parser.add_argument("--objectives", type=csv_of(_objective), default=None,
+                        help=f"objectives to run (default {','.join(OBJECTIVES)}); GRPO batches with group-reward "
+                             f"advantages, c<percent> of the groups reward-constant, beta 0 (-kl: 0.04): "
+                             f"{','.join(GROUP_OBJECTIVES)}")
     parser.add_argument("--rows", type=csv_of(choices=ROW_NAMES), default=None,
                         help=f"rows to run (the floor always runs): {', '.join(ROW_NAMES)}")
     parser.add_argument("--impl", type=csv_of(choices=_IMPLS), default=None,

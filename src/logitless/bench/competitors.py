@@ -34,7 +34,9 @@ import torch
 
 import logitless
 
+from ..objectives import PolicyConfig
 from ..ops import PassOptions, resolve_backend
+from .batches import GROUP_OBJECTIVES, group_config, is_group_objective
 from .cases import Inputs
 from .plain import (
     DPO_BETA,
@@ -127,19 +129,24 @@ def _import(module: str, package: str):
 # ---------------------------------------------------------------- GRPO
 
 
-def _options(mode: str, impl: str, fp32_logits: bool) -> PassOptions:
-    return PassOptions(mode=mode, impl=impl, logits_precision="fp32" if fp32_logits else "input")
+def _options(mode: str, impl: str, fp32_logits: bool, skip_zero_rows: bool = True) -> PassOptions:
+    return PassOptions(mode=mode, impl=impl, logits_precision="fp32" if fp32_logits else "input",
+                       skip_zero_rows=skip_zero_rows)
 
 
-def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) -> Prepared:
+def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True, cfg: PolicyConfig = GRPO_CONFIG,
+                   skip_zero_rows: bool = True) -> Prepared:
     """logitless ``policy_loss`` (dapo, beta, all metrics, entropy) in one vocabulary pass;
     ``fused``: gradients computed inside the forward (3 GEMMs), ``recompute``: logits
     recomputed in the backward (4 GEMMs), O(N) saved state. ``fp32_logits=False``: the GEMM's
-    output rounded to bf16 as the plain path's (statistics still fp32)."""
+    output rounded to bf16 as the plain path's (statistics still fp32). Rows whose gradient is
+    exactly zero (``beta = 0``: zero advantages, clipped tokens) are left out of the gradient
+    GEMMs unless ``skip_zero_rows=False``."""
+    options = _options(mode, impl, fp32_logits, skip_zero_rows)
 
     def step() -> Outputs:
         loss, metrics = logitless.policy_loss(x.hidden, x.weight, x.targets, x.mask, x.advantages, x.old_logp,
-                                              x.ref_logp, config=GRPO_CONFIG, options=_options(mode, impl, fp32_logits))
+                                              x.ref_logp, config=cfg, options=options)
         return _train_outputs(loss, metrics)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -152,7 +159,7 @@ def _trl_function():
     return mod.ChunkedLogProbFunction, getattr(utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768)
 
 
-def grpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
+def grpo_trl_chunked(x: Inputs, impl: str, cfg: PolicyConfig = GRPO_CONFIG) -> Prepared:
     """TRL's own chunked head (``trl.kernels.ChunkedLogProbFunction``, the trainer's vocabulary
     chunk, log-probs + entropy) followed by TRL's GRPO math on the ``[B, T]`` log-probs."""
     fn, chunk = _trl_function()
@@ -162,7 +169,7 @@ def grpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
         logp, ent, *_ = fn.apply(x.hidden.reshape(-1, h), x.weight, None, x.targets.reshape(-1), 1.0, chunk, None,
                                  1.0, ("entropy",))
         loss, metrics = grpo_from_logp(logp.view(b, t), ent.detach().view(b, t), x.mask, x.advantages, x.old_logp,
-                                       x.ref_logp)
+                                       x.ref_logp, cfg)
         return _train_outputs(loss, metrics)
 
     return Prepared(step)
@@ -178,12 +185,12 @@ def grpo_torch_plain(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
-def grpo_torch_compile(x: Inputs, impl: str) -> Prepared:
+def grpo_torch_compile(x: Inputs, impl: str, cfg: PolicyConfig = GRPO_CONFIG) -> Prepared:
     """``torch.compile`` of the plain PyTorch GRPO path (Inductor, default mode); compile time
     is excluded (warm-up)."""
     if x.hidden.device.type != "cuda":
         raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    compiled = torch.compile(plain_grpo, dynamic=False)
+    compiled = torch.compile(partial(plain_grpo, cfg=cfg), dynamic=False)
 
     def step() -> Outputs:
         return _train_outputs(*compiled(x.hidden, x.weight, *grpo_args(x)))
@@ -191,14 +198,13 @@ def grpo_torch_compile(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
-def grpo_liger(x: Inputs, impl: str) -> Prepared:
+def grpo_liger(x: Inputs, impl: str, cfg: PolicyConfig = GRPO_CONFIG) -> Prepared:
     """Liger-Kernel ``LigerFusedLinearGRPOLoss`` (dapo, beta, bias-corrected KL, default chunk of
     one sequence, its ``torch.compile``'d loss math); it computes no entropy."""
     _need_cuda(x, "Liger-Kernel")
     mod = _import("liger_kernel.chunked_loss", "liger-kernel")
-    cfg = GRPO_CONFIG
     kwargs = dict(beta=cfg.beta, epsilon_low=cfg.epsilon, epsilon_high=cfg.eps_high, loss_type=cfg.loss_type,
-                  use_ref_model=True)
+                  use_ref_model=cfg.beta != 0.0)
     params = inspect.signature(mod.LigerFusedLinearGRPOLoss).parameters
     if "use_bias_correction_kl" in params:
         kwargs["use_bias_correction_kl"] = cfg.use_bias_correction_kl
@@ -651,4 +657,26 @@ ROWS: tuple[Row, ...] = (
     Row("torch-plain", "dpo", dpo_torch_plain, logit_bytes=_BYTES["dpo-plain"]),
     Row("torch-compile", "dpo", dpo_torch_compile, logit_bytes=_BYTES["dpo-compile"]),
 )
-ROW_NAMES = tuple(dict.fromkeys(r.name for r in ROWS))
+
+def _group_rows(objective: str) -> tuple[Row, ...]:
+    """The rows of a GRPO batch with group-reward advantages (:mod:`.batches`)."""
+    cfg = group_config(objective)
+    return (
+        Row("floor", objective, floor_three_gemms, role="floor"),
+        Row("logitless-fused", objective, partial(grpo_logitless, mode="fused", cfg=cfg), role="reference"),
+        Row("logitless-dense", objective, partial(grpo_logitless, mode="fused", cfg=cfg, skip_zero_rows=False)),
+        Row("logitless-recompute", objective, partial(grpo_logitless, mode="recompute", cfg=cfg)),
+        Row("trl-chunked", objective, partial(grpo_trl_chunked, cfg=cfg)),
+        Row("liger", objective, partial(grpo_liger, cfg=cfg)),
+        Row("torch-compile", objective, partial(grpo_torch_compile, cfg=cfg), logit_bytes=_BYTES["grpo-compile"]),
+    )
+
+
+def rows_of(objective: str) -> tuple[Row, ...]:
+    """Every row of ``objective`` (one of :data:`OBJECTIVES` or a group objective ``grpo-c<percent>[-kl]``)."""
+    if is_group_objective(objective):
+        return _group_rows(objective)
+    return tuple(r for r in ROWS if r.objective == objective)
+
+
+ROW_NAMES = tuple(dict.fromkeys(r.name for r in (*ROWS, *_group_rows(GROUP_OBJECTIVES[0]))))

@@ -68,12 +68,13 @@ def plain_logp_entropy(hidden: torch.Tensor, weight: torch.Tensor,
 
 
 def plain_grpo(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-               advantages: torch.Tensor, old_logp: torch.Tensor,
-               ref_logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Plain-path GRPO from ``hidden [B, T, H]`` (tensor arguments only, so it compiles cleanly)."""
+               advantages: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+               cfg: PolicyConfig = GRPO_CONFIG) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain-path GRPO from ``hidden [B, T, H]`` (tensor arguments, and a config fixed per
+    compiled function, so it compiles cleanly)."""
     b, t, h = hidden.shape
     logp, entropy = plain_logp_entropy(hidden.reshape(-1, h), weight, targets.reshape(-1))
-    return grpo_from_logp(logp.view(b, t), entropy.view(b, t), mask, advantages, old_logp, ref_logp)
+    return grpo_from_logp(logp.view(b, t), entropy.view(b, t), mask, advantages, old_logp, ref_logp, cfg)
 
 
 def grpo_args(x: Inputs) -> tuple[torch.Tensor, ...]:

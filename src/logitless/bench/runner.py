@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from .batches import group_inputs, is_group_objective, zero_row_fraction
 from .cases import Case, Inputs, make_inputs
-from .competitors import OBJECTIVES, ROWS, Outputs, Row, Unavailable
+from .competitors import OBJECTIVES, Outputs, Row, Unavailable, rows_of
 from .timing import free_memory, is_oom, peak_bytes, rel_diff, synchronize, time_step
 
 # "Same numbers": bf16 inputs, fp32 statistics. A loss within 1% and gradients within 5% (norm-wise)
@@ -60,7 +61,7 @@ class Options:
 
 def expand_rows(objective: str, opts: Options) -> Iterator[tuple[Row, str, str]]:
     """``(row, impl, display name)`` of one objective, floor first, then the reference."""
-    rows = [r for r in ROWS if r.objective == objective]
+    rows = list(rows_of(objective))
     rows.sort(key=lambda r: {"floor": 0, "reference": 1}.get(r.role, 2))
     for row in rows:
         if opts.rows is not None and row.role != "floor" and row.name not in opts.rows:
@@ -208,11 +209,15 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict[str,
     for objective in opts.objectives:
         ref: _Reference | None = None
         floor_ms = None
+        xo = x
+        if is_group_objective(objective):  # the same tokens laid out as a GRPO batch of groups
+            xo = group_inputs(x, objective, opts.seed)
+            record.setdefault("zero_row_fraction", {})[objective] = zero_row_fraction(xo)
         for row, impl, name in expand_rows(objective, opts):
-            if row.role == "floor" and row.prepare in floors:  # grpo and ce share the 3-GEMM floor
+            if row.role == "floor" and row.prepare in floors:  # the objectives of 6NHV share the 3-GEMM floor
                 rec = {**floors[row.prepare], "objective": objective}
             else:
-                rec, new_ref = run_row(row, impl, name, case, x, opts, ref, log)
+                rec, new_ref = run_row(row, impl, name, case, xo, opts, ref, log)
                 ref = new_ref or ref
                 if row.role == "floor":
                     floors[row.prepare] = rec
@@ -224,7 +229,7 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict[str,
                 record["mean_entropy"] = rec["entropy"]
             record["results"].append(rec)
             log(_line(rec))
-        del ref
+        del ref, xo
         free_memory(opts.device)
     del x
     free_memory(opts.device)
