@@ -35,7 +35,6 @@ from .backend import (
     SavedStats,
     StatGrads,
     StatRequest,
-    compact_rows_,
 )
 from .gemm_kernels import (
     CentredTile,
@@ -43,6 +42,7 @@ from .gemm_kernels import (
     TileOperands,
     gemm_config,
     launch_centred_grad,
+    launch_centred_grad_rows,
     launch_forward,
     launch_grad_tile,
 )
@@ -96,9 +96,9 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
 
 
 def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
-    """The kept tile's rows ``idx``, moved in place to its first rows (``kept.z`` is overwritten),
-    with their tile maxima."""
-    return CentredTile(compact_rows_(kept.z, idx), kept.tile_max[:, idx].contiguous())
+    """The kept tile restricted to its rows ``idx``: the backward's ``dy`` kernel reads those rows
+    and writes their ``dy`` compacted into the tile's first rows (no separate copy)."""
+    return kept._replace(rows=idx)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
@@ -116,7 +116,9 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     cfg = gemm_config()
     grad_hidden = None
     for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
-        if kept is not None:
+        if kept is not None and kept.rows is not None:
+            dy = launch_centred_grad_rows(kept, hidden.dtype, targets, block.start, head.transform, rc, cfg)
+        elif kept is not None:
             dy = kept.z.view(hidden.dtype)
             launch_centred_grad(kept.z, kept.tile_max, dy, targets, block.start, head.transform, rc, cfg)
         else:

@@ -234,6 +234,55 @@ def _centred_grad_kernel(
 
 
 @triton.jit
+def _centred_grad_rows_kernel(
+    z_ptr, stride_zn,  # [n, width] fp16 centred logits
+    dy_ptr,  # z's storage in the GEMM dtype (same element size, same strides): dy row i overwrites row i
+    rows_ptr, m,  # [m] int64 ascending rows of z to turn into dy rows 0..m-1
+    m_ptr, n,  # [tiles, n] fp32 tile maxima of z's rows (row stride n)
+    tgt_ptr,  # [m] int64 targets, vocabulary-global
+    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,  # [m] fp32 (dummies when absent)
+    width, v_start,
+    logit_scale, softcap, temperature,
+    HAS_SOFTCAP: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_LOGP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr, TILE_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+):
+    """:func:`_centred_grad_kernel` for the rows ``rows`` of the tile only, written compacted
+    in place: output row ``i`` is input row ``rows[i] >= i``. A program owns a column block and
+    walks the output rows in ascending blocks, so every input row is read before the block that
+    overwrites it (a later block, or its own, which loads first); loads of later blocks may
+    run ahead (they read rows no earlier block writes)."""
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < width
+    tile_of = (cols // TILE_V) * n
+    for i0 in tl.range(0, m, BLOCK_N, num_stages=STAGES):
+        out = i0 + tl.arange(0, BLOCK_N)
+        ok = out < m
+        src = tl.load(rows_ptr + out, mask=ok, other=0)
+        both = ok[:, None] & col_ok[None, :]
+        mx = tl.load(m_ptr + tile_of[None, :] + src[:, None], mask=both, other=0.0)
+        z = tl.load(z_ptr + src[:, None] * stride_zn + cols[None, :], mask=both, other=0.0).to(tl.float32) + mx
+        lse = tl.load(lse_ptr + out, mask=ok, other=0.0)
+        coef = tl.load(coef_ptr + out, mask=ok, other=0.0)
+        p = tl.exp(z - lse[:, None])
+        if HAS_ENTROPY:
+            g_ent = tl.load(g_ent_ptr + out, mask=ok, other=0.0)
+            c = tl.load(sum_pz_ptr + out, mask=ok, other=0.0)
+            dz = p * (coef[:, None] - g_ent[:, None] * (z - c[:, None]))
+        else:
+            dz = p * coef[:, None]
+        if HAS_SUM_Z:
+            dz += tl.load(g_sz_ptr + out, mask=ok, other=0.0)[:, None]
+        if HAS_LOGP:
+            g_logp = tl.load(g_logp_ptr + out, mask=ok, other=0.0)
+            t = tl.load(tgt_ptr + out, mask=ok, other=-1) - v_start
+            dz += tl.where(cols[None, :] == t[:, None], g_logp[:, None], 0.0)
+        dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
+        tl.store(dy_ptr + out[:, None].to(tl.int64) * stride_zn + cols[None, :], dy.to(dy_ptr.dtype.element_ty),
+                 mask=both)
+
+
+@triton.jit
 def _grad_tile_kernel(
     h_src, stride_hn,  # [n, H] hidden (descriptor of [BLOCK_N, BLOCK_K] blocks, or pointer)
     w_src, stride_wv,  # [V, H] weight rows of this block (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
@@ -291,10 +340,13 @@ class TileOperands(NamedTuple):
 
 class CentredTile(NamedTuple):
     """Logits stored by :func:`launch_forward`: ``z [n, V]`` fp16, each ``block_v``-wide tile
-    centred on its row maximum ``tile_max [tiles, n]`` fp32 (``z + tile_max`` is the logit)."""
+    centred on its row maximum ``tile_max [tiles, n]`` fp32 (``z + tile_max`` is the logit);
+    ``rows`` (``[m]`` int64, ascending), when set, the only rows a backward turns into ``dy``
+    (:func:`launch_centred_grad_rows`)."""
 
     z: torch.Tensor
     tile_max: torch.Tensor
+    rows: torch.Tensor | None = None
 
 
 def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool, z_out: torch.Tensor | None,
@@ -385,6 +437,42 @@ def launch_centred_grad(z: torch.Tensor, tile_max: torch.Tensor, out: torch.Tens
         HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
         HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
         TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
+
+
+def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: torch.Tensor, v_start: int,
+                             transform: LogitTransform, rc: RowCoefficients, cfg: GemmConfig) -> torch.Tensor:
+    """:func:`launch_centred_grad` of the rows ``tile.rows`` only, compacted: returns ``dy``
+    ``[m, v]`` in ``dtype`` (the GEMM's, 2 bytes) over ``tile.z``'s first rows (the tile is
+    overwritten), row ``i`` the gradient of row ``tile.rows[i]``.
+
+    Args:
+        tile: :class:`CentredTile` with ``rows``; ``z`` with unit column stride.
+        targets: ``[m]`` int64 targets of those rows; ``rc``: their
+            :class:`~logitless.ops.backend.RowCoefficients` (``[m]`` fp32 each).
+    """
+    z, rows = tile.z, tile.rows
+    n, width = z.shape
+    m = rows.numel()
+    assert z.stride(1) == 1 and rows.dtype == torch.int64 and targets.shape == (m,)
+    assert (rc.sum_pz is None) == (rc.g_entropy is None)
+    out = z.view(dtype)
+    dy = out[:m]
+    if m == 0 or width == 0:
+        return dy
+    scalars, flags = transform_args(transform)
+    lse = rc.lse
+    block_n, block_v = (4, 64) if interpreting() else (16, 256)
+
+    def arg(x: torch.Tensor | None) -> torch.Tensor:
+        return lse if x is None else x
+
+    _centred_grad_rows_kernel[(triton.cdiv(width, block_v),)](
+        z, z.stride(0), out, rows, m, tile.tile_max, n, targets, lse, arg(rc.sum_pz), rc.coef, arg(rc.g_logp),
+        arg(rc.g_entropy), arg(rc.g_sum_z), width, v_start, *scalars,
+        HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
+        HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
+        TILE_V=cfg.fwd.block_v, BLOCK_N=block_n, BLOCK_V=block_v, STAGES=3, num_warps=4)
+    return dy
 
 
 def launch_grad_tile(ops: TileOperands, rc: RowCoefficients, fp32_logits: bool, out: torch.Tensor,
