@@ -25,8 +25,30 @@ def _shard_rows(v: int, world: int, rank: int, sizes: list[int] | None):
     return start, sizes[rank]
 
 
+_SKIPPED = []  # rows each of this process's backward decisions left out
+
+
+def _small_row_multiple(case: dict) -> None:
+    """Tests of rows without a gradient on tiny batches round the backward's rows to a small
+    multiple, and count the rows each decision leaves out (``_SKIPPED``)."""
+    if "row_multiple" in case:
+        from logitless.ops import engine
+
+        engine._ROW_MULTIPLE = case["row_multiple"]
+        real = engine._nonzero_rows
+
+        def counting(grads):
+            idx = real(grads)
+            n = next(g for g in grads if g is not None).shape[0]
+            _SKIPPED.append(0 if idx is None else n - idx.numel())
+            return idx
+
+        engine._nonzero_rows = counting
+
+
 def vocab_parallel(rank: int, world: int, case: dict) -> dict:
     """The case's loss with this rank's rows of the head; returns loss, grads, metrics."""
+    _small_row_multiple(case)
     hidden = case["hidden"].clone().requires_grad_()
     weight_full = case["weight"]
     start, rows = _shard_rows(weight_full.shape[0] - case.get("pad", 0), world, rank, case.get("sizes"))
@@ -84,12 +106,14 @@ def vocab_parallel(rank: int, world: int, case: dict) -> dict:
         start=start,
         rows=rows,
         metrics={k: v.detach() for k, v in metrics.items()},
+        skipped=list(_SKIPPED),
     )
     return out
 
 
 def sequence_parallel(rank: int, world: int, case: dict) -> dict:
     """Packed GSPO with this rank's contiguous slice of the token stream (segments cut across ranks)."""
+    _small_row_multiple(case)
     n = case["hidden"].shape[0]
     bounds = case["bounds"]
     sl = slice(bounds[rank], bounds[rank + 1])
@@ -115,6 +139,7 @@ def sequence_parallel(rank: int, world: int, case: dict) -> dict:
         "grad_hidden": hidden.grad,
         "grad_weight": weight.grad,
         "metrics": {k: v.detach() for k, v in metrics.items()},
+        "skipped": list(_SKIPPED),
     }
 
 

@@ -73,6 +73,13 @@ def _assert_same(a, b, tol=TOL):
         torch.testing.assert_close(ma[k], mb[k], rtol=tol, atol=tol, equal_nan=True, msg=k)
 
 
+@pytest.fixture(autouse=True)
+def small_row_multiple(monkeypatch):
+    """Test batches have tens of rows: round the backward's rows to a multiple of 4 (not 128), so
+    some rows without a gradient still join it and others are left out."""
+    monkeypatch.setattr(engine, "_ROW_MULTIPLE", 4)
+
+
 @pytest.fixture
 def picked_counts(monkeypatch):
     """``(rows with a gradient, rows)`` of every decision the engine takes."""
@@ -83,6 +90,9 @@ def picked_counts(monkeypatch):
         idx = real(grads)
         n = next(g for g in grads if g is not None).shape[0]
         seen.append((n if idx is None else idx.numel(), n))
+        if idx is not None:
+            assert idx.numel() % 4 == 0 or idx.numel() == n
+            assert (idx.diff() > 0).all()  # ascending: the in-place compactions rely on it
         return idx
 
     monkeypatch.setattr(engine, "_nonzero_rows", spy)
@@ -193,12 +203,14 @@ def test_vocab_shards_skip_the_same_rows():
     from test_distributed import _spawn
 
     gen = torch.Generator().manual_seed(21)
-    case = _dist_case(gen, objective="grpo", mode="fused", sizes=[30, 31], chunk=2000,
+    case = _dist_case(gen, objective="grpo", mode="fused", sizes=[30, 31], chunk=2000, row_multiple=4,
                       config=dict(loss_type="grpo", epsilon_high=0.28))
     batch = dict(hidden=case["hidden"], weight=case["weight"], bias=torch.zeros(61, dtype=torch.float64),
                  ids=case["targets"], mask=case["mask"], adv=case["advantages"], old=case["old"])
     loss, (gh, gw, _), metrics = _run(batch, PolicyConfig(**case["config"]), False, chunk_bytes=2000)
-    for o in _spawn("vocab_parallel", 2, case):
+    outs = _spawn("vocab_parallel", 2, case)
+    assert outs[0]["skipped"] == outs[1]["skipped"] and sum(outs[0]["skipped"]) > 0
+    for o in outs:
         torch.testing.assert_close(o["loss"], loss, rtol=TOL, atol=TOL)
         torch.testing.assert_close(o["grad_hidden"], gh, rtol=TOL, atol=TOL)
         torch.testing.assert_close(o["grad_weight"], gw[o["start"]:o["start"] + o["rows"]], rtol=TOL, atol=TOL)
@@ -214,12 +226,13 @@ def test_sequence_parallel_ranks_skip_exactly():
     gen = torch.Generator().manual_seed(23)
     case = _packed_case(gen)
     case["advantages"][1:3] = 0.0  # two sequences of a reward-constant group
-    case.update(mode="auto", bounds=[0, 9, 17, 24],  # ref_logp is ignored at beta = 0
+    case.update(mode="auto", bounds=[0, 9, 17, 24], row_multiple=4,  # ref_logp is ignored at beta = 0
                 config=dict(loss_type="grpo", importance_sampling_level="sequence", epsilon_high=0.28))
     batch = dict(hidden=case["hidden"], weight=case["weight"], bias=torch.zeros(53, dtype=torch.float64),
                  ids=case["targets"], mask=case["mask"], adv=case["advantages"], old=case["old"])
     loss, (gh, gw, _), metrics = _run(batch, PolicyConfig(**case["config"]), False, segment_ids=case["segment_ids"])
     outs = _spawn("sequence_parallel", 3, case)
+    assert sum(sum(o["skipped"]) for o in outs) > 0
     torch.testing.assert_close(sum(o["loss"] for o in outs), loss, rtol=TOL, atol=TOL)
     torch.testing.assert_close(torch.cat([o["grad_hidden"] for o in outs]), gh, rtol=TOL, atol=TOL)
     torch.testing.assert_close(sum(o["grad_weight"] for o in outs), gw, rtol=TOL, atol=TOL)
