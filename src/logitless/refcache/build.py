@@ -286,10 +286,12 @@ def _finished(root: Path, plan: _Plan, state: dict[str, Any], rank: int, key: by
     if not (root / MANIFEST).is_file():
         return None
     done = Store(root, key=key).manifest
-    diff = done.fingerprint.mismatches(state["fingerprint"])
+    # a build given no tokenizer does not contradict the one the cache recorded
+    diff = done.fingerprint.mismatches({k: v for k, v in state["fingerprint"].items()
+                                        if not (k == "tokenizer" and v is None)})
     if done.build.get("plan") != plan.digest:
         diff["plan (records and batch size)"] = (done.build.get("plan"), plan.digest)
-    if done.has_entropy != state["entropy"]:
+    if state["entropy"] and not done.has_entropy:  # a cache with entropy serves a build without it
         diff["entropy"] = (done.has_entropy, state["entropy"])
     if diff:
         raise RefCacheMismatchError(diff, f"{root}, which already holds a finished cache of other content (use "

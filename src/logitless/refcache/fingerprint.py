@@ -176,11 +176,12 @@ class Fingerprint:
         return _json_checksum(asdict(self), b"logitless-fp")
 
     def mismatches(self, expected: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """``{field: (ours, expected)}`` for each checked field present (not ``None``) in
-        ``expected`` that differs."""
+        """``{field: (ours, expected)}`` for each checked field present in ``expected`` that
+        differs. ``None`` is a value like any other (``softcap=None``: no soft-capping), so a
+        field not to compare must be left out."""
         out = {}
         for name in CHECKED_FIELDS:
-            if name not in expected or expected[name] is None:
+            if name not in expected:
                 continue
             ours, theirs = getattr(self, name), expected[name]
             if ours != theirs:

@@ -108,4 +108,4 @@ def check_mac(root: Path, key: bytes | None, manifest: bytes) -> None:
     if stored.get("algorithm") != _ALGORITHM or not hmac.compare_digest(stored["mac"], want["mac"]):
         raise RefCacheCorruptError(path, "the MAC does not match manifest.json: the cache was changed after it was "
                                          "built with this key",
-                                   "Do not use it; rebuild the cache from the reference model with the key")
+                                   "Rebuild the cache from the reference model with the key; do not use this one")
