@@ -170,7 +170,7 @@ def test_merge_refuses_a_finished_cache_its_bookkeeping_does_not_describe(tmp_pa
 
 # --- item 2: keyed MAC, served values checked -------------------------------------------------
 
-def test_keyed_cache_needs_its_key(keyed, tmp_path, monkeypatch):
+def test_keyed_cache_needs_its_key(keyed, tmp_path, monkeypatch, capsys):
     root, key = keyed["root"], keyed["key"]
     assert (root / "manifest.hmac").stat().st_mode == (root / "manifest.json").stat().st_mode
     assert_exact(served(root, keyed["recs"], key_file=key, model=keyed["ref"], verify="full"), keyed["ref"],
@@ -198,6 +198,9 @@ def test_keyed_cache_needs_its_key(keyed, tmp_path, monkeypatch):
     monkeypatch.delenv("LOGITLESS_REFCACHE_KEY")
     assert main(["refcache", "verify", str(root)]) == 1
     assert main(["refcache", "verify", str(root), "--key-file", str(key)]) == 0
+    capsys.readouterr()
+    assert main(["refcache", "info", str(root)]) == 0  # info displays, it does not check
+    assert "HMAC-SHA256" in capsys.readouterr().out
     # merging or rebuilding a keyed cache without its key is refused as well; with it, a no-op
     before = cache_bytes(root)
     with pytest.raises(RefCacheMismatchError):

@@ -229,7 +229,8 @@ class RefCache:
         Raises:
             RefCacheMissError: a sequence is not cached, or a served position was not computed
                 at build time; names the batch row, length, leading token ids and key.
-            RefCacheCorruptError: a row fails its checksum.
+            RefCacheCorruptError: a row fails its checksum, or holds a log-prob that is not finite
+                and <= 0 (an entropy outside ``[0, log V]``): a forged or miscomputed cache.
             ValueError: shapes differ, ``what`` is not ``"logp"``/``"entropy"``, or entropy
                 requested from a cache without it.
             TypeError: ``input_ids`` is not an integer tensor.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -237,6 +238,9 @@ def _info(args: argparse.Namespace) -> int:
     print(f"tokenizer      {fp['tokenizer']}")
     print(f"transform      temperature={fp['temperature']} logit_scale={fp['logit_scale']} softcap={fp['softcap']}")
     print(f"built          {d['created_at']} by logitless {fp['library_version']}, {len(d['parts'])} part(s)")
+    keyed = os.path.lexists(args.path / "manifest.hmac")
+    print("mac            " + ("HMAC-SHA256 (manifest.hmac; not checked here: verify --key-file checks it)" if keyed
+                               else "none (built without a key)"))
     return 0
 
 

@@ -93,7 +93,8 @@ def weights_fingerprint(module: torch.nn.Module, mode: HashMode = "auto") -> tup
         ``(hex digest, mode used)``.
 
     Raises:
-        ValueError: a tensor is on the ``meta`` device (e.g. after :func:`free_reference`).
+        ValueError: a tensor is on the ``meta`` device (e.g. after :func:`free_reference`), or
+            ``LOGITLESS_REFCACHE_FULL_HASH_BYTES`` is not a whole number of bytes >= 0.
     """
     items = sorted(module.state_dict().items())
     total = sum(t.numel() * t.element_size() for _, t in items)

@@ -9,7 +9,7 @@ checksum of every row, so the MAC covers every value served. Without the key nob
 produce a MAC that verifies.
 
 The key is read from the file given as ``key_file`` (its bytes; trailing whitespace and line
-ends are dropped) or, when none is given, from the environment variable
+ends are dropped; ``~`` is expanded) or, when none is given, from the environment variable
 ``LOGITLESS_REFCACHE_KEY`` (its UTF-8 text); it must be at least 16 bytes. Once a key is held,
 a cache without a MAC is refused as well, so stripping the MAC does not help a forger.
 """
@@ -45,7 +45,7 @@ def load_key(key_file: str | os.PathLike[str] | None) -> bytes | None:
         if not isinstance(key_file, (str, os.PathLike)):
             raise TypeError(f"key_file must be a path to a file holding the key, got {type(key_file).__name__}")
         try:
-            key, where = Path(key_file).read_bytes().rstrip(), f"key_file {os.fspath(key_file)}"
+            key, where = Path(key_file).expanduser().read_bytes().rstrip(), f"key_file {os.fspath(key_file)}"
         except OSError as e:
             raise ValueError(f"key_file {os.fspath(key_file)}: cannot read it ({e.strerror or e})") from None
     else:

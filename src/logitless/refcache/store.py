@@ -20,7 +20,9 @@ enter the process's resident set and RAM stays flat with the cache size.
 Integrity: every file is written to a temporary name, fsynced and renamed into place, and
 ``manifest.json`` is written last (a directory without it is not a cache). The manifest
 records each file's size and blake2b; opening checks sizes and the index checksum, every
-served row is checked against its row checksum, and :meth:`Store.verify` rehashes all files.
+served row is checked against its row checksum and its values against what a model can
+compute, and :meth:`Store.verify` rehashes all files. A cache built with a key also carries
+``manifest.hmac``, checked before the manifest is parsed (see :mod:`.mac`).
 """
 
 from __future__ import annotations
@@ -453,7 +455,9 @@ class Store:
         resident set; parts are never parsed at serving time.
 
         Raises:
-            RefCacheCorruptError: a row fails its checksum or lies outside its part.
+            RefCacheCorruptError: a row fails its checksum or lies outside its part, or holds a
+                value no model computes (a log-prob that is not finite and <= 0, an entropy
+                outside ``[0, log V]``).
         """
         item = self.value_dtype.itemsize
         out = np.empty(int(self.length[rows].sum()), self.value_dtype)
