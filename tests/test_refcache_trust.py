@@ -158,6 +158,9 @@ def test_merge_refuses_a_finished_cache_its_bookkeeping_does_not_describe(tmp_pa
     ref, recs = toy(seed), records(5, seed)
     root = tmp_path / "c"
     build(ref, recs, root, options=opts())
+    before = cache_bytes(root)
+    assert merge(root).num_sequences == len(set(map(tuple, recs)))  # described by its bookkeeping: a no-op
+    assert cache_bytes(root) == before
     parts = json.loads((root / "parts/rank-00000/done.json").read_text())["parts"]
     fp = json.loads((root / "manifest.json").read_text())["fingerprint"]
     finalize(root, Fingerprint(**{**fp, "temperature": 0.5}), parts)

@@ -352,9 +352,10 @@ def merge(path: str | Path, *, key_file: str | os.PathLike[str] | None = None):
     """Index every rank's parts into one cache (writes ``index.arrow`` then ``manifest.json``).
 
     Merging never rewrites a finished cache: when ``manifest.json`` exists, its manifest is
-    returned if the ranks' bookkeeping describes it, and the merge is refused otherwise. Each
-    part records the digest of its rank's ``state.json``, so edited bookkeeping (another model's
-    weights fingerprint or another temperature) does not merge either.
+    returned if the ranks' bookkeeping describes it (fingerprint, parts, build settings), and
+    the merge is refused otherwise. Before an unfinished build is merged, each part must record
+    the digest of its rank's ``state.json``, so edited bookkeeping (another model's weights
+    fingerprint or another temperature) does not merge either.
 
     Args:
         path: the cache directory.
@@ -381,7 +382,6 @@ def _merge(root: Path, key: bytes | None):
     first = _rank_dir(root, 0)
     if not (first / _STATE).is_file():
         raise ValueError(f"{root} holds no build (no {first / _STATE})")
-    finished = (root / MANIFEST).is_file()
     state = _read_json(first, _STATE)
     try:
         world = int(state["world_size"])
@@ -392,13 +392,10 @@ def _merge(root: Path, key: bytes | None):
     except (KeyError, TypeError, ValueError) as e:
         raise RefCacheCorruptError(first / _STATE, f"lacks build settings ({e})",
                                    f"Delete {root} and run the build again") from None
-    bound = _state_digest(state)
     parts: list[dict[str, Any]] = []
     for r in range(world):
         d = _rank_dir(root, r)
         check_real_dirs(root, (f"{PARTS}/{d.name}",))
-        redo = (f"Delete {root} to rebuild it; merge never rewrites a finished cache, which is left as it is"
-                if finished else f"Delete {d} and build rank {r} again")
         if not (d / _DONE).is_file():
             raise ValueError(f"rank {r} of {world} has not finished building into {d}")
         if _read_json(d, _STATE) != state:
@@ -408,19 +405,33 @@ def _merge(root: Path, key: bytes | None):
         listed = done.get("parts")
         if done.get("plan") != state["plan"] or not isinstance(listed, list) or not all(
                 isinstance(p, dict) and {"name", "bytes", "blake2b", "values_at"} <= set(p) for p in listed):
-            raise RefCacheCorruptError(d / _DONE, "does not list the parts of this rank's plan", redo)
+            raise RefCacheCorruptError(d / _DONE, "does not list the parts of this rank's plan",
+                                       f"Delete {d} and build rank {r} again")
         for i, rec in enumerate(listed):
             if rec["name"] != f"{d.name}/part-{i:06d}.arrow":
-                raise RefCacheCorruptError(d / _DONE, f"lists {rec['name']!r} as part {i} of {d.name}", redo)
-            if part_metadata(root, rec["name"]).get("state") != bound:
-                raise RefCacheCorruptError(root / PARTS / rec["name"], f"was not written under {d / _STATE} (the "
-                                           "bookkeeping was edited, or the part comes from another build)", redo)
+                raise RefCacheCorruptError(d / _DONE, f"lists {rec['name']!r} as part {i} of {d.name}",
+                                           f"Delete {d} and build rank {r} again")
         parts += listed
     with exclusive_lock(root, "merge.lock"):
         remove_stale_temporaries(root)
-        if (root / MANIFEST).is_file():
+        if (root / MANIFEST).is_file():  # compared with the bookkeeping, never rewritten
             return _already_merged(root, key, (fp, parts, info))
+        _check_bound(root, parts, _state_digest(state))
         return finalize(root, fp, parts, build=info, key=key)
+
+
+def _check_bound(root: Path, parts: list[dict[str, Any]], bound: str) -> None:
+    """Each part must record the digest of the ``state.json`` it is merged under.
+
+    Raises:
+        RefCacheCorruptError: naming the first part written under other bookkeeping.
+    """
+    for rec in parts:
+        if part_metadata(root, rec["name"]).get("state") != bound:
+            d = root / PARTS / Path(rec["name"]).parent
+            raise RefCacheCorruptError(root / PARTS / rec["name"], f"was not written under {d / _STATE} (the "
+                                       "bookkeeping was edited, or the part comes from another build)",
+                                       f"Delete {d} and build that rank again")
 
 
 def _already_merged(root: Path, key: bytes | None, described: tuple[Fingerprint, list[dict[str, Any]], dict]):
