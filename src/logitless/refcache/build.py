@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -27,10 +28,11 @@ from tqdm.auto import tqdm
 
 from .dataset import Example, to_examples
 from .errors import RefCacheCorruptError, RefCacheMismatchError
-from .files import exclusive_lock, make_dir, read_bounded
+from .files import check_real_dirs, exclusive_lock, make_dir, read_bounded
 from .fingerprint import Fingerprint, HashMode, sequence_key
+from .mac import load_key
 from .model import ReferenceModel, as_reference, batch_logprobs
-from .store import MANIFEST, PARTS, PartWriter, Store, finalize, remove_stale_temporaries, write_json
+from .store import MANIFEST, PARTS, PartWriter, Store, finalize, part_metadata, remove_stale_temporaries, write_json
 
 _STATE = "state.json"
 _DONE = "done.json"
@@ -48,6 +50,9 @@ class BuildOptions:
         chunk_bytes: workspace budget of :func:`logitless.token_logprobs` (``None``: default).
         hash_mode: weights fingerprint mode (``"auto"``, ``"full"``, ``"sampled"``).
         progress: show a tqdm progress bar.
+        key_file: file holding a secret key; the finished cache then carries an HMAC that
+            :meth:`RefCache.open` checks with the same key (see ``docs/refcache.md``, "Trust and
+            integrity"). ``None``: ``$LOGITLESS_REFCACHE_KEY`` if set, else no MAC. Never stored.
     """
 
     batch_size: int = 8
@@ -57,6 +62,7 @@ class BuildOptions:
     chunk_bytes: int | None = None
     hash_mode: HashMode = "auto"
     progress: bool = True
+    key_file: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "part_bytes") + (("chunk_bytes",) if self.chunk_bytes is not None else ()):
@@ -68,6 +74,10 @@ class BuildOptions:
             raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
         if self.hash_mode not in get_args(HashMode):
             raise ValueError(f"hash_mode must be one of {get_args(HashMode)}, got {self.hash_mode!r}")
+        if not isinstance(self.entropy, bool):
+            raise TypeError(f"entropy must be a bool, got {self.entropy!r}")
+        if self.key_file is not None and not isinstance(self.key_file, (str, os.PathLike)):
+            raise TypeError(f"key_file must be a path to a file holding the key, got {type(self.key_file).__name__}")
 
 
 @dataclass
@@ -136,6 +146,13 @@ def _collate(exs: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _rank_dir(root: Path, rank: int) -> Path:
     return root / PARTS / f"rank-{rank:05d}"
+
+
+def _state_digest(state: dict[str, Any]) -> str:
+    """Digest of a rank's ``state.json`` as stored; every part of the rank records it, which binds
+    the bookkeeping to the parts it describes (an edited ``state.json`` no longer merges)."""
+    canon = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canon, digest_size=16, person=b"logitless-state").hexdigest()
 
 
 def _read_json(directory: Path, name: str) -> dict[str, Any]:
@@ -212,7 +229,8 @@ def build(
         RefCacheLockedError: another process is building this rank into ``path``.
         RefCacheWriteError: ``path`` is not writable or the disk is full (files already there
             are unchanged; rerun to resume).
-        RefCacheCorruptError: the partial build's bookkeeping files are damaged.
+        RefCacheCorruptError: the partial build's bookkeeping files are damaged, or ``parts/``
+            or this rank's directory is a symbolic link (refused before anything is written).
         TypeError: non-integer token ids or options of the wrong type.
     """
     options = options or BuildOptions()
@@ -224,6 +242,7 @@ def build(
     if not (0 <= rank < world_size):
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     root = Path(path)
+    key = load_key(options.key_file)
     ref = as_reference(model)
     examples = to_examples(dataset)
     _check_vocabulary(examples, int(ref.weight.shape[0]))
@@ -231,18 +250,22 @@ def build(
     plan = _plan(examples, options.batch_size)
     state = {"plan": plan.digest, "world_size": world_size, "batch_size": options.batch_size,
              "entropy": options.entropy, "fingerprint": asdict(fp)}
-    finished = _finished(root, plan, fp, rank, world_size)
+    rank_dir = _rank_dir(root, rank)
+    ours = (PARTS, f"{PARTS}/{rank_dir.name}")
+    check_real_dirs(root, ours)  # a planted link would redirect every write below
+    finished = _finished(root, plan, state, rank, key)
     if finished is not None:  # before locking: a finished cache on a read-only disk is fine
         return finished
-    rank_dir = _rank_dir(root, rank)
     make_dir(rank_dir)
+    check_real_dirs(root, ours)  # planted while we created them
     with exclusive_lock(rank_dir):
-        finished = _finished(root, plan, fp, rank, world_size)  # another builder may just have finished
+        finished = _finished(root, plan, state, rank, key)  # another builder may just have finished
         if finished is not None:
             return finished
         remove_stale_temporaries(rank_dir)
         _check_state(rank_dir, state)
-        return _build_rank(ref, plan, root, options, (rank, world_size), on_batch)
+        bound = _state_digest(_read_json(rank_dir, _STATE))
+        return _build_rank(ref, plan, root, (options, bound, key), (rank, world_size), on_batch)
 
 
 def _check_vocabulary(examples: list[Example], vocab_size: int) -> None:
@@ -253,28 +276,44 @@ def _check_vocabulary(examples: list[Example], vocab_size: int) -> None:
                              f"vocabulary (V = {vocab_size}); was the data tokenized with another tokenizer?")
 
 
-def _finished(root: Path, plan: _Plan, fp: Fingerprint, rank: int, world_size: int) -> BuildResult | None:
+def _finished(root: Path, plan: _Plan, state: dict[str, Any], rank: int, key: bytes | None) -> BuildResult | None:
     """The result of a build whose finished cache is already in ``root``, else ``None``.
 
     Raises:
-        ValueError: ``root`` holds a finished cache of other content.
+        RefCacheMismatchError: ``root`` holds a finished cache of other content (records, batch
+            size, model, transform or entropy), or its MAC disagrees with ``key``.
     """
     if not (root / MANIFEST).is_file():
         return None
-    done = Store(root).manifest
-    if done.build.get("plan") != plan.digest or done.fingerprint.mismatches(asdict(fp)):
-        raise ValueError(f"{root} already holds a finished cache of other content; use another directory")
-    n = len(range(rank, len(plan.batches), world_size))
-    return BuildResult(root, rank, world_size, n, n, 0, 0, 0.0, None)
+    done = Store(root, key=key).manifest
+    # a build given no tokenizer does not contradict the one the cache recorded
+    diff = done.fingerprint.mismatches({k: v for k, v in state["fingerprint"].items()
+                                        if not (k == "tokenizer" and v is None)})
+    if done.build.get("plan") != plan.digest:
+        diff["plan (records and batch size)"] = (done.build.get("plan"), plan.digest)
+    if state["entropy"] and not done.has_entropy:  # a cache with entropy serves a build without it
+        diff["entropy"] = (done.has_entropy, state["entropy"])
+    if diff:
+        raise RefCacheMismatchError(diff, f"{root}, which already holds a finished cache of other content (use "
+                                          "another directory, or delete this one to rebuild it),")
+    n = len(range(rank, len(plan.batches), state["world_size"]))
+    return BuildResult(root, rank, state["world_size"], n, n, 0, 0, 0.0, None)
 
 
-def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, options: BuildOptions, shard: tuple[int, int],
-                on_batch: Callable[[int, int], None] | None) -> BuildResult:
-    """The batches of one rank, with its lock held (see :func:`build`)."""
+def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, settings: tuple[BuildOptions, str, bytes | None],
+                shard: tuple[int, int], on_batch: Callable[[int, int], None] | None) -> BuildResult:
+    """The batches of one rank, with its lock held (see :func:`build`); ``settings`` is the
+    options, the digest of the rank's stored ``state.json`` and the MAC key."""
+    options, bound, key = settings
     rank, world_size = shard
     rank_dir = _rank_dir(root, rank)
     value_dtype = np.float64 if ref.weight.dtype == torch.float64 else np.float32
     writer = PartWriter(root, rank, value_dtype)
+    for p in writer.parts:
+        if p["meta"].get("state") != bound:
+            raise RefCacheCorruptError(rank_dir / Path(p["name"]).name, "was not written under this rank's "
+                                       "state.json (edited bookkeeping, or a part of another build)",
+                                       f"Delete {rank_dir} and rerun the build to redo that rank")
     mine = plan.batches[rank::world_size]
     start = max((int(p["meta"].get("batch_end", 0)) for p in writer.parts), default=0)
     seqs = toks = 0
@@ -293,37 +332,53 @@ def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, options: BuildOpti
             writer.add([plan.keys[i] for i in mine[j]], [logp[i, :n] for i, n in enumerate(lens)],
                        None if ent is None else [ent[i, :n] for i, n in enumerate(lens)])
             if writer.pending_bytes >= options.part_bytes:
-                writer.flush({"batch_end": j + 1})
+                writer.flush({"batch_end": j + 1, "state": bound})
             seqs += len(exs)
             toks += int(lengths.sum())
             bar.update(1)
             bar.set_postfix(seq_s=f"{seqs / max(time.perf_counter() - t0, 1e-9):.1f}")
             if on_batch is not None:
                 on_batch(j + 1, len(mine))
-        writer.flush({"batch_end": len(mine)})
+        writer.flush({"batch_end": len(mine), "state": bound})
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
     write_json(rank_dir / _DONE, {"plan": plan.digest, "parts": writer.parts})
-    manifest = merge(root) if world_size == 1 else None
+    manifest = _merge(root, key) if world_size == 1 else None
     return BuildResult(root, rank, world_size, len(mine), start, seqs, toks, seconds, manifest)
 
 
-def merge(path: str | Path):
+def merge(path: str | Path, *, key_file: str | os.PathLike[str] | None = None):
     """Index every rank's parts into one cache (writes ``index.arrow`` then ``manifest.json``).
 
-    A cache already finished from the same parts is left as it is (nothing is rewritten).
+    Merging never rewrites a finished cache: when ``manifest.json`` exists, its manifest is
+    returned if the ranks' bookkeeping describes it (fingerprint, parts, build settings), and
+    the merge is refused otherwise. Before an unfinished build is merged, each part must record
+    the digest of its rank's ``state.json``, so edited bookkeeping (another model's weights
+    fingerprint or another temperature) does not merge either.
+
+    Args:
+        path: the cache directory.
+        key_file: file holding the MAC key (see :class:`BuildOptions`); ``None``:
+            ``$LOGITLESS_REFCACHE_KEY`` if set, else no MAC.
 
     Returns:
         The :class:`~.fingerprint.Manifest`.
 
     Raises:
-        ValueError: a rank has not finished, or ranks disagree on plan or fingerprint.
+        ValueError: a rank has not finished, or ranks disagree on plan, fingerprint or options.
+        RefCacheMismatchError: ``path`` holds a finished cache that its bookkeeping does not
+            describe (left as it is), or whose MAC disagrees with the key.
         RefCacheLockedError: another process is merging into ``path``.
-        RefCacheCorruptError: a rank's bookkeeping files are damaged.
+        RefCacheCorruptError: a rank's bookkeeping files are damaged or not bound to its parts,
+            or ``parts/`` or a rank directory is a symbolic link.
         RefCacheWriteError: the index or manifest cannot be written.
     """
-    root = Path(path)
+    return _merge(Path(path), load_key(key_file))
+
+
+def _merge(root: Path, key: bytes | None):
+    check_real_dirs(root, (PARTS, f"{PARTS}/rank-00000"))
     first = _rank_dir(root, 0)
     if not (first / _STATE).is_file():
         raise ValueError(f"{root} holds no build (no {first / _STATE})")
@@ -332,26 +387,65 @@ def merge(path: str | Path):
         world = int(state["world_size"])
         fp = Fingerprint(**state["fingerprint"])
         info = {k: state[k] for k in ("plan", "world_size", "batch_size", "entropy")}
+        if world < 1:
+            raise ValueError(f"world_size {world}")
     except (KeyError, TypeError, ValueError) as e:
         raise RefCacheCorruptError(first / _STATE, f"lacks build settings ({e})",
                                    f"Delete {root} and run the build again") from None
     parts: list[dict[str, Any]] = []
     for r in range(world):
         d = _rank_dir(root, r)
+        check_real_dirs(root, (f"{PARTS}/{d.name}",))
         if not (d / _DONE).is_file():
             raise ValueError(f"rank {r} of {world} has not finished building into {d}")
-        other = _read_json(d, _STATE)
-        if other.get("plan") != state["plan"] or other.get("fingerprint") != state["fingerprint"]:
-            raise ValueError(f"rank {r} built a different plan or model than rank 0")
-        done = _read_json(d, _DONE).get("parts")
-        if not isinstance(done, list) or not all(isinstance(p, dict) and {"name", "bytes", "blake2b",
-                                                                          "values_at"} <= set(p) for p in done):
-            raise RefCacheCorruptError(d / _DONE, "does not list parts", f"Delete {d} and build rank {r} again")
-        parts += done
+        if _read_json(d, _STATE) != state:
+            raise ValueError(f"rank {r} built a different plan or model than rank 0 ({d / _STATE} differs from "
+                             f"{first / _STATE})")
+        done = _read_json(d, _DONE)
+        listed = done.get("parts")
+        if done.get("plan") != state["plan"] or not isinstance(listed, list) or not all(
+                isinstance(p, dict) and {"name", "bytes", "blake2b", "values_at"} <= set(p) for p in listed):
+            raise RefCacheCorruptError(d / _DONE, "does not list the parts of this rank's plan",
+                                       f"Delete {d} and build rank {r} again")
+        for i, rec in enumerate(listed):
+            if rec["name"] != f"{d.name}/part-{i:06d}.arrow":
+                raise RefCacheCorruptError(d / _DONE, f"lists {rec['name']!r} as part {i} of {d.name}",
+                                           f"Delete {d} and build rank {r} again")
+        parts += listed
     with exclusive_lock(root, "merge.lock"):
         remove_stale_temporaries(root)
-        if (root / MANIFEST).is_file():
-            have = Store(root).manifest
-            if have.parts == [f"{PARTS}/{p['name']}" for p in parts] and have.fingerprint == fp:
-                return have
-        return finalize(root, fp, parts, build=info)
+        if (root / MANIFEST).is_file():  # compared with the bookkeeping, never rewritten
+            return _already_merged(root, key, (fp, parts, info))
+        _check_bound(root, parts, _state_digest(state))
+        return finalize(root, fp, parts, build=info, key=key)
+
+
+def _check_bound(root: Path, parts: list[dict[str, Any]], bound: str) -> None:
+    """Each part must record the digest of the ``state.json`` it is merged under.
+
+    Raises:
+        RefCacheCorruptError: naming the first part written under other bookkeeping.
+    """
+    for rec in parts:
+        if part_metadata(root, rec["name"]).get("state") != bound:
+            d = root / PARTS / Path(rec["name"]).parent
+            raise RefCacheCorruptError(root / PARTS / rec["name"], f"was not written under {d / _STATE} (the "
+                                       "bookkeeping was edited, or the part comes from another build)",
+                                       f"Delete {d} and build that rank again")
+
+
+def _already_merged(root: Path, key: bytes | None, described: tuple[Fingerprint, list[dict[str, Any]], dict]):
+    """The manifest of the finished cache in ``root`` if the bookkeeping ``described`` (its
+    fingerprint, parts and build settings) is what the manifest says; refused otherwise."""
+    fp, parts, info = described
+    have = Store(root, key=key).manifest
+    diff: dict[str, tuple[object, object]] = {
+        f"fingerprint.{k}": (v, getattr(fp, k)) for k, v in asdict(have.fingerprint).items() if getattr(fp, k) != v}
+    names = [f"{PARTS}/{p['name']}" for p in parts]
+    if have.parts != names:
+        diff["parts"] = (have.parts, names)
+    diff.update({f"build.{k}": (have.build.get(k), v) for k, v in info.items() if have.build.get(k) != v})
+    if diff:
+        raise RefCacheMismatchError(diff, f"{root} (a finished cache, left as it is: merge never rewrites one; its "
+                                          "bookkeeping in parts/ was edited or comes from another build),")
+    return have

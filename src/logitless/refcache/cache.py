@@ -16,6 +16,7 @@ floating-point rounding of the attention kernels.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -24,6 +25,7 @@ import torch
 
 from .errors import RefCacheMismatchError, RefCacheMissError
 from .fingerprint import Manifest, dtype_name, sequence_key, tokenizer_fingerprint
+from .mac import load_key
 from .model import ReferenceModel, as_reference
 from .store import Store, manifest_summary
 
@@ -76,6 +78,7 @@ class RefCache:
         temperature: float | None = None,
         dtype: torch.dtype | None = None,
         verify: VerifyMode = "fast",
+        key_file: str | os.PathLike[str] | None = None,
     ) -> RefCache:
         """Open a cache and check it against what the caller will train with.
 
@@ -84,18 +87,25 @@ class RefCache:
             model: the reference model, or any model with the same weights (e.g. the policy
                 before its first step); its weights fingerprint, vocabulary size, dtype and
                 logit scale/soft-cap are compared. Not needed to serve rows.
-            tokenizer: compared by vocabulary fingerprint.
+            tokenizer: a tokenizer object with ``get_vocab()`` (e.g.
+                ``AutoTokenizer.from_pretrained(path)``), compared by vocabulary fingerprint.
             temperature: compared with the build's temperature.
             dtype: compute dtype expected (default: the model's, when given).
             verify: ``"fast"`` checks file sizes and the index checksum (rows are checked
                 as they are served); ``"full"`` also rehashes every part file.
+            key_file: file holding the key the cache was built with (its MAC is checked);
+                ``None``: ``$LOGITLESS_REFCACHE_KEY`` if set, else no key. With a key, a cache
+                without a MAC is refused; without one, a cache with a MAC is.
 
         Raises:
-            RefCacheCorruptError: missing/truncated/corrupt files, or a manifest edited after the
-                build (it no longer matches the index it was written with).
-            RefCacheMismatchError: a compared field differs; ``.fields`` names each one.
-            ValueError: ``verify`` is not ``"fast"``/``"full"``, or ``temperature`` is not > 0.
-            TypeError: ``dtype`` is not a ``torch.dtype``.
+            RefCacheCorruptError: missing/truncated/corrupt files, a manifest edited after the
+                build (it no longer matches the index it was written with), or a MAC that does
+                not match (the cache was changed after it was built with the key).
+            RefCacheMismatchError: a compared field differs; ``.fields`` names each one (``mac``
+                or ``key_check`` when the key and the cache's MAC disagree).
+            ValueError: ``verify`` is not ``"fast"``/``"full"``, ``temperature`` is not > 0, or
+                the key is unreadable or shorter than 16 bytes.
+            TypeError: ``dtype`` is not a ``torch.dtype``; ``tokenizer`` has no ``get_vocab()``.
         """
         _choice(verify, "verify", VerifyMode)
         if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
@@ -103,7 +113,8 @@ class RefCache:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        store = Store(path, full_verify=verify == "full")
+        theirs_tok = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
+        store = Store(path, full_verify=verify == "full", key=load_key(key_file))
         fp = store.manifest.fingerprint
         expected: dict[str, Any] = {}
         if model is not None:
@@ -112,8 +123,8 @@ class RefCache:
             theirs = ref.fingerprint(temperature=fp.temperature, mode=mode)
             expected.update({k: getattr(theirs, k) for k in ("dtype", "logit_scale", "softcap", "vocab_size",
                                                              "model_weights")})
-        if tokenizer is not None:
-            expected["tokenizer"] = tokenizer_fingerprint(tokenizer)
+        if theirs_tok is not None:
+            expected["tokenizer"] = theirs_tok
         if temperature is not None:
             expected["temperature"] = float(temperature)
         if dtype is not None:
@@ -218,7 +229,8 @@ class RefCache:
         Raises:
             RefCacheMissError: a sequence is not cached, or a served position was not computed
                 at build time; names the batch row, length, leading token ids and key.
-            RefCacheCorruptError: a row fails its checksum.
+            RefCacheCorruptError: a row fails its checksum, or holds a log-prob that is not finite
+                and <= 0 (an entropy outside ``[0, log V]``): a forged or miscomputed cache.
             ValueError: shapes differ, ``what`` is not ``"logp"``/``"entropy"``, or entropy
                 requested from a cache without it.
             TypeError: ``input_ids`` is not an integer tensor.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ Examples:
   logitless refcache build ... --device cuda:1 --rank 1 --world-size 2
   logitless refcache merge ref-cache"""
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_KEY_HELP = ("file holding a secret key (at least 16 bytes) for the cache's HMAC, for caches shared between users "
+             "(default: $LOGITLESS_REFCACHE_KEY if set, else no MAC); see docs/refcache.md, Trust and integrity")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,12 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="processes building this cache together, each with its own --rank and the same --data; "
                         "run 'logitless refcache merge OUT' once all are done (default 1: no merge needed)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    b.add_argument("--key-file", type=Path, help=_KEY_HELP)
     b.set_defaults(func=_build)
 
     m = sub.add_parser("merge", help="index the parts of a sharded build once every rank finished",
                        description="Index the part files of a build run with --world-size > 1, once every rank "
                                    "has finished; the cache is then ready.")
     m.add_argument("path", type=Path, help="the cache directory")
+    m.add_argument("--key-file", type=Path, help=_KEY_HELP)
     m.set_defaults(func=_merge)
 
     i = sub.add_parser("info", help="print a cache's manifest", description="Print a cache's manifest.")
@@ -90,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Rehash every file of a cache against its manifest; exit status 1 and the bad "
                                    "file on corruption.")
     v.add_argument("path", type=Path, help="the cache directory")
+    v.add_argument("--key-file", type=Path, help="file holding the key the cache was built with: its MAC is checked "
+                                                 "too (default: $LOGITLESS_REFCACHE_KEY if set)")
     v.set_defaults(func=_verify)
     parser.set_defaults(func=lambda _args: parser.print_help() or 0)
 
@@ -129,6 +136,16 @@ def _device(text: str):
 
 
 def _build(args: argparse.Namespace) -> int:
+    try:
+        return _build_checked(args)
+    except KeyboardInterrupt:
+        # Every file is renamed into place whole and the lock dies with the process: rerunning resumes.
+        print(f"{PROG} build: interrupted; the parts written so far are kept, rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+def _build_checked(args: argparse.Namespace) -> int:
     # Everything checkable is checked before the model loads.
     if args.rank >= args.world_size:
         usage_error(PROG, f"--rank {args.rank} must be below --world-size {args.world_size}")
@@ -136,6 +153,8 @@ def _build(args: argparse.Namespace) -> int:
         usage_error(PROG, f"--data {args.data}: no such file")
     if args.out.exists() and not args.out.is_dir():
         usage_error(PROG, f"--out {args.out}: exists and is not a directory")
+    if args.key_file is not None and not args.key_file.is_file():
+        usage_error(PROG, f"--key-file {args.key_file}: no such file")
     model_src = _model_source(args.model, "--model")
     tok_src = None if args.tokenizer is None else _model_source(args.tokenizer, "--tokenizer")
     device = _device(args.device)
@@ -165,7 +184,7 @@ def _build(args: argparse.Namespace) -> int:
         tokenizer = None
         print("note: no tokenizer found; the manifest records none", file=sys.stderr)
     options = BuildOptions(batch_size=args.batch_size, temperature=args.temperature, entropy=args.entropy,
-                           part_bytes=args.part_bytes, progress=not args.no_progress)
+                           part_bytes=args.part_bytes, progress=not args.no_progress, key_file=args.key_file)
     try:
         res = build(model, records, args.out, tokenizer=tokenizer, options=options, rank=args.rank,
                     world_size=args.world_size)
@@ -189,7 +208,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     _existing_dir(args.path, "path")
     try:
-        m = merge(args.path)
+        m = merge(args.path, key_file=args.key_file)
     except (RefCacheError, ValueError) as e:
         print(f"{PROG} merge: error: {e}", file=sys.stderr)
         return 1
@@ -203,7 +222,7 @@ def _info(args: argparse.Namespace) -> int:
 
     _existing_dir(args.path, "path")
     try:
-        d = manifest_summary(Store(args.path).manifest)
+        d = manifest_summary(Store(args.path, check_mac=False).manifest)
     except RefCacheError as e:
         print(f"{PROG} info: error: {e}", file=sys.stderr)
         return 1
@@ -219,16 +238,20 @@ def _info(args: argparse.Namespace) -> int:
     print(f"tokenizer      {fp['tokenizer']}")
     print(f"transform      temperature={fp['temperature']} logit_scale={fp['logit_scale']} softcap={fp['softcap']}")
     print(f"built          {d['created_at']} by logitless {fp['library_version']}, {len(d['parts'])} part(s)")
+    keyed = os.path.lexists(args.path / "manifest.hmac")
+    print("mac            " + ("HMAC-SHA256 (manifest.hmac; not checked here: verify --key-file checks it)" if keyed
+                               else "none (built without a key)"))
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from .mac import load_key
     from .store import Store
 
     _existing_dir(args.path, "path")
     try:
-        Store(args.path, full_verify=True)
-    except RefCacheError as e:
+        Store(args.path, full_verify=True, key=load_key(args.key_file))
+    except (RefCacheError, ValueError, TypeError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
     print(f"OK: {args.path}")

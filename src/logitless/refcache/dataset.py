@@ -39,24 +39,58 @@ class Example:
     mask: np.ndarray | None
 
 
-def _arr(x: Any, dtype: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x, dtype=dtype).reshape(-1)
+_INT64_MAX = 2**63 - 1
 
 
-def _ids(x: Any, where: str, name: str) -> np.ndarray:
-    """Token ids as int64, refusing floats, booleans and ragged/object input (which a cast would
-    silently truncate or misread)."""
+def _one_sequence(a: np.ndarray, where: str, name: str) -> np.ndarray:
+    """``a`` if it is 1-D: a record is one sequence, and flattening a ``[B, T]`` batch (or a
+    ``[1, T]`` tokenizer output) would silently cache one long sequence instead."""
+    if a.ndim != 1:
+        raise ValueError(f"{where}: {name} must be one sequence (1-D), got shape {a.shape}; give one record per "
+                         "sequence (e.g. ids[0] of a [1, T] tokenizer output)")
+    return a
+
+
+def _arr(x: Any, dtype: Any, where: str, name: str) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     try:
-        a = np.asarray(x).reshape(-1)
+        a = np.asarray(x, dtype=dtype)
+    except (ValueError, TypeError) as e:  # ragged nesting
+        raise ValueError(f"{where}: {name} must be a flat 0/1 sequence ({e})") from None
+    return _one_sequence(a, where, name)
+
+
+def _python_ids(x: list[int] | tuple[int, ...], where: str, name: str) -> np.ndarray:
+    for pos, v in enumerate(x):
+        if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+            raise ValueError(f"{where}: {name} holds token id {int(v)} at position {pos}, outside any vocabulary "
+                             "(token ids are 0 <= id < 2**63)")
+    return np.array(x, dtype=np.int64)
+
+
+def _ids(x: Any, where: str, name: str) -> np.ndarray:
+    """Token ids as int64, refusing floats, booleans, ragged/object input (which a cast would
+    silently truncate or misread), nested sequences and ids beyond int64 (which would wrap)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    if isinstance(x, (list, tuple)) and all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+                                            for v in x):
+        x = _python_ids(x, where, name)  # numpy would turn [1, 2**63] into floats
+    try:
+        a = np.asarray(x)
     except ValueError as e:  # ragged nesting
         raise TypeError(f"{where}: {name} must be a flat sequence of integer token ids ({e})") from None
-    if a.size and a.dtype.kind not in "iu":
+    a = _one_sequence(a, where, name)
+    ints = a.dtype.kind in "iu" or (a.dtype.kind == "O" and all(type(v) is int for v in a.tolist()))
+    if a.size and not ints:
         raise TypeError(f"{where}: {name} must be integer token ids, got dtype {a.dtype} (e.g. {a[0]!r}); "
                         "cast them with int() only if they are whole numbers")
+    if a.size and (a.dtype.kind == "O" or (a.dtype.kind == "u" and int(a.max()) > _INT64_MAX)):
+        values = a.tolist()
+        pos = next(i for i, v in enumerate(values) if not -_INT64_MAX - 1 <= v <= _INT64_MAX)
+        raise ValueError(f"{where}: {name} holds token id {values[pos]} at position {pos}, outside any vocabulary "
+                         "(token ids are 0 <= id < 2**63)")
     return a.astype(np.int64)
 
 
@@ -64,15 +98,16 @@ def to_example(rec: Any, where: str) -> Example:
     """Normalize one record (see the module docstring).
 
     Raises:
-        ValueError: empty sequence, negative ids, or a mask of the wrong length.
+        ValueError: empty sequence, ids outside ``[0, 2**63)``, a record or mask that is not
+            1-D, or a mask of the wrong length.
         TypeError: an unrecognized record, or token ids that are not integers.
     """
     if isinstance(rec, dict) and "prompt_ids" in rec:
         if "completion_ids" not in rec:
             raise TypeError(f"{where}: a record with 'prompt_ids' needs 'completion_ids', got {sorted(rec)}")
         p, c = _ids(rec["prompt_ids"], where, "prompt_ids"), _ids(rec["completion_ids"], where, "completion_ids")
-        pm = _arr(rec.get("prompt_mask", np.ones(len(p))), bool)
-        cm = _arr(rec.get("completion_mask", np.ones(len(c))), bool)
+        pm = _arr(rec.get("prompt_mask", np.ones(len(p))), bool, where, "prompt_mask")
+        cm = _arr(rec.get("completion_mask", np.ones(len(c))), bool, where, "completion_mask")
         if len(pm) != len(p) or len(cm) != len(c):
             raise ValueError(f"{where}: prompt_mask/completion_mask lengths differ from prompt_ids/completion_ids")
         ids = np.concatenate([p[pm], c[cm]])
@@ -82,11 +117,11 @@ def to_example(rec: Any, where: str) -> Example:
             raise TypeError(f"{where}: a record needs 'input_ids' or 'prompt_ids'/'completion_ids', got {sorted(rec)}")
         ids = _ids(rec["input_ids"], where, "input_ids")
         key = next((k for k in _MASK_KEYS if rec.get(k) is not None), None)
-        mask = None if key is None else _arr(rec[key], bool)
+        mask = None if key is None else _arr(rec[key], bool, where, key)
         if mask is not None and len(mask) != len(ids):
             raise ValueError(f"{where}: {key} has length {len(mask)} but input_ids has {len(ids)}")
         if rec.get("attention_mask") is not None:
-            keep = _arr(rec["attention_mask"], bool)
+            keep = _arr(rec["attention_mask"], bool, where, "attention_mask")
             if len(keep) != len(ids):
                 raise ValueError(f"{where}: attention_mask has length {len(keep)} but input_ids has {len(ids)}")
             ids, mask = ids[keep], None if mask is None else mask[keep]

@@ -15,8 +15,8 @@ import fcntl
 import hashlib
 import os
 import re
+import secrets
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,9 +148,26 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
+def _create_temporary(directory: Path, name: str) -> tuple[int, Path]:
+    """A new file ``.<name>.<random>.tmp`` in ``directory``, opened for writing.
+
+    Created with mode ``0o666``, so the kernel applies the caller's umask (and a default ACL)
+    as it does for any new file: a cache built under ``umask 022`` is readable by others on a
+    shared cluster (``tempfile.mkstemp`` would force ``0o600`` whatever the umask).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        tmp = Path(directory) / f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def atomic_write(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same directory + fsync + rename,
-    so ``path`` holds either its old content or all of ``data``.
+    so ``path`` holds either its old content or all of ``data``. The file's mode follows the
+    umask (``0o666 & ~umask``).
 
     Raises:
         RefCacheWriteError: any ``OSError`` on the way (the temporary file is removed).
@@ -159,7 +176,7 @@ def atomic_write(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
     make_dir(path.parent)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = _create_temporary(path.parent, path.name)
         try:
             _write_all(fd, memoryview(data).cast("B"))
             os.fsync(fd)
@@ -177,6 +194,28 @@ def atomic_write(path: Path, data: bytes | memoryview | pa.Buffer) -> None:
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def check_real_dirs(root: Path, names: tuple[str, ...]) -> None:
+    """Refuse a planted link before a build touches anything: each of ``root / names[i]`` that
+    exists must be a real directory, not a symbolic link (to a directory elsewhere, whose files a
+    build would otherwise delete and overwrite) nor anything else. Readers refuse the same links.
+
+    Raises:
+        RefCacheCorruptError: naming the first one that is a link or not a directory.
+    """
+    for name in names:
+        path = Path(root) / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise RefCacheCorruptError(path, f"cannot be inspected ({e.strerror or e})") from None
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            what = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+            raise RefCacheCorruptError(path, f"{what}; a build writes only into real directories of the cache",
+                                       f"Delete {path} (nothing was written through it) and rerun the build")
 
 
 def remove_stale_temporaries(directory: Path) -> None:
@@ -200,7 +239,7 @@ def exclusive_lock(directory: Path, name: str = "build.lock") -> Iterator[None]:
     make_dir(directory)
     path = Path(directory) / name
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:
         raise RefCacheWriteError(path, e) from e
     try:

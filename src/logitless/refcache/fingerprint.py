@@ -37,6 +37,8 @@ _SAMPLE_WINDOWS = 16
 _SAMPLE_BYTES = 4096
 
 HashMode = Literal["auto", "full", "sampled"]
+FULL_HASH_ENV = "LOGITLESS_REFCACHE_FULL_HASH_BYTES"
+_INT64_MAX = 2**63 - 1
 
 
 def sequence_key(ids: np.ndarray | torch.Tensor | list[int]) -> bytes:
@@ -50,6 +52,8 @@ def sequence_key(ids: np.ndarray | torch.Tensor | list[int]) -> bytes:
     arr = np.asarray(ids)
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) > _INT64_MAX:  # would wrap to a negative id
+        raise ValueError(f"token id {int(arr.max())} is larger than any vocabulary (ids are < 2**63)")
     arr = np.ascontiguousarray(arr, dtype="<i8")
     return hashlib.blake2b(arr.tobytes(), digest_size=16, person=b"logitless-seq").digest()
 
@@ -61,7 +65,17 @@ def key_words(key: bytes) -> tuple[int, int]:
 
 
 def _full_hash_limit() -> int:
-    return int(os.environ.get("LOGITLESS_REFCACHE_FULL_HASH_BYTES", 4 << 30))
+    raw = os.environ.get(FULL_HASH_ENV)
+    if raw is None:
+        return 4 << 30
+    try:
+        limit = int(raw.strip())
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{FULL_HASH_ENV} must be a whole number of bytes >= 0 (e.g. {4 << 30} for 4 GiB), got "
+                         f"{raw!r}; fix or unset it")
+    return limit
 
 
 def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -79,7 +93,8 @@ def weights_fingerprint(module: torch.nn.Module, mode: HashMode = "auto") -> tup
         ``(hex digest, mode used)``.
 
     Raises:
-        ValueError: a tensor is on the ``meta`` device (e.g. after :func:`free_reference`).
+        ValueError: a tensor is on the ``meta`` device (e.g. after :func:`free_reference`), or
+            ``LOGITLESS_REFCACHE_FULL_HASH_BYTES`` is not a whole number of bytes >= 0.
     """
     items = sorted(module.state_dict().items())
     total = sum(t.numel() * t.element_size() for _, t in items)
@@ -105,7 +120,16 @@ def weights_fingerprint(module: torch.nn.Module, mode: HashMode = "auto") -> tup
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """Fingerprint of a tokenizer's vocabulary and special tokens (``get_vocab()``)."""
+    """Fingerprint of a tokenizer's vocabulary and special tokens (``get_vocab()``).
+
+    Raises:
+        TypeError: ``tokenizer`` has no ``get_vocab()`` (a path or a name instead of a tokenizer).
+    """
+    if not callable(getattr(tokenizer, "get_vocab", None)):
+        hint = (" (a path or name: load it first with transformers.AutoTokenizer.from_pretrained)"
+                if isinstance(tokenizer, (str, os.PathLike)) else "")
+        raise TypeError(f"tokenizer must be a tokenizer object with get_vocab(), got {type(tokenizer).__name__} "
+                        f"{tokenizer!r}{hint}")
     vocab = sorted((str(k), int(v)) for k, v in tokenizer.get_vocab().items())
     special = sorted(str(s) for s in (getattr(tokenizer, "all_special_tokens", None) or []))
     payload = json.dumps({"vocab": vocab, "special": special}, separators=(",", ":")).encode()
@@ -153,11 +177,12 @@ class Fingerprint:
         return _json_checksum(asdict(self), b"logitless-fp")
 
     def mismatches(self, expected: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """``{field: (ours, expected)}`` for each checked field present (not ``None``) in
-        ``expected`` that differs."""
+        """``{field: (ours, expected)}`` for each checked field present in ``expected`` that
+        differs. ``None`` is a value like any other (``softcap=None``: no soft-capping), so a
+        field not to compare must be left out."""
         out = {}
         for name in CHECKED_FIELDS:
-            if name not in expected or expected[name] is None:
+            if name not in expected:
                 continue
             ours, theirs = getattr(self, name), expected[name]
             if ours != theirs:

@@ -20,13 +20,16 @@ enter the process's resident set and RAM stays flat with the cache size.
 Integrity: every file is written to a temporary name, fsynced and renamed into place, and
 ``manifest.json`` is written last (a directory without it is not a cache). The manifest
 records each file's size and blake2b; opening checks sizes and the index checksum, every
-served row is checked against its row checksum, and :meth:`Store.verify` rehashes all files.
+served row is checked against its row checksum and its values against what a model can
+compute, and :meth:`Store.verify` rehashes all files. A cache built with a key also carries
+``manifest.hmac``, checked before the manifest is parsed (see :mod:`.mac`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -52,10 +55,16 @@ from .files import (
     remove_stale_temporaries,
 )
 from .fingerprint import Fingerprint, Manifest, key_words
+from .mac import MAC_FILE, mac_bytes
+from .mac import check_mac as _check_mac
 
 MANIFEST = "manifest.json"
 PARTS = "parts"
 _EMPTY_CRC = 0
+# A log-prob is z_y - lse(z) <= 0; where a kernel rounds the target logit apart from the same logit
+# inside lse, a probability of ~1 can come out a few ulps above 0. Anything beyond this is not a
+# log-prob (a forged or miscomputed row) and is never served.
+LOGP_SLACK = 1e-3
 _INDEX_SCHEMA = pa.schema([("key_hi", pa.uint64()), ("key_lo", pa.uint64()), ("part", pa.int32()),
                            ("offset", pa.int64()), ("length", pa.int32()), ("logp_crc", pa.uint64()),
                            ("entropy_crc", pa.uint64())])
@@ -69,14 +78,6 @@ def row_checksum(values: np.ndarray) -> int:
     """blake2b-64 of a row's value bytes, as an unsigned int (0 for an absent row)."""
     return int.from_bytes(hashlib.blake2b(memoryview(np.ascontiguousarray(values)).cast("B"),
                                           digest_size=8).digest(), "little")
-
-
-def _read_table(path: Path) -> pa.Table:
-    """Memory-mapped, zero-copy read of an Arrow IPC file."""
-    try:
-        return pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
-    except (pa.ArrowException, OSError) as e:
-        raise RefCacheCorruptError(path, f"not a readable Arrow IPC file ({e})") from None
 
 
 def value_offsets(whole: pa.Buffer) -> dict[str, int]:
@@ -171,21 +172,47 @@ class PartWriter:
         return rec
 
 
+def _map_regular(root: Path, name: str) -> pa.Buffer:
+    """The regular file ``root / name`` (no symbolic link on the way) memory-mapped read-only."""
+    fd, size = open_regular(root, name)
+    try:
+        return pa.py_buffer(mmap.mmap(fd, size, prot=mmap.PROT_READ)) if size else pa.py_buffer(b"")
+    except (OSError, ValueError) as e:
+        raise RefCacheCorruptError(Path(root) / name, f"cannot be mapped ({e})") from None
+    finally:
+        os.close(fd)
+
+
+def _schema_meta(schema: pa.Schema) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+
+
 def read_part_meta(path: Path) -> dict[str, Any]:
     """A part's record (as :meth:`PartWriter.flush` returns it), hashing the file.
 
     Raises:
-        RefCacheCorruptError: unreadable part.
+        RefCacheCorruptError: unreadable part, or a symbolic link.
     """
+    whole = _map_regular(path.parent, path.name)
     try:
-        whole = pa.memory_map(str(path), "r").read_buffer()
         schema = pa.ipc.open_file(pa.BufferReader(whole)).schema
         at = value_offsets(whole)
     except (pa.ArrowException, OSError) as e:
         raise RefCacheCorruptError(path, f"not a readable Arrow IPC file ({e})") from None
-    meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-    return {"name": f"{path.parent.name}/{path.name}", "bytes": path.stat().st_size, "blake2b": file_digest(path),
-            "meta": meta, "values_at": at}
+    return {"name": f"{path.parent.name}/{path.name}", "bytes": whole.size, "blake2b": buffer_digest(whole),
+            "meta": _schema_meta(schema), "values_at": at}
+
+
+def part_metadata(root: Path, name: str) -> dict[str, str]:
+    """Schema metadata of the part ``parts/<name>`` (reads its footer only).
+
+    Raises:
+        RefCacheCorruptError: not a regular file inside ``root``, or not an Arrow IPC file.
+    """
+    try:
+        return _schema_meta(pa.ipc.open_file(pa.BufferReader(_map_regular(root, f"{PARTS}/{name}"))).schema)
+    except (pa.ArrowException, OSError) as e:
+        raise RefCacheCorruptError(Path(root) / PARTS / name, f"not a readable Arrow IPC file ({e})") from None
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -193,15 +220,16 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any]],
-             build: dict[str, Any] | None = None) -> Manifest:
-    """Index the given parts (in part-id order), then write ``index.arrow`` and, last,
-    ``manifest.json``.
+             build: dict[str, Any] | None = None, *, key: bytes | None = None) -> Manifest:
+    """Index the given parts (in part-id order), then write ``index.arrow``, ``manifest.hmac``
+    (with a key) and, last, ``manifest.json``.
 
     Args:
         root: cache directory.
         fingerprint: what the values depend on.
         parts: part records (``name`` relative to ``parts/``, ``bytes``, ``blake2b``).
         build: build settings recorded in the manifest.
+        key: MAC key (see :mod:`.mac`); ``None`` writes no MAC and removes a stale one.
 
     A manifest already in ``root`` is removed first: a crash between the index and the new
     manifest leaves an unfinished build (rerun the merge), never an index that disagrees with
@@ -211,7 +239,7 @@ def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any
         ValueError: parts disagree on value dtype or entropy, or a key appears twice with
             different values.
         RefCacheCorruptError: a part name is not ``rank-NNNNN/part-NNNNNN.arrow``, a part is
-            unreadable or its size differs from its record.
+            unreadable, a symbolic link, or its size differs from its record.
         RefCacheWriteError: the index or manifest cannot be written.
     """
     root = Path(root)
@@ -220,9 +248,13 @@ def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any
     value_dtype, has_entropy = None, None
     for pid, rec in enumerate(parts):
         path = root / PARTS / check_part_name(rec["name"], root / PARTS)
-        if not path.is_file() or path.stat().st_size != rec["bytes"]:
-            raise RefCacheCorruptError(path, "missing or of unexpected size")
-        t = _read_table(path)
+        whole = _map_regular(root, f"{PARTS}/{rec['name']}")
+        if whole.size != rec["bytes"]:
+            raise RefCacheCorruptError(path, f"is {whole.size} bytes, its build recorded {rec['bytes']}")
+        try:
+            t = pa.ipc.open_file(pa.BufferReader(whole)).read_all()
+        except (pa.ArrowException, OSError) as e:
+            raise RefCacheCorruptError(path, f"not a readable Arrow IPC file ({e})") from None
         logp = _column(t, "logp")
         vd, he = np.dtype(logp.type.value_type.to_pandas_dtype()).name, "entropy" in t.column_names
         if value_dtype is None:
@@ -262,7 +294,12 @@ def finalize(root: Path, fingerprint: Fingerprint, parts: Sequence[dict[str, Any
     manifest.files = {INDEX: {"bytes": buf.size, "blake2b": buffer_digest(buf)}}
     for rec in parts:
         manifest.files[f"{PARTS}/{rec['name']}"] = {"bytes": rec["bytes"], "blake2b": rec["blake2b"]}
-    atomic_write(root / MANIFEST, manifest.to_json().encode())
+    body = manifest.to_json().encode()
+    if key is None:
+        (root / MAC_FILE).unlink(missing_ok=True)
+    else:
+        atomic_write(root / MAC_FILE, mac_bytes(key, body))
+    atomic_write(root / MANIFEST, body)
     return manifest
 
 
@@ -277,13 +314,22 @@ class Store:
     counts, sorted keys, every row inside its part). Part files are opened lazily. RAM use does
     not grow with the cache size: only the pages of rows actually served are touched.
 
+    Args:
+        root: the cache directory.
+        full_verify: rehash every file (else the index only; rows are checked as served).
+        key: MAC key held by the caller (see :mod:`.mac`), checked before the manifest is parsed.
+        check_mac: ``False`` skips the MAC check (``info`` only displays a manifest).
+
     Raises (on construction):
         RefCacheCorruptError: missing/unparsable/invalid manifest, a missing, resized or
-            non-regular file, an index that fails its checksum, stamp or consistency checks.
-        RefCacheMismatchError: a manifest of another format version.
+            non-regular file, an index that fails its checksum, stamp or consistency checks,
+            a MAC that does not match.
+        RefCacheMismatchError: a manifest of another format version; a MAC without a key, a
+            key without a MAC, or a MAC made with another key.
     """
 
-    def __init__(self, root: str | Path, *, full_verify: bool = False) -> None:
+    def __init__(self, root: str | Path, *, full_verify: bool = False, key: bytes | None = None,
+                 check_mac: bool = True) -> None:
         self._fds: dict[int, int] = {}
         self.root = Path(root)
         if not (self.root / MANIFEST).is_file():
@@ -291,7 +337,10 @@ class Store:
                                        "no manifest (not a cache directory, or its build did not finish)",
                                        "If a build was interrupted, rerun it with the same arguments: it resumes "
                                        "after the last complete part")
-        self.manifest = Manifest.from_json(read_bounded(self.root, MANIFEST), self.root / MANIFEST)
+        data = read_bounded(self.root, MANIFEST)
+        if check_mac:
+            _check_mac(self.root, key, data)
+        self.manifest = Manifest.from_json(data, self.root / MANIFEST)
         for name in self.manifest.files:
             os.close(self._open(name))
         if full_verify:
@@ -349,9 +398,11 @@ class Store:
              "a row names a part that does not exist or a negative offset/length")
         item = np.dtype(m.value_dtype).itemsize
         for what in ("logp", "entropy") if m.has_entropy else ("logp",):
-            base = np.array([a[what] for a in m.values_at] or [0], np.int64)
-            size = np.array([m.files[p]["bytes"] for p in m.parts] or [0], np.int64)
-            need((base[part] + (offset + length) * item <= size[part]).all(), f"a {what} row lies outside its part")
+            # values that fit after the column's start; compared before any product, which could wrap in int64
+            room = np.array([(m.files[p]["bytes"] - a[what]) // item for p, a in zip(m.parts, m.values_at,
+                                                                                      strict=True)] or [0], np.int64)
+            need(((offset <= room[part]) & (length <= room[part] - offset)).all(),
+                 f"a {what} row lies outside its part")
         hi, lo = cols["key_hi"], cols["key_lo"]
         need(((hi[1:] > hi[:-1]) | ((hi[1:] == hi[:-1]) & (lo[1:] > lo[:-1]))).all(), "keys are not sorted")
         self.key_hi, self.key_lo, self.part, self.offset, self.length = hi, lo, part, offset, length
@@ -404,7 +455,9 @@ class Store:
         resident set; parts are never parsed at serving time.
 
         Raises:
-            RefCacheCorruptError: a row fails its checksum or lies outside its part.
+            RefCacheCorruptError: a row fails its checksum or lies outside its part, or holds a
+                value no model computes (a log-prob that is not finite and <= 0, an entropy
+                outside ``[0, log V]``).
         """
         item = self.value_dtype.itemsize
         out = np.empty(int(self.length[rows].sum()), self.value_dtype)
@@ -422,7 +475,30 @@ class Store:
                 raise RefCacheCorruptError(self.root / self.manifest.parts[pid],
                                            f"row at value offset {off} (length {n}) fails its checksum")
             at += n
+        self._check_values(out, rows, what)
         return out
+
+    def _check_values(self, out: np.ndarray, rows: np.ndarray, what: str) -> None:
+        """Refuse values no model computes: a log-prob must be finite and <= 0 (up to
+        ``LOGP_SLACK``), an entropy finite and within ``[0, log V]``; ``NaN`` marks a position
+        not computed at build (reported by the caller when it is asked for)."""
+        if what == "logp":
+            ok = (out <= LOGP_SLACK) & (out > -np.inf)
+        else:
+            ok = (out >= -LOGP_SLACK) & (out <= math.log(self.manifest.fingerprint.vocab_size) + LOGP_SLACK)
+        bad = ~ok & ~np.isnan(out)
+        if not bad.any():
+            return
+        at = int(np.flatnonzero(bad)[0])
+        ends = np.cumsum(self.length[rows])
+        i = int(np.searchsorted(ends, at, side="right"))
+        r = int(rows[i])
+        pos = at - (int(ends[i - 1]) if i else 0)
+        what_is = ("a log-prob must be finite and <= 0" if what == "logp"
+                   else "an entropy must be finite and within [0, log V]")
+        raise RefCacheCorruptError(self.root / self.manifest.parts[int(self.part[r])],
+                                   f"row at value offset {int(self.offset[r])} holds {what} {float(out[at])!r} at "
+                                   f"position {pos}; {what_is} (the cache was forged or miscomputed)")
 
     def close(self) -> None:
         for fd in self._fds.values():
