@@ -35,15 +35,15 @@ def _small_row_multiple(case: dict) -> None:
         from logitless.ops import engine
 
         engine._ROW_MULTIPLE = case["row_multiple"]
-        real = engine._nonzero_rows
+        real = engine._backward_rows
 
-        def counting(grads):
-            idx = real(grads)
-            n = next(g for g in grads if g is not None).shape[0]
-            _SKIPPED.append(0 if idx is None else n - idx.numel())
-            return idx
+        def counting(zero, chunks):
+            out = real(zero, chunks)
+            _SKIPPED.extend(0 if idx is None else sl.stop - sl.start - idx.numel()
+                            for sl, idx in zip(chunks, out, strict=True))
+            return out
 
-        engine._nonzero_rows = counting
+        engine._backward_rows = counting
 
 
 def vocab_parallel(rank: int, world: int, case: dict) -> dict:

@@ -84,18 +84,20 @@ def small_row_multiple(monkeypatch):
 def picked_counts(monkeypatch):
     """``(rows with a gradient, rows)`` of every decision the engine takes."""
     seen: list[tuple[int, int]] = []
-    real = engine._nonzero_rows
+    real = engine._backward_rows
 
-    def spy(grads):
-        idx = real(grads)
-        n = next(g for g in grads if g is not None).shape[0]
-        seen.append((n if idx is None else idx.numel(), n))
-        if idx is not None:
-            assert idx.numel() % 4 == 0 or idx.numel() == n
-            assert (idx.diff() > 0).all()  # ascending: the in-place compactions rely on it
-        return idx
+    def spy(zero, chunks):
+        out = real(zero, chunks)
+        for sl, idx in zip(chunks, out, strict=True):
+            n = sl.stop - sl.start
+            seen.append((n if idx is None else idx.numel(), n))
+            if idx is not None:
+                assert idx.numel() % 4 == 0 or idx.numel() == n
+                assert (idx.diff() > 0).all()  # ascending: the in-place compactions rely on it
+                assert not zero[sl][idx].all() or idx.numel() == 0
+        return out
 
-    monkeypatch.setattr(engine, "_nonzero_rows", spy)
+    monkeypatch.setattr(engine, "_backward_rows", spy)
     return seen
 
 
@@ -137,7 +139,8 @@ def test_every_row_zero(seed, picked_counts, mode):
 
 def test_every_token_clipped(seed, picked_counts):
     """Every ratio beyond ``1 + epsilon_high`` with a positive advantage: the clipped side of the
-    minimum carries no gradient for any token."""
+    minimum carries no gradient for any token, which the pass cannot know before it runs (no
+    row is left out), and both agree."""
     gen = torch.Generator().manual_seed(seed)
     batch = _batch(gen, constant=())
     batch["adv"] = batch["adv"].abs() + 0.1
@@ -145,8 +148,25 @@ def test_every_token_clipped(seed, picked_counts):
         cur = token_logprobs(batch["hidden"], Head(batch["weight"], batch["bias"]), batch["ids"])
     batch["old"] = cur - 1.0  # ratio e > 1.28
     on = _run(batch, PolicyConfig(epsilon_high=0.28), True)
-    assert picked_counts == [(0, n) for _, n in picked_counts]
+    assert picked_counts and all(m == n for m, n in picked_counts)
     _assert_same(on, _run(batch, PolicyConfig(epsilon_high=0.28), False))
+    assert all((g == 0).all() for g in on[1])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+def test_per_token_advantages(seed, picked_counts, level):
+    """Per-token advantages with zeros inside sequences: at token level those tokens are left out;
+    at sequence level a token's log-ratio reaches its sequence's ratio, so only sequences with
+    zero advantage throughout are."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = _batch(gen)
+    adv = batch["adv"][:, None].repeat(1, batch["ids"].shape[1])
+    adv[1::3, ::2] = 0.0  # zeros inside sequences that otherwise have a gradient
+    batch["adv"] = adv
+    cfg = PolicyConfig(importance_sampling_level=level, epsilon_high=0.28)
+    on = _run(batch, cfg, True, chunk_bytes=20 * 67 * 8)
+    assert sum(m for m, _ in picked_counts) < sum(n for _, n in picked_counts)
+    _assert_same(on, _run(batch, cfg, False, chunk_bytes=20 * 67 * 8))
 
 
 def test_frozen_head(seed, picked_counts):

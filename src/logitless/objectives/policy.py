@@ -144,7 +144,7 @@ def policy_loss(
     spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
-                         zero_rows=cfg.beta == 0.0 and cfg.entropy_coef == 0.0)
+                         zero_rows=_zero_gradient_rows(cfg, tok))
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
     loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)
@@ -154,6 +154,22 @@ def policy_loss(
         if tok.sampling_logp is not None:
             metrics.update(sampler_mismatch(stats.logp, tok.sampling_logp, group))
     return loss, metrics
+
+
+def _zero_gradient_rows(cfg: PolicyConfig, tok: PolicyTokens) -> torch.Tensor | None:
+    """``[n]`` bool, the counted tokens whose gradient is exactly zero whatever the pass computes:
+    without a KL term or an entropy bonus every loss type's term is its advantage times a factor,
+    so a token of zero advantage has none; at sequence level (not GSPO-token's, whose sequence
+    ratio is detached) a token's log-ratio also reaches its sequence's ratio, so only the tokens
+    of sequences with zero advantage throughout (over the sequence-parallel group). ``None``
+    where no token can be known to have none."""
+    if cfg.beta != 0.0 or cfg.entropy_coef != 0.0:
+        return None
+    zero = tok.advantages == 0
+    if cfg.importance_sampling_level == "sequence":
+        lay = tok.layout
+        zero = (lay.seq_sum((~zero).to(tok.m.dtype)) == 0)[lay.seg]
+    return zero
 
 
 def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None) -> dict[str, torch.Tensor]:

@@ -437,7 +437,7 @@ class DistillPass:
     gemm: bool = False  # run on the GEMM-epilogue kernels (:mod:`.distill_gemm`)
 
     DIFFERENTIABLE = ("lse", "logp", "entropy", "forward_kl", "reverse_kl", "jsd")
-    skips_zero_rows = False  # every counted token of a distillation loss has a gradient
+    zero_rows = None  # every counted token of a distillation loss has a gradient
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, teacher_hidden: torch.Tensor | None,

@@ -76,17 +76,17 @@ class ObjectiveSpec:
             entropy quantile), so it runs in recompute mode.
         before_loss: called with every token's detached statistics before the objective, in
             recompute mode (e.g. to set a quantile mask).
-        zero_rows: some rows' gradients may be exactly zero (a policy loss without KL or
-            entropy bonus: zero advantages, the clipped side of the PPO minimum, masked weights);
-            with :attr:`PassOptions.skip_zero_rows` the pass then runs the gradient GEMMs on the
-            other rows only (one host synchronization per chunk, or per pass in recompute mode).
+        zero_rows: ``[n]`` bool, the rows whose gradient is known before the pass to be exactly
+            zero (a policy loss without KL or entropy bonus: the tokens of zero advantage), or
+            ``None``; with :attr:`PassOptions.skip_zero_rows` the gradient GEMMs leave them out
+            (their statistics are still computed). One host synchronization per pass.
     """
 
     want: StatRequest = field(default_factory=StatRequest)
     cuts: Sequence[int] | None = None
     needs_all_stats: bool = False
     before_loss: Callable[[ChunkStats], None] | None = None
-    zero_rows: bool = False
+    zero_rows: torch.Tensor | None = None
 
 
 class PassResult(NamedTuple):
@@ -131,9 +131,9 @@ class PassKind(Protocol):
     head: LocalHead
     plan: ChunkPlan
     DIFFERENTIABLE: tuple[str, ...]
-    # Whether the backward may run on the rows whose statistics have a nonzero gradient only
-    # (:meth:`pick`); a kind that sets it implements ``pick``, ``pick_kept`` and ``select``.
-    skips_zero_rows: bool
+    # ``[n]`` bool, the rows the backward may leave out (their gradient is exactly zero), or
+    # ``None``; a kind that sets it implements ``pick``, ``pick_kept`` and ``select``.
+    zero_rows: torch.Tensor | None
 
     @property
     def stores_weight_grad(self) -> bool:
@@ -179,7 +179,7 @@ class _Pass:
     plan: ChunkPlan
     want: StatRequest
     lora_b: torch.Tensor | None = None  # [V, r] the adapter's vocabulary-side factor (GEMM dtype)
-    skips_zero_rows: bool = False
+    zero_rows: torch.Tensor | None = None  # [n] bool
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
@@ -193,8 +193,9 @@ class _Pass:
         if head.lora is not None:
             x, b = head.lora.factors(hidden, head.weight)
         # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
-        skips = spec.zero_rows and options.skip_zero_rows and head.lora is None
-        return cls(backend, local, local.local_targets(targets), plan, spec.want, b, skips), x
+        skip = options.skip_zero_rows and head.lora is None
+        return cls(backend, local, local.local_targets(targets), plan, spec.want, b,
+                   spec.zero_rows if skip else None), x
 
     def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
         """The rows ``idx`` (``[m]`` int64, ascending) of a chunk (no adapter: see :meth:`make`)."""
@@ -206,7 +207,7 @@ class _Pass:
 
     def select(self, idx: torch.Tensor) -> _Pass:
         """This pass restricted to the rows ``idx`` of its tokens."""
-        return dataclasses.replace(self, targets=self.targets[idx])
+        return dataclasses.replace(self, targets=self.targets[idx], zero_rows=None)
 
     @property
     def stores_weight_grad(self) -> bool:
@@ -432,7 +433,7 @@ class _RecomputeFn(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         sdt = stat_dtype_for(hidden.dtype)
         # The backward runs on the rows with a gradient only: ``rows`` (``hidden``'s, or a gathered copy).
-        picked = _nonzero_rows(grads) if p.skips_zero_rows and grads.any() else None
+        picked = None if p.zero_rows is None else _backward_rows(p.zero_rows, [slice(0, hidden.shape[0])])[0]
         rows = hidden
         if picked is not None:
             p, rows, saved, grads = p.select(picked), hidden[picked], rows_of(saved, picked), grads.rows(picked)
@@ -483,7 +484,7 @@ def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bia
 
 
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
-                  options: PassOptions, zero_rows: bool = False) -> ChunkStats:
+                  options: PassOptions, zero_rows: torch.Tensor | None = None) -> ChunkStats:
     """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
     mode; under ``torch.no_grad`` only the forward runs: one GEMM's worth of work).
 
@@ -493,7 +494,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
         targets: ``[n]`` int64 global token ids, all valid.
         want: statistics beyond ``logp``/``lse``/``is_top1``.
         options: :class:`PassOptions` (``mode`` is not read: this is recompute mode).
-        zero_rows: some rows' gradients may be exactly zero (:attr:`ObjectiveSpec.zero_rows`).
+        zero_rows: ``[n]`` bool, rows whose gradient is known to be zero (:attr:`ObjectiveSpec.zero_rows`).
 
     Returns:
         :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
@@ -513,15 +514,16 @@ class _FusedCall:
     objective: ChunkObjective
     chunks: list[slice]
     weight_grad: WeightGradLayout = "fp32"  # how d weight is held (_weight_grad_plan)
+    backward_rows: list[torch.Tensor | None] | None = None  # per chunk (_backward_rows); None: all
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
 
 
-def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None,
-               acc: Accumulators | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
+def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None, acc: Accumulators | None,
+               picked: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
     """A chunk's statistics, its loss term and (``acc`` given) its gradients:
-    ``(loss term, detached stats, d hidden rows | None, picked | None)``; with ``picked`` (the
-    rows with a gradient, :func:`_nonzero_rows`) the ``d hidden`` rows are those rows' only."""
+    ``(loss term, detached stats, d hidden rows | None)``; with ``picked`` (the rows the backward
+    runs on, :func:`_backward_rows`) the ``d hidden`` rows are those rows' only."""
     p = call.p
     rows = p.rows(hidden, sl, low)
     plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
@@ -539,12 +541,10 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
             got = torch.autograd.grad(loss, [getattr(leaves, k) for k in names], allow_unused=True)
             grads = p.grads_of(dict(zip(names, got, strict=True)))
     call.collected.append(collected)
-    grad_hidden = picked = None
-    if want_grad and grads.any() and p.skips_zero_rows:
-        picked = _nonzero_rows(grads)
-        if picked is not None and picked.numel():
-            rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
-                p.pick_kept(kept, picked)
+    grad_hidden = None
+    if want_grad and grads.any() and picked is not None and picked.numel():
+        rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
+            p.pick_kept(kept, picked)
     if want_grad and grads.any() and (picked is None or picked.numel()):
         chunk_acc = dataclasses.replace(acc, lora_x=None if acc.lora_x is None else acc.lora_x[sl])
         grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
@@ -552,37 +552,40 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
         acc.weight.zero_()  # nothing reaches the logits: d weight is 0, and nothing else writes it
         if acc.weight_lo is not None:
             acc.weight_lo.zero_()
-    return loss.detach(), stats, grad_hidden, picked
+    return loss.detach(), stats, grad_hidden
 
 
 # The rows a backward runs on are rounded up to a multiple of this (with rows of zero gradient,
 # which add exact zeros): GEMMs whose row count is no multiple of their tiles run measurably slower.
 _ROW_MULTIPLE = 128
-# Below this share of rows left out, the compaction and the host synchronization cost about what
-# the smaller GEMMs save: the pass runs on every row.
+# Below this share of rows left out, gathering the rows costs about what the smaller GEMMs save:
+# the chunk's backward runs on every row.
 _MIN_SKIPPED = 1 / 16
 
 
-def _nonzero_rows(grads: NamedTuple) -> torch.Tensor | None:
-    """The rows (``[m]`` int64, ascending) the backward must run on, or ``None`` for all of them.
+def _backward_rows(zero: torch.Tensor, chunks: Sequence[slice]) -> list[torch.Tensor | None]:
+    """For each chunk, the rows (``[m]`` int64, relative to the chunk, ascending) its backward
+    runs on, or ``None`` for all of them.
 
     A row whose statistics all have a zero gradient has ``dz = 0`` exactly (``p_v`` times zero
     coefficients), so it adds nothing to ``d weight`` and its ``d hidden`` is zero: the gradient
-    GEMMs may leave it out. The rows with a gradient come first, then as many without as round
-    the count up to :data:`_ROW_MULTIPLE`. One host synchronization (the count)."""
-    mask = None
-    for g in grads:
-        if g is not None:
-            mask = g != 0 if mask is None else mask | (g != 0)
-    n = mask.numel()
-    order = torch.argsort((~mask).to(torch.int8), stable=True)  # rows with a gradient first, each part ascending
-    m = int(mask.sum())
-    if m == 0:
-        return order[:0]
-    m = min(n, -(-m // _ROW_MULTIPLE) * _ROW_MULTIPLE)
-    if n - m < n * _MIN_SKIPPED:
-        return None
-    return torch.sort(order[:m]).values
+    GEMMs may leave it out. A chunk's rows are those not in ``zero`` (``[n]`` bool), then as many
+    of ``zero``'s as round the count up to :data:`_ROW_MULTIPLE`. One host synchronization (the
+    chunks' counts) for the whole pass."""
+    if not zero.numel():
+        return [None] * len(chunks)
+    ends = torch.tensor([sl.stop - 1 for sl in chunks], device=zero.device)
+    totals = [0, *torch.cumsum((~zero).to(torch.int64), 0)[ends].tolist()]
+    out: list[torch.Tensor | None] = []
+    for i, sl in enumerate(chunks):
+        n = sl.stop - sl.start
+        m = min(n, -(-(totals[i + 1] - totals[i]) // _ROW_MULTIPLE) * _ROW_MULTIPLE)
+        if n - m < n * _MIN_SKIPPED:
+            out.append(None)
+            continue
+        order = torch.argsort(zero[sl].to(torch.int8), stable=True)  # rows with a gradient first, each part ascending
+        out.append(torch.sort(order[:m]).values)
+    return out
 
 
 def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
@@ -598,7 +601,8 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
             chunk_acc = None if acc is None else _first_stores(call.p, acc, i == 0)
-            loss, stats, gh, picked = _run_chunk(call, hidden, sl, low, chunk_acc)
+            picked = None if call.backward_rows is None else call.backward_rows[i]
+            loss, stats, gh = _run_chunk(call, hidden, sl, low, chunk_acc, picked)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:
                 out = stats
@@ -716,6 +720,8 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
         p, layout = _weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
     call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), weight_grad=layout)
+    if grad and p.zero_rows is not None:
+        call.backward_rows = _backward_rows(p.zero_rows, call.chunks)
     if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)
