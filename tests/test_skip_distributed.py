@@ -1,10 +1,11 @@
-"""``skip_zero_advantage`` under DistributedDataParallel, 2 gloo ranks on CPU: a rank whose
-micro-batch has no row with gradient still runs one row (loss times 0) and joins DDP's gradient
-all-reduce and the metric collectives; the averaged gradients equal the mean of each rank's loss
-on its whole micro-batch (no row removed), and the restored clip-ratio metrics equal those of
-both ranks' rows together, to 1e-10. The trainer is a stand-in holding what the switch reads of
-``LogitlessGRPOTrainer`` (its options and metrics), so the ranks import neither TRL nor
-transformers; the per-row semantics against TRL itself are in ``tests/test_trl_skip.py``."""
+"""``skip_zero_advantage`` under DistributedDataParallel and FSDP2, 2 gloo ranks on CPU: a rank
+whose micro-batch has no row with gradient still runs one row (loss times 0) and joins the
+gradient all-reduce / reduce-scatter and the metric collectives; the averaged gradients equal the
+mean of each rank's loss on its whole micro-batch (no row removed), and the restored clip-ratio
+metrics equal those of both ranks' rows together, to 1e-10. The trainer is a stand-in holding what
+the switch reads of ``LogitlessGRPOTrainer`` (its options and metrics), so the ranks import neither
+TRL nor transformers; the per-row semantics against TRL itself are in ``tests/test_trl_skip.py``,
+the drop-in's FSDP2 head (``head_inputs``) in ``tests/test_fsdp.py``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ if not dist.is_available():
 
 WORLD, B, P, T, H, V = 2, 4, 2, 5, 8, 29
 CFG = dict(loss_type="grpo", epsilon=0.1, epsilon_high=0.15, gradient_accumulation_steps=2)
+WRAPPERS = ("ddp", "fsdp2")
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
                 "clip_ratio/high_max")
 
@@ -116,23 +118,42 @@ def _stand_in(world: int, loss_fn):
     return tr, fused
 
 
-def _rank(rank: int, world: int, batches) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
+def _wrap(model, how: str, world: int):
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
 
+        return DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # The root (head included) stays unsharded after forward, so the stand-in's loss can read the
+    # head outside forward; the drop-in gathers it through FSDP with head_inputs instead.
+    return fully_shard(model, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=False)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _rank(rank: int, world: int, batches) -> dict:
     from logitless.integrations.trl_skip import loss_without_zero_advantage
 
-    model = Policy()
-    ddp = DistributedDataParallel(model)
-    tr, fused = _stand_in(world, lambda m, sub: _loss(m, model.head, sub, world, dist.group.WORLD))
-    out = []
-    for it in range(2):
-        inputs = _with_old_logps(model, batches[it][rank])
-        ddp.zero_grad(set_to_none=True)
-        loss = loss_without_zero_advantage(tr, ddp, inputs, fused)
-        loss.backward()  # DDP's all-reduce: a rank that did not join would leave the other waiting
-        out.append(dict(loss=loss.detach(), grads={n: p.grad.clone() for n, p in model.named_parameters()},
-                        metrics={k: v[-1] for k, v in tr._metrics["train"].items()}))
-    return dict(steps=out, rows=tr.rows)
+    out = {}
+    for how in WRAPPERS:
+        # the head of the model the loss is given (DDP wraps it, fully_shard is the module itself)
+        tr, fused = _stand_in(world, lambda m, sub: _loss(m, getattr(m, "module", m).head, sub, world,
+                                                          dist.group.WORLD))
+        steps = []
+        for it in range(2):  # a fresh model per step (no optimizer here); the rollout on a plain copy
+            inputs = _with_old_logps(Policy(), batches[it][rank])
+            model = Policy()
+            wrapped = _wrap(model, how, world)
+            loss = loss_without_zero_advantage(tr, wrapped, inputs, fused)
+            loss.backward()  # the gradient all-reduce / reduce-scatter: a rank left out would stall the other
+            steps.append(dict(loss=loss.detach(), metrics={k: v[-1] for k, v in tr._metrics["train"].items()},
+                              grads={n: _full(p.grad).clone() for n, p in model.named_parameters()}))
+        out[how] = dict(steps=steps, rows=tr.rows)
+    return out
 
 
 def _entry(rank, world, port, batches, queue):
@@ -177,9 +198,16 @@ def _spawn(batches) -> list[dict]:
     return [results[r] for r in range(WORLD)]
 
 
-def test_ddp_ranks_join_with_an_empty_micro_batch():
+@pytest.fixture(scope="module")
+def ranks():
     batches = _batches()
-    outs = _spawn(batches)
+    return batches, _spawn(batches)
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+def test_ranks_join_with_an_empty_micro_batch(ranks, how):
+    batches, outs = ranks
+    outs = [o[how] for o in outs]
     # Iteration 0: rank 0 has no row with gradient (one row runs, times 0), rank 1 runs 2 rows; then swapped.
     assert outs[0]["rows"] == [1, 2] and outs[1]["rows"] == [2, 1]
     model = Policy()
@@ -198,7 +226,7 @@ def test_ddp_ranks_join_with_an_empty_micro_batch():
         for rank in range(WORLD):
             step = outs[rank]["steps"][it]
             assert abs(float(step["loss"] - losses[rank])) <= 1e-10 * max(1.0, abs(float(losses[rank])))
-            for name, g in grads[0].items():  # DDP averages the ranks' gradients
+            for name, g in grads[0].items():  # DDP and FSDP2 average the ranks' gradients
                 mean = (g + grads[1][name]) / WORLD
                 assert float((step["grads"][name] - mean).abs().max()) <= 1e-10 * max(1.0, float(mean.abs().max()))
             for k in CLIP_METRICS:
