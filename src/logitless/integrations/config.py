@@ -37,7 +37,7 @@ class LogitlessConfig:
             backward, TRL's normalizers kept, so the loss and every gradient are TRL's own. Needs
             ``fused_loss``, ``beta == 0``, no entropy bonus and ``top_entropy_quantile == 1``
             (else one warning and every completion runs). Metrics averaged over the rows that ran
-            change (``docs/trainers.md``, "Skipping completions without gradient").
+            change (``docs/trainers.md``, "GRPO: skipping completions without gradient").
 
     Explicit ``False`` forces the trainer's own path (A/B checks); an explicit ``True`` that
     cannot be honoured warns once, saying why, and runs the trainer's own path.
