@@ -25,7 +25,7 @@ def e2e_run(tmp_path_factory):
         mp.chdir(cwd)  # the default --out is ./bench_out
         rc = main(["bench", "--e2e", "--device", "cpu", "--completion-lengths", ",".join(map(str, LENGTHS)),
                    "--batch-sizes", ",".join(map(str, BATCHES)), "--prompt-length", str(PROMPT),
-                   "--max-tokens", str(CAP), "--reps", "2", "--seed", "3"])
+                   "--max-tokens", str(CAP), "--reps", "2", "--seed", "3", "--zero-advantage-fractions", "0.5"])
     assert rc == 0
     (path,) = (cwd / "bench_out" / "benchmarks" / "results").glob("*-e2e-*.json")
     return cwd, json.loads(path.read_text())
@@ -105,3 +105,28 @@ def test_report_has_the_e2e_section(e2e_run):
     assert "End-to-end GRPO step" in md and "tiny-qwen2" in md and "Largest micro-batch that fits" in md
     assert "SGD without momentum" in md and "| 3 × 48 |" in md
     assert not (cwd / "BENCHMARKS.md").exists()  # nothing written into the working directory itself
+
+
+def test_skip_rows_remove_zero_advantage_completions_and_equal_trls_step(e2e_run):
+    """The logitless-skip rows (half the advantages 0: at batch 1 the one completion, so one row
+    runs times 0) give the on-policy loss of the batch with those advantages zeroed, and the
+    skip step's loss and every gradient equal TRL's on the same weights at fp32 accuracy."""
+    _, run = e2e_run
+    (m,) = run["models"]
+    assert len(m["skip_steps"]) == len(LENGTHS) * len(BATCHES)
+    for s in m["skip_steps"]:
+        b, c = s["batch_size"], s["completion_length"]
+        assert s["status"] == "ok" and s["path"] == "logitless-skip" and s["zero_advantage_fraction"] == 0.5
+        assert s["zero_rows"] == int(0.5 * b + 0.5) and s["time_ms"] > 0
+        batch, zero = e2e.with_zero_advantages(
+            e2e.make_batch(b, PROMPT, c, m["vocab_size"], torch.device("cpu"), 3 + b * c), 0.5)
+        assert zero == s["zero_rows"] and int((batch["advantages"] == 0).sum()) == zero
+        mask = batch["completion_mask"].double()
+        expected = float(-(batch["advantages"].double()[:, None] * mask).sum() / mask.sum())
+        assert abs(s["loss"] - expected) < 1e-6, (s, expected)
+    (p,) = m["skip_parity"]
+    assert (p["batch_size"], p["completion_length"], p["zero_rows"]) == (max(BATCHES), min(LENGTHS), 2)
+    assert p["loss_abs_diff"] < 1e-5 and p["grad_rel_diff"] < 1e-4 and abs(p["trl_loss"]) > 0
+    cwd, _ = e2e_run
+    md = (cwd / "bench_out" / "BENCHMARKS.md").read_text()
+    assert "skip_zero_advantage=True" in md and "| 3 × 48 | 50% (2 of 3) |" in md

@@ -47,6 +47,8 @@ BENCH_ERRORS = [
     ["--e2e", "--models", "tiny-a"],
     ["--e2e", "--max-tokens", "-1"],
     ["--e2e", "--prompt-length", "0"],
+    ["--e2e", "--zero-advantage-fractions", "0.25,1.5"],
+    ["--zero-advantage-fractions", "0.5"],
     ["--out", "x", "--update-repo"],
     ["--out", str(REPO)],
     ["--report-only", "--out", str(REPO)],

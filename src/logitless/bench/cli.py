@@ -56,7 +56,14 @@ _E2E_GPU = (e2e.GPU_MODELS, (1024, 4096), (1, 4, 8), 512, 1 << 17)
 _E2E_GPU_QUICK = (("qwen2.5-1.5b",), (1024,), (1, 4), 512, 1 << 14)
 _E2E_CPU = (("tiny-qwen2",), (16, 64), (1, 4), 8, 512)
 _OP_ONLY = ("shapes", "tokens", "objectives", "rows", "impl", "entropy", "min_time")
-_E2E_ONLY = ("completion_lengths", "batch_sizes", "prompt_length", "max_tokens")
+_E2E_ONLY = ("completion_lengths", "batch_sizes", "prompt_length", "max_tokens", "zero_advantage_fractions")
+
+
+def _fraction(text: str) -> float:
+    x = non_negative_float(text)
+    if x > 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
+    return x
 
 
 def _shape(text: str) -> Case:
@@ -120,6 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--prompt-length", type=positive_int, default=None, help="prompt tokens (default 512; CPU 8)")
     e.add_argument("--max-tokens", type=non_negative_int, default=None,
                    help="cap of the largest-micro-batch search, tokens (default 131072; CPU 512; 0 skips it)")
+    e.add_argument("--zero-advantage-fractions", type=csv_of(_fraction), default=None,
+                   help="fractions of each batch's completions with advantage 0 (reward-constant groups) for the "
+                        "logitless-skip rows (LogitlessConfig(skip_zero_advantage=True)), e.g. the demo's measured "
+                        "frac_reward_zero_std,0.25,0.5 (default 0.25,0.5)")
     out = parser.add_argument_group("output")
     where = out.add_mutually_exclusive_group()
     where.add_argument("--out", "--out-dir", dest="out_dir", type=Path, default=None, metavar="DIR",
@@ -299,7 +310,8 @@ def _run_e2e(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, 
         completion_lengths=tuple(args.completion_lengths or lengths), batch_sizes=tuple(args.batch_sizes or batches),
         prompt_length=args.prompt_length or prompt, max_tokens=cap if args.max_tokens is None else args.max_tokens,
         reps=args.reps or (2 if device.type == "cpu" else 3), seed=args.seed,
-        deadline=None if args.time_budget is None else start + args.time_budget)
+        deadline=None if args.time_budget is None else start + args.time_budget,
+        zero_advantage_fractions=tuple(args.zero_advantage_fractions or (0.25, 0.5)))
     record = {**_run_record(args, device), "kind": "e2e",
               "settings": {"dtype": dtype, "prompt_length": opts.prompt_length, "reps": opts.reps,
                            "max_tokens": opts.max_tokens, "optimizer": f"SGD(lr={e2e.LR:g}, momentum=0)",
@@ -313,5 +325,6 @@ def _run_e2e(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, 
     finally:
         torch.set_num_threads(threads)
     record["wall_s"] = time.monotonic() - start
-    failed = any(s["path"] == "logitless" and s["status"] == "error" for m in record["models"] for s in m["steps"])
+    failed = any(s["path"].startswith("logitless") and s["status"] == "error"
+                 for m in record["models"] for s in (*m["steps"], *m.get("skip_steps", ())))
     return record, failed

@@ -20,13 +20,19 @@ on). The optimizer is plain SGD without momentum for every model: it keeps no st
 would add 8 bytes per parameter, 61 GB at 7.6B), and the memory difference between the two
 paths is the loss path's alone.
 
+**logitless-skip** rows (``LogitlessConfig(skip_zero_advantage=True)``) run the logitless step on the
+same batch with a fraction of its completions' advantages set to exactly 0 (a reward-constant
+group's), which that trainer removes from the forward and backward; they are compared with the
+trl and logitless rows of the same batch (whose step does not depend on the advantages' values).
+
 Per model, in this order: one step's loss and gradients of both paths on the same weights and
 batch (with off-policy old log-probs, so the loss depends on the log-probs); the largest
 micro-batch that fits, per path: batch 1, the completion length doubled until the step runs
 out of memory (or the token cap is reached); then per (batch size, completion length) and
 path: median step time, peak GPU memory (``torch.cuda.max_memory_allocated``, weights
 included), and the bytes autograd saves for the backward during the loss's forward (every
-device; checkpointed layers' own activations are recomputed, not saved).
+device; checkpointed layers' own activations are recomputed, not saved); then per fraction of
+zero advantages, the skip step's parity with trl (every parameter's gradient) and its timed rows.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 GPU_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b")
 FULL_GPU_MODELS = (*GPU_MODELS, "llama3-8b")
 PATHS = ("trl", "logitless", "trl-logits")
+SKIP_PATH = "logitless-skip"
 LR = 1e-6
 
 
@@ -80,6 +87,8 @@ class E2EOptions:
         reps: timed steps per grid point (after one warm-up step).
         seed: weights and batches.
         deadline: ``time.monotonic()`` after which no new step starts, or ``None``.
+        zero_advantage_fractions: fractions of each batch's completions given advantage 0 for
+            the logitless-skip rows (empty: no such rows).
     """
 
     device: torch.device
@@ -92,6 +101,7 @@ class E2EOptions:
     reps: int = 3
     seed: int = 0
     deadline: float | None = None
+    zero_advantage_fractions: tuple[float, ...] = (0.25, 0.5)
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -151,6 +161,7 @@ def build_trainers(model: torch.nn.Module, device: torch.device, out_dir: str) -
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from ..integrations.config import LogitlessConfig
     from ..integrations.trl import LogitlessGRPOTrainer
 
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=2, num_generations=2, report_to=[],
@@ -159,7 +170,8 @@ def build_trainers(model: torch.nn.Module, device: torch.device, out_dir: str) -
     kw = dict(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
               train_dataset=Dataset.from_dict({"prompt": ["p", "q"]}), processing_class=_tokenizer())
     trainers = {"trl": GRPOTrainer(**kw), "logitless": LogitlessGRPOTrainer(**kw),
-                "trl-logits": _materialized_logits_trainer()(**kw)}
+                "trl-logits": _materialized_logits_trainer()(**kw),
+                SKIP_PATH: LogitlessGRPOTrainer(**kw, logitless_config=LogitlessConfig(skip_zero_advantage=True))}
     for t in trainers.values():
         t.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop, which is not run here
     if args.gradient_checkpointing:
@@ -180,6 +192,16 @@ def make_batch(batch: int, prompt: int, completion: int, vocab: int, device: tor
                completion_ids=ids[:, prompt:], completion_mask=mask, advantages=torch.randn(batch, generator=g),
                num_items_in_batch=mask.sum().float())
     return {k: v.to(device) for k, v in out.items()}
+
+
+def with_zero_advantages(batch: dict[str, torch.Tensor], fraction: float) -> tuple[dict[str, torch.Tensor], int]:
+    """``batch`` with the advantages of its last ``round(fraction · B)`` completions set to 0
+    (those of a reward-constant group), and that count."""
+    b = batch["advantages"].shape[0]
+    zero = min(b, int(fraction * b + 0.5))
+    adv = batch["advantages"].clone()
+    adv[b - zero:] = 0.0
+    return dict(batch, advantages=adv), zero
 
 
 @contextlib.contextmanager
@@ -313,6 +335,83 @@ def parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[str, to
     return out
 
 
+def skip_parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                device: torch.device) -> dict[str, Any]:
+    """The logitless-skip step against TRL's on ``batch`` (some advantages 0), same weights, old
+    log-probs 0.1 nats off: loss, and every parameter's gradient (TRL's kept on the host, one
+    parameter back on the device at a time)."""
+    b, c = batch["completion_ids"].shape
+    g = torch.Generator().manual_seed(4321)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        cur, _, _ = trainers["logitless"]._get_per_token_logps_and_entropies(model, ids, am, c)
+    batch = dict(batch, old_per_token_logps=cur.float() + 0.1 * torch.randn(b, c, generator=g).to(device))
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, trl_grads = {}, []
+    for path in ("trl", SKIP_PATH):
+        model.zero_grad(set_to_none=True)
+        loss = trainers[path].compute_loss(model, batch)
+        loss.backward()
+        losses[path] = float(loss.detach())
+        if path == "trl":
+            trl_grads = [None if p.grad is None else p.grad.to("cpu", copy=True) for p in params]
+        del loss
+    diff_sq = ref_sq = 0.0
+    worst = 0.0
+    for p, ref in zip(params, trl_grads, strict=True):
+        if ref is None:
+            continue
+        ref = ref.to(device).float()
+        mine = torch.zeros_like(ref) if p.grad is None else p.grad.float()
+        d = float((mine - ref).norm())
+        diff_sq += d * d
+        ref_sq += float(ref.norm()) ** 2
+        worst = max(worst, float((mine - ref).abs().max()))
+    _cleanup(model, device)
+    return {"batch_size": b, "completion_length": c, "trl_loss": losses["trl"], "skip_loss": losses[SKIP_PATH],
+            "loss_abs_diff": abs(losses[SKIP_PATH] - losses["trl"]),
+            "grad_rel_diff": (diff_sq ** 0.5) / max(ref_sq ** 0.5, 1e-30), "grad_max_abs_diff": worst}
+
+
+def run_skip(trainers: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer, opts: E2EOptions,
+             vocab: int, log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per fraction of zero advantages: the parity with TRL (on the largest batch size at the
+    shortest completion length), then the timed logitless-skip step at every grid point."""
+    parities, steps = [], []
+    for f in opts.zero_advantage_fractions:
+        batch = make_batch(max(opts.batch_sizes), opts.prompt_length, min(opts.completion_lengths), vocab,
+                           opts.device, opts.seed + 7)
+        batch, zero = with_zero_advantages(batch, f)
+        try:
+            p = skip_parity(trainers, model, batch, opts.device)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            p = {"status": "oom"}
+        finally:
+            _cleanup(model, opts.device)
+        parities.append({"zero_advantage_fraction": f, "zero_rows": zero, **p})
+        if "grad_rel_diff" in p:
+            log(f"  skip {f:.0%} ({zero} of {p['batch_size']} rows): loss |Δ| vs trl {p['loss_abs_diff']:.1e}, "
+                f"gradient rel diff {p['grad_rel_diff']:.1e}")
+        del batch
+    for b in opts.batch_sizes:
+        for c in opts.completion_lengths:
+            base = make_batch(b, opts.prompt_length, c, vocab, opts.device, opts.seed + b * c)
+            for f in opts.zero_advantage_fractions:
+                batch, zero = with_zero_advantages(base, f)
+                r = _run_point(trainers[SKIP_PATH], model, opt, batch, opts, opts.reps)
+                r = {"path": SKIP_PATH, "zero_advantage_fraction": f, "zero_rows": zero, "batch_size": b,
+                     "completion_length": c, "tokens": b * (opts.prompt_length + c),
+                     "completion_tokens": int(batch["completion_mask"].sum()), **r}
+                steps.append(r)
+                log(_line(r) + f" ({zero} of {b} advantages 0)")
+                del batch
+            del base
+    return parities, steps
+
+
 def max_fit(trainer: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, opts: E2EOptions,
             log: Callable[[str], None], path: str) -> dict[str, Any]:
     """Largest micro-batch whose step fits: batch 1, ``prompt_length`` prompt tokens, the
@@ -389,6 +488,8 @@ def run_model(name: str, opts: E2EOptions, log: Callable[[str], None]) -> dict[s
                     rec["steps"].append(r)
                     log(_line(r))
                 del batch
+        if opts.zero_advantage_fractions:
+            rec["skip_parity"], rec["skip_steps"] = run_skip(trainers, model, opt, opts, rec["vocab_size"], log)
     del trainers, opt, model
     _cleanup_all(opts.device)
     rec["model_s"] = time.perf_counter() - t0

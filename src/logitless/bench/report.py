@@ -206,6 +206,33 @@ def _max_fit_line(fit: dict[str, dict[str, Any]]) -> str:
     return line + "."
 
 
+def _skip_lines(m: dict[str, Any]) -> list[str]:
+    """The logitless-skip rows of one model: step time and peak against the trl and logitless
+    steps of the same batch (which run every completion), and the parity with TRL's step."""
+    by = {(s["batch_size"], s["completion_length"], s["path"]): s for s in m["steps"]}
+    rows = []
+    for s in m["skip_steps"]:
+        b, c = s["batch_size"], s["completion_length"]
+        trl, ours = by.get((b, c, "trl"), {}), by.get((b, c, "logitless"), {})
+        t = s.get("time_ms")
+        rows.append([f"{b} × {c:,}", f"{s['zero_advantage_fraction']:.0%} ({s['zero_rows']} of {b})",
+                     _e2e_cell(s)[0], *(f"{r['time_ms'] / t:.2f}×" if t and r.get("time_ms") else "—"
+                                        for r in (trl, ours)),
+                     _e2e_cell(s)[1], _e2e_cell(trl or None)[1]])
+    lines = ["With `LogitlessConfig(skip_zero_advantage=True)` (completions with advantage 0, e.g. reward-constant "
+             "groups, removed from the forward and backward; the same batch otherwise):", ""]
+    lines += _table(["batch × completion", "advantages 0", "skip step", "trl / skip time", "logitless / skip time",
+                     "skip peak GiB", "trl peak GiB"], rows)
+    for p in m.get("skip_parity", []):
+        if "grad_rel_diff" in p:
+            lines += ["", f"Skip step against TRL's step, same weights and batch ({p['batch_size']} × "
+                          f"{p['completion_length']:,}, {p['zero_advantage_fraction']:.0%} of advantages 0, old "
+                          f"log-probs 0.1 nats off): loss |Δ| {p['loss_abs_diff']:.1e}; every parameter's "
+                          f"gradient: relative difference {p['grad_rel_diff']:.1e}, largest absolute "
+                          f"{p['grad_max_abs_diff']:.1e}."]
+    return [*lines, ""]
+
+
 def _e2e_section(run: dict[str, Any]) -> list[str]:
     dev = run["device"]
     versions = ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items() if v)
@@ -242,8 +269,11 @@ def _e2e_section(run: dict[str, Any]) -> list[str]:
                       f"{p['grad_norm_rel_diff']:.1e}; head gradient relative difference "
                       f"{p['head_grad_rel_diff']:.1e}.",
                       ""]
+        if m.get("skip_steps"):
+            lines += _skip_lines(m)
         notes = sorted({f"{s['path']} {s['batch_size']} × {s['completion_length']}: {s['status']} ({s['reason']})"
-                        for s in m["steps"] if s["status"] not in ("ok", "oom") and s.get("reason")})
+                        for s in (*m["steps"], *m.get("skip_steps", ()))
+                        if s["status"] not in ("ok", "oom") and s.get("reason")})
         lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     return lines
 
@@ -253,14 +283,15 @@ def e2e_console(run: dict[str, Any]) -> str:
     out = [f"{run['device']['name']}  {run['timestamp']}  (one GRPO training step per path)"]
     for m in run["models"]:
         out.append(f"\n{m['model']}  {m['params'] / 1e9:.2f}B parameters")
-        out.append(f"  {'batch x completion':>20s} {'path':11s} {'ms':>10s} {'peak GiB':>9s} {'saved MiB':>10s}")
-        for s in m["steps"]:
+        out.append(f"  {'batch x completion':>20s} {'path':19s} {'ms':>10s} {'peak GiB':>9s} {'saved MiB':>10s}")
+        for s in (*m["steps"], *m.get("skip_steps", ())):
             bc = f"{s['batch_size']} x {s['completion_length']}"
+            path = s["path"] + (f" {s['zero_advantage_fraction']:.0%}" if "zero_advantage_fraction" in s else "")
             if s["status"] != "ok":
-                out.append(f"  {bc:>20s} {s['path']:11s} {s['status']}")
+                out.append(f"  {bc:>20s} {path:19s} {s['status']}")
                 continue
             peak = _gib(s["peak_bytes"]) if "peak_bytes" in s else "n/a"
-            out.append(f"  {bc:>20s} {s['path']:11s} {s.get('time_ms', float('nan')):10.1f} {peak:>9s} "
+            out.append(f"  {bc:>20s} {path:19s} {s.get('time_ms', float('nan')):10.1f} {peak:>9s} "
                        f"{s['saved_bytes'] / 2**20:10.1f}")
         if m.get("max_fit"):
             out.append("  " + _max_fit_line(m["max_fit"]))

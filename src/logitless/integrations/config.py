@@ -31,6 +31,13 @@ class LogitlessConfig:
         mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
         impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
         chunk_bytes: workspace budget of a vocabulary pass (default 1 GiB).
+        skip_zero_advantage: GRPO only (``LogitlessGRPOTrainer``), off by default: completions
+            that carry no gradient (advantage exactly 0, e.g. every completion of a group whose
+            rewards are all equal, or no counted token) are removed from the training forward and
+            backward, TRL's normalizers kept, so the loss and every gradient are TRL's own. Needs
+            ``fused_loss``, ``beta == 0``, no entropy bonus and ``top_entropy_quantile == 1``
+            (else one warning and every completion runs). Metrics averaged over the rows that ran
+            change (``docs/trainers.md``, "GRPO: skipping completions without gradient").
 
     Explicit ``False`` forces the trainer's own path (A/B checks); an explicit ``True`` that
     cannot be honoured warns once, saying why, and runs the trainer's own path.
@@ -42,12 +49,16 @@ class LogitlessConfig:
     mode: Mode = "auto"
     impl: Impl = "auto"
     chunk_bytes: int | None = None
+    skip_zero_advantage: bool = False
 
     def __post_init__(self) -> None:
         for name in ("fused_loss", "fused_logprobs"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise TypeError(f"LogitlessConfig.{name} must be True, False or None, got {v!r}")
+        if not isinstance(self.skip_zero_advantage, bool):
+            raise TypeError(f"LogitlessConfig.skip_zero_advantage must be True or False, got "
+                            f"{self.skip_zero_advantage!r}")
         try:
             _ = self.options
         except ValueError as e:

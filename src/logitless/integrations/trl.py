@@ -26,6 +26,7 @@ from ..objectives import PolicyConfig, policy_loss
 from ..ops import token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
 from .hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
+from .trl_skip import loss_without_zero_advantage, skip_problem
 
 
 class UnsupportedConfigError(ValueError):
@@ -182,6 +183,8 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         sw = self.logitless
         if not sw.fused_loss:
             return GRPOTrainer._compute_loss(self, model, inputs)
+        if sw.config.skip_zero_advantage and self.model.training:
+            return loss_without_zero_advantage(self, model, inputs, self._fused_loss)
         mask = inputs["completion_mask"] if "tool_mask" not in inputs else \
             inputs["completion_mask"] * inputs["tool_mask"]
         if mask.size(1) == 1 and not bool(mask.all()):
@@ -192,6 +195,12 @@ class LogitlessGRPOTrainer(GRPOTrainer):
                                        "padding in")
             with trl_own_path(self):
                 return GRPOTrainer._compute_loss(self, model, inputs)
+        return self._fused_loss(model, inputs)
+
+    def _fused_loss(self, model, inputs):
+        """The training loss of TRL's micro-batch ``inputs`` through ``logitless.policy_loss``;
+        logs TRL's metrics."""
+        sw = self.logitless
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         am = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         t = inputs["completion_ids"].size(1)
@@ -261,6 +270,8 @@ def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
     if trainer.logitless.fused_loss or trainer.logitless.fused_logprobs:
         for m in models:
             add_hidden_states_forward(m)
+    if config.skip_zero_advantage and (why := skip_problem(trainer)) is not None:
+        trainer.logitless.warn_once("skip_zero_advantage", why + "; every completion runs")
 
 
 @contextlib.contextmanager
