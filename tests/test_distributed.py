@@ -303,6 +303,25 @@ def _reference_distill(case, run):
     return loss.detach(), hidden.grad, weight.grad, bias.grad, metrics
 
 
+def _assert_distill_oracle(case, run, reference):
+    """A dense run's single-process reference equals the float64 materialized-logits oracle of
+    tests/test_distill.py (divergence plus 0.4 x NLL over the counted tokens, their mean)."""
+    from test_distill import _oracle as distill_oracle
+
+    v = case["weight"].shape[0] - case["pad"]
+    hs, ws, bs = (x.clone().requires_grad_() for x in (case["hidden"], case["weight"][:v], case["bias"][:v]))
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(run["divergence"], 0.3)
+    ref = distill_oracle(hs, ws, bs, case["teacher_hidden"], case["teacher_weight"][:v], case["teacher_bias"][:v],
+                         LogitTransform(temperature=0.8, softcap=6.0), LogitTransform(temperature=1.2), beta)
+    labels = case["labels"]
+    counted = (case["mask"] != 0) & (labels != -100)
+    nll = -ref["lp"].gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    want = ((ref["div"] + 0.4 * nll) * counted).sum() / counted.sum()
+    loss, gh, gw, gb, _ = reference
+    assert _close(loss, want.detach()), run
+    assert all(map(_close, (gh, gw, gb), torch.autograd.grad(want, [hs, ws, bs]))), run
+
+
 @pytest.mark.parametrize(("world", "sizes"), [(2, None), (3, [40, 50, 33])])
 def test_vocab_parallel_distill_matches_single_process(world, sizes):
     """Sharded student and teacher (even and uneven splits, 5 padding rows on the last rank):
@@ -313,6 +332,9 @@ def test_vocab_parallel_distill_matches_single_process(world, sizes):
     case = _distill_case(gen)
     case["sizes"] = sizes
     refs = [_reference_distill(case, run) for run in case["runs"]]
+    for run, reference in zip(case["runs"], refs, strict=True):
+        if run["divergence"] != "topk":
+            _assert_distill_oracle(case, run, reference)
     v = case["weight"].shape[0] - case["pad"]
     for o in _spawn("distill_vocab_parallel", world, case):
         start, real = o["start"], min(o["rows"], v - o["start"])
