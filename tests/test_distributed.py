@@ -254,12 +254,12 @@ def test_data_parallel_normalizers_and_metrics():
             assert o["metrics"].keys() == trl["metrics"].keys(), run
             for k, v in trl["metrics"].items():
                 assert o["metrics"][k].item() == pytest.approx(v, rel=1e-10, abs=1e-12, nan_ok=True), (run, k)
-        # DDP averages gradients over ranks; TRL's dapo normalizer (N / P) makes that the global loss's.
-        if run["config"]["loss_type"] == "dapo":
-            assert _close(sum(o["loss"] for o in ranks) / 2, loss)
-            assert _close(sum(o["grad_weight"] for o in ranks) / 2, gw)
-            assert _close(torch.cat([o["grad_hidden"] for o in ranks]) / 2, gh)
-        else:  # the extrema case: the ranks' own extrema differ, so MIN and MAX over them differ
+        # DDP averages gradients over ranks; TRL's dapo normalizer (N / P), and grpo's mean over
+        # equally many sequences per rank, make that the global loss's.
+        assert _close(sum(o["loss"] for o in ranks) / 2, loss)
+        assert _close(sum(o["grad_weight"] for o in ranks) / 2, gw)
+        assert _close(torch.cat([o["grad_hidden"] for o in ranks]) / 2, gh)
+        if "data" in run:  # the extrema case: the ranks' own extrema differ, so MIN and MAX over them differ
             local = [o["trl_local_metrics"] for o in ranks]
             for name, pick in (("clip_ratio/low_min", min), ("clip_ratio/high_max", max)):
                 assert local[0][name] != local[1][name], name
