@@ -60,8 +60,8 @@ def test_sampling_correction_reports_the_fraction_beyond_the_clip(mode):
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     samp = old + 0.8 * torch.randn(B, T, generator=g, dtype=torch.float64)
     mask = (torch.rand(B, T, generator=g) > 0.4).to(torch.float64)
-    # A ragged mask whose padded positions lie beyond the clip if counted (their sampler log-probs
-    # are far off): only counted tokens enter the fraction's numerator and denominator.
+    # A ragged mask, with far-off sampler log-probs at the padded positions: counting them (ratio 1
+    # after the mask, beyond the clip before it) changes the fraction, which is over counted tokens.
     assert (mask == 0).any() and (mask == 1).any()
     samp = samp.masked_fill(mask == 0, 5.0)
     _, metrics = sampling_correction(old, samp, mask, mode=mode, clip_min=0.5, clip_max=1.5)
