@@ -3,6 +3,7 @@ numpy-free plain tensors; the single-process reference is computed in the test i
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from logitless import (
@@ -144,33 +145,48 @@ def sequence_parallel(rank: int, world: int, case: dict) -> dict:
 
 
 def data_parallel(rank: int, world: int, case: dict) -> dict:
-    """TRL's multi-process semantics: each rank half of the batch, metrics reduced over the group."""
+    """TRL's multi-process semantics: each rank half of the batch, metrics reduced over the group;
+    for each of ``case["runs"]`` (a config, and data replacing the case's), logitless's loss,
+    grads and metrics, TRL's own ``_compute_loss`` on the same rows with its gathers over the
+    group, and TRL's metrics of this rank's rows alone."""
+    from trl_oracle import trl_grpo_loss
+
     b = case["hidden"].shape[0]
     per = b // world
     sl = slice(rank * per, (rank + 1) * per)
-    hidden = case["hidden"][sl].clone().requires_grad_()
-    weight = case["weight"].clone().requires_grad_()
-    cfg = PolicyConfig(**case["config"], num_processes=world)
-    loss, metrics = policy_loss(
-        hidden,
-        weight,
-        case["targets"][sl],
-        case["mask"][sl],
-        case["advantages"][sl],
-        case["old"][sl],
-        case["ref"][sl],
-        config=cfg,
-        num_items_in_batch=case["mask"].sum(),
-        group=dist.group.WORLD,
-        options=PassOptions(impl="torch"),
-    )
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "grad_hidden": hidden.grad,
-        "grad_weight": weight.grad,
-        "metrics": {k: v.detach() for k, v in metrics.items()},
-    }
+    outs = []
+    for run in case["runs"]:
+        data = {**case, **run.get("data", {})}
+        rows = {k: data[k][sl] for k in ("targets", "mask", "advantages", "old", "ref")}
+        hidden = data["hidden"][sl].clone().requires_grad_()
+        weight = data["weight"].clone().requires_grad_()
+        cfg = PolicyConfig(**run["config"], num_processes=world)
+        loss, metrics = policy_loss(
+            hidden,
+            weight,
+            rows["targets"],
+            rows["mask"],
+            rows["advantages"],
+            rows["old"],
+            rows["ref"],
+            config=cfg,
+            num_items_in_batch=data["mask"].sum(),
+            group=dist.group.WORLD,
+            options=PassOptions(impl="torch"),
+        )
+        loss.backward()
+        out = {"loss": loss.detach(), "grad_hidden": hidden.grad, "grad_weight": weight.grad,
+               "metrics": {k: v.detach() for k, v in metrics.items()}}
+        trl_args = (rows["targets"], rows["mask"], rows["advantages"], rows["old"], rows["ref"])
+        h, w = data["hidden"][sl].clone().requires_grad_(), data["weight"].clone().requires_grad_()
+        trl_loss, trl_metrics = trl_grpo_loss(h, w, *trl_args, num_items_in_batch=data["mask"].sum().double(),
+                                              group=dist.group.WORLD, **run["trl"])
+        trl_loss.backward()
+        out["trl"] = {"loss": trl_loss.detach(), "grad_hidden": h.grad, "grad_weight": w.grad, "metrics": trl_metrics}
+        with torch.no_grad():
+            out["trl_local_metrics"] = trl_grpo_loss(data["hidden"][sl], data["weight"], *trl_args, **run["trl"])[1]
+        outs.append(out)
+    return {"runs": outs}
 
 
 def _distill_call(case: dict, run: dict, hidden, head, teacher_head):
@@ -226,4 +242,51 @@ def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
         out["mismatch_error"] = None
     except ValueError as e:
         out["mismatch_error"] = str(e)
+    return out
+
+
+def trl_dropins(rank: int, world: int, case: dict) -> dict:
+    """TRL 1.16's ``SFTTrainer`` on this rank (accelerate sees the gloo group: 2 processes, each
+    its own shard of the data), with the logitless drop-in and on TRL's own path, for one batch
+    whose ``num_items_in_batch`` counts every rank's tokens, as ``Trainer`` passes it:
+    the SFT loss and gradients (``fused_loss``), and the fused LM head's ``loss`` when the call
+    passes ``num_items_in_batch`` (``fused_logprobs``). Returns ``{name: (ours, TRL's)}``."""
+    import os
+
+    from datasets import Dataset
+    from tiny_models import word_tokenizer
+    from trl import SFTConfig, SFTTrainer
+    from trl_head_oracle import trainer_step
+
+    from logitless.integrations.config import LogitlessConfig
+    from logitless.integrations.trl_sft import patch_sft_trainer, trl_own_path
+
+    # accelerate's PartialState takes the process group this process already joined (MULTI_CPU)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    args = SFTConfig(output_dir=case["out"], per_device_train_batch_size=2, report_to=[], use_cpu=True, bf16=False,
+                     max_steps=1, average_tokens_across_devices=True, dataloader_drop_last=True)
+    tr = SFTTrainer(model=case["model"], args=args, train_dataset=Dataset.from_list(case["rows"]),
+                    processing_class=word_tokenizer(case["vocab"]))
+    assert tr.accelerator.num_processes == world
+    tr = patch_sft_trainer(tr, LogitlessConfig(fused_loss=True, fused_logprobs=True))
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    local = (batch["labels"][:, 1:] != -100).sum()
+    num_items = tr.accelerator.gather(local).sum()  # Trainer.get_batch_samples with average_tokens_across_devices
+    assert num_items > local
+
+    def sft(model):
+        return tr.compute_loss(model, dict(batch), num_items_in_batch=num_items)
+
+    def fused_head(model):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return model(**inputs, labels=batch["labels"], fused_lm_head=True, num_items_in_batch=num_items).loss
+
+    out = {"local_tokens": local, "num_items": num_items}
+    for name, loss_of in (("sft", sft), ("fused_head", fused_head)):
+        ours = trainer_step(tr, loss_of)
+        with trl_own_path(tr):
+            theirs = trainer_step(tr, loss_of)
+        out[name] = (ours, theirs)
     return out

@@ -141,3 +141,41 @@ def test_mean_of_no_counted_token_is_nan(gen):
     ignored[5] = targets[5].clamp_min(0)
     loss, _ = cross_entropy(hidden, weight, ignored)
     torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.t(), ignored), rtol=1e-12, atol=1e-12)
+
+
+# A pad id inside the vocabulary (0, or any other id) is ignored as -100 is: every entry point and
+# mode against torch's own cross_entropy with that ignore_index, on float64 materialized logits.
+@pytest.mark.parametrize("ignore_index", [0, 57])
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_ignore_index_inside_the_vocabulary(seed, mode, ignore_index):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, weight, targets = _inputs(gen, ignore=False)
+    targets[torch.rand(targets.shape, generator=gen) < 0.3] = ignore_index
+    counted = targets != ignore_index
+    assert 0 < counted.sum() < targets.numel()
+    tf = LogitTransform(temperature=0.8)
+    options = PassOptions(mode=mode, chunk_bytes=4000)
+    for reduction in ("mean", "sum") + (("none",) if mode == "recompute" else ()):
+        logits = tf.apply(hidden @ weight.t())
+        loss, m = cross_entropy(hidden, Head(weight, transform=tf), targets, ignore_index=ignore_index,
+                                label_smoothing=0.1, z_loss=1e-3, reduction=reduction, options=options)
+        ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, label_smoothing=0.1, reduction=reduction)
+        lse2 = torch.logsumexp(logits, -1) ** 2 * counted
+        z = 1e-3 * (lse2 if reduction == "none" else lse2.sum() / (counted.sum() if reduction == "mean" else 1))
+        torch.testing.assert_close(loss, ce + z, rtol=1e-12, atol=1e-12)
+        if reduction != "none":
+            torch.testing.assert_close(m["ce"], ce.detach(), rtol=1e-12, atol=1e-12)
+            acc = (logits.argmax(-1) == targets)[counted].double().mean()
+            assert m["accuracy"].item() == pytest.approx(acc.item(), abs=1e-12)
+        g = torch.autograd.grad(loss.sum(), [hidden, weight])
+        g_ref = torch.autograd.grad((ce + z).sum(), [hidden, weight])
+        for a, b in zip(g, g_ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # head_loss: the rows its terms sum over, and the count they normalize by
+    logits = tf.apply(hidden.detach() @ weight.detach().t())
+    nll = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    loss, values = head_loss(hidden, Head(weight, transform=tf), targets, {"ce": lambda s: -s.logp.sum() / s.count},
+                             metrics={"rows": lambda s: s.logp.new_tensor(float(s.positions.numel()))},
+                             ignore_index=ignore_index, options=options)
+    torch.testing.assert_close(loss.detach(), nll, rtol=1e-12, atol=1e-12)
+    assert values["rows"].item() == counted.sum().item()

@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from logitless import Head, LogitTransform, PolicyConfig, cross_entropy, policy_loss, token_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker
+from trl_oracle import trl_grpo_loss
 
 from logitless import PassOptions
 
@@ -83,6 +85,23 @@ def _reference_policy(case, **kw):
     return loss.detach(), hidden.grad, weight.grad, metrics
 
 
+def _assert_trls(case, reference, config, **layout):
+    """The single-process reference ``(loss, d hidden, d weight, metrics)`` equals TRL's own
+    ``_compute_loss`` on float64 materialized logits (an oracle independent of logitless).
+    ``layout``: ``hidden``, ``targets``, ... replacing the case's: a padded ``[B, T]`` view of packed
+    rows, whose real positions are ``rows``."""
+    data = {**case, **layout}
+    h, w = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
+    trl_loss, trl_metrics = trl_grpo_loss(h, w, data["targets"], data["mask"], data["advantages"], data["old"],
+                                          data["ref"], max_completion_length=data["mask"].shape[-1], **config)
+    trl_gh, trl_gw = torch.autograd.grad(trl_loss, [h, w])
+    loss, gh, gw, metrics = reference
+    assert _close(loss, trl_loss.detach()) and _close(gw, trl_gw)
+    assert _close(gh, trl_gh if "rows" not in layout else trl_gh[layout["rows"]])  # packed: the real positions
+    for k, v in trl_metrics.items():
+        assert metrics[k].item() == pytest.approx(v, rel=1e-10, abs=1e-12, nan_ok=True), k
+
+
 @pytest.mark.parametrize(("world", "sizes", "mode"), [(2, [40, 61], "fused"), (4, None, "recompute")])
 def test_vocab_parallel_grpo_matches_single_process(world, sizes, mode):
     gen = torch.Generator().manual_seed(11)
@@ -90,6 +109,7 @@ def test_vocab_parallel_grpo_matches_single_process(world, sizes, mode):
     case.update(objective="grpo", mode=mode, sizes=sizes, chunk=3000,
                 config=dict(loss_type="grpo", beta=0.04, epsilon_high=0.28))
     loss, gh, gw, metrics = _reference_policy(case)
+    _assert_trls(case, (loss, gh, gw, metrics), case["config"])
     outs = _spawn("vocab_parallel", world, case)
     for o in outs:
         assert _close(o["loss"], loss) and _close(o["grad_hidden"], gh)
@@ -102,7 +122,8 @@ def test_vocab_parallel_gspo_and_ce_padded_vocab():
     gen = torch.Generator().manual_seed(12)
     case = _policy_case(gen)
     case.update(objective="grpo", mode="fused", config=dict(loss_type="grpo", importance_sampling_level="sequence"))
-    loss, gh, gw, _ = _reference_policy(case)
+    loss, gh, gw, metrics = _reference_policy(case)
+    _assert_trls(case, (loss, gh, gw, metrics), case["config"])
     for o in _spawn("vocab_parallel", 2, case):
         assert _close(o["loss"], loss) and _close(o["grad_hidden"], gh)
         assert _close(o["grad_weight"], gw[o["start"]:o["start"] + o["rows"]])
@@ -116,6 +137,9 @@ def test_vocab_parallel_gspo_and_ce_padded_vocab():
     w_ref = case["weight"].clone().requires_grad_()
     ref, _ = cross_entropy(h_ref, w_ref, targets, label_smoothing=0.1, z_loss=1e-3, options=PassOptions(impl="torch"))
     ref.backward()
+    logits = h_ref @ w_ref.T  # the oracle: torch's cross_entropy on float64 materialized logits
+    want = F.cross_entropy(logits, targets, label_smoothing=0.1) + 1e-3 * (torch.logsumexp(logits, -1) ** 2).mean()
+    assert _close(ref, want) and all(map(_close, (h_ref.grad, w_ref.grad), torch.autograd.grad(want, [h_ref, w_ref])))
     for o in _spawn("vocab_parallel", 2, ce_case):
         assert _close(o["loss"], ref) and _close(o["grad_hidden"], h_ref.grad)
         g = o["grad_weight"]
@@ -132,6 +156,8 @@ def test_vocab_parallel_rollout_one_max_one_sum():
     # chunk=1500 makes several token chunks: still one MAX and one SUM for the whole pass
     rc = dict(hidden=hidden, weight=case["weight"], targets=targets, objective="rollout", chunk=1500)
     ref_logp, ref_ent = token_logprobs(hidden, case["weight"], targets, return_entropy=True)
+    lsm = torch.log_softmax(hidden @ case["weight"].T, -1)  # float64 materialized logits
+    assert _close(ref_logp, lsm.gather(-1, targets[:, None]).squeeze(1)) and _close(ref_ent, -(lsm.exp() * lsm).sum(-1))
     for o in _spawn("vocab_parallel", 2, rc):
         assert _close(o["logp"], ref_logp) and _close(o["entropy"], ref_ent)
         assert o["counts"] == {"max": 1, "sum": 1, "other": 0}
@@ -152,6 +178,19 @@ def _packed_case(gen, lens=(5, 9, 3, 7), h=16, v=53):
                 ref=cur + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64))
 
 
+def _padded(case):
+    """The packed case as TRL's ``[B, T]`` batch: one row per segment, right padding (mask 0)."""
+    seg = case["segment_ids"]
+    lens = torch.bincount(seg)
+    rows = torch.arange(int(lens.max()))[None] < lens[:, None]  # [B, T] real positions, row-major = packed order
+    out = {"rows": rows}
+    for k in ("hidden", "targets", "mask", "old", "ref"):
+        x = case[k]
+        out[k] = x.new_zeros((*rows.shape, *x.shape[1:]))
+        out[k][rows] = x
+    return out
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
 def test_sequence_parallel_gspo_segments_cut_across_ranks(loss_type):
     gen = torch.Generator().manual_seed(14)
@@ -160,7 +199,8 @@ def test_sequence_parallel_gspo_segments_cut_across_ranks(loss_type):
     case.update(mode="auto", bounds=[0, 8, 17, 24],  # cuts inside segments 1 and 3
                 config=dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
                             off_policy_mask_threshold=0.5 if loss_type != "vespo" else None))
-    loss, gh, gw, metrics = _reference_policy(case, segment_ids=case["segment_ids"])
+    reference = loss, gh, gw, metrics = _reference_policy(case, segment_ids=case["segment_ids"])
+    _assert_trls(case, reference, case["config"], **_padded(case))
     outs = _spawn("sequence_parallel", 3, case)
     assert _close(sum(o["loss"] for o in outs), loss)
     assert _close(torch.cat([o["grad_hidden"] for o in outs]), gh)
@@ -170,21 +210,60 @@ def test_sequence_parallel_gspo_segments_cut_across_ranks(loss_type):
             assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
 
 
-@pytest.mark.parametrize("quantile", [1.0, 0.5])
-def test_data_parallel_normalizers_and_metrics(quantile):
-    """TRL's multi-process semantics, including the entropy quantile over every process's tokens."""
+def _extrema_data(case, gen):
+    """Advantages and old log-probs for which each rank's clip extrema differ: rank 0 holds a
+    sequence with A > 0 (its low clip fraction 0) whose tokens clip high; every sequence of rank 1
+    has A < 0 and clips low (its low minimum > 0, its high maximum 0). A MIN and a MAX over the
+    ranks then give different values for both ``clip_ratio/low_min`` and ``clip_ratio/high_max``."""
+    b, t = case["mask"].shape
+    cur = token_logprobs(case["hidden"], case["weight"], case["targets"])
+    old = cur + 0.05 * torch.randn(b, t, generator=gen, dtype=torch.float64)  # ratios inside [1 - ε, 1 + ε_high]
+    for row, (shift, k) in enumerate([(-0.5, 2), (0.5, 1), (0.5, 3), (0.5, 2)]):
+        counted = case["mask"][row].nonzero().squeeze(1)[:k]
+        old[row, counted] = cur[row, counted] + shift  # ratio exp(∓0.5): clips high (A > 0) or low (A < 0)
+    return dict(advantages=torch.tensor([1.0, -1.0, -1.0, -0.5], dtype=torch.float64), old=old)
+
+
+def test_data_parallel_normalizers_and_metrics():
+    """TRL's multi-process semantics: in each rank, TRL's own ``_compute_loss`` with its gathers
+    over the group (the entropy quantile over every process's tokens, the clip extrema over every
+    process's sequences) is the oracle of the loss, gradients and metrics; the ranks together also
+    equal the single-process run, itself equal to TRL's on the whole batch."""
     gen = torch.Generator().manual_seed(15)
     case = _policy_case(gen, b=4)
-    case.update(config=dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, top_entropy_quantile=quantile))
-    loss, gh, gw, metrics = _reference_policy(case)
+    base = dict(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    case["runs"] = [dict(config={**base, "top_entropy_quantile": q}) for q in (1.0, 0.5)]
+    case["runs"].append(dict(config=dict(loss_type="grpo", epsilon_high=0.28), data=_extrema_data(case, gen)))
+    for run in case["runs"]:
+        run["trl"] = dict(max_completion_length=case["mask"].shape[1], **run["config"])
     outs = _spawn("data_parallel", 2, case)
-    # DDP averages gradients over ranks; TRL's dapo normalizer (N / P) makes that the global loss's.
-    assert _close(sum(o["loss"] for o in outs) / 2, loss)
-    assert _close(sum(o["grad_weight"] for o in outs) / 2, gw)
-    assert _close(torch.cat([o["grad_hidden"] for o in outs]) / 2, gh)
-    for o in outs:
-        for k, v in metrics.items():
-            assert torch.allclose(o["metrics"][k], v, rtol=1e-10, atol=1e-12, equal_nan=True), k
+    for i, run in enumerate(case["runs"]):
+        data = {**case, **run.get("data", {})}
+        loss, gh, gw, metrics = _reference_policy({**data, "config": run["config"]})
+        h, w = data["hidden"].clone().requires_grad_(), data["weight"].clone().requires_grad_()
+        trl_loss, trl_metrics = trl_grpo_loss(h, w, data["targets"], data["mask"], data["advantages"], data["old"],
+                                              data["ref"], **run["trl"])
+        assert _close(loss, trl_loss.detach()) and _close(gw, torch.autograd.grad(trl_loss, w)[0]), run
+        for k, v in trl_metrics.items():
+            assert metrics[k].item() == pytest.approx(v, rel=1e-10, abs=1e-12, nan_ok=True), (run, k)
+        ranks = [o["runs"][i] for o in outs]
+        for o in ranks:
+            trl = o["trl"]
+            assert _close(o["loss"], trl["loss"]) and _close(o["grad_hidden"], trl["grad_hidden"]), run
+            assert _close(o["grad_weight"], trl["grad_weight"]), run
+            assert o["metrics"].keys() == trl["metrics"].keys(), run
+            for k, v in trl["metrics"].items():
+                assert o["metrics"][k].item() == pytest.approx(v, rel=1e-10, abs=1e-12, nan_ok=True), (run, k)
+        # DDP averages gradients over ranks; TRL's dapo normalizer (N / P), and grpo's mean over
+        # equally many sequences per rank, make that the global loss's.
+        assert _close(sum(o["loss"] for o in ranks) / 2, loss)
+        assert _close(sum(o["grad_weight"] for o in ranks) / 2, gw)
+        assert _close(torch.cat([o["grad_hidden"] for o in ranks]) / 2, gh)
+        if "data" in run:  # the extrema case: the ranks' own extrema differ, so MIN and MAX over them differ
+            local = [o["trl_local_metrics"] for o in ranks]
+            for name, pick in (("clip_ratio/low_min", min), ("clip_ratio/high_max", max)):
+                assert local[0][name] != local[1][name], name
+                assert ranks[0]["metrics"][name].item() == pick(m[name] for m in local), name
 
 
 _DISTILL_RUNS = [dict(divergence=d, mode=m) for d in ("forward_kl", "reverse_kl", "generalized_jsd", "topk")
@@ -224,6 +303,25 @@ def _reference_distill(case, run):
     return loss.detach(), hidden.grad, weight.grad, bias.grad, metrics
 
 
+def _assert_distill_oracle(case, run, reference):
+    """A dense run's single-process reference equals the float64 materialized-logits oracle of
+    tests/test_distill.py (divergence plus 0.4 x NLL over the counted tokens, their mean)."""
+    from test_distill import _oracle as distill_oracle
+
+    v = case["weight"].shape[0] - case["pad"]
+    hs, ws, bs = (x.clone().requires_grad_() for x in (case["hidden"], case["weight"][:v], case["bias"][:v]))
+    beta = {"forward_kl": 0.0, "reverse_kl": 1.0}.get(run["divergence"], 0.3)
+    ref = distill_oracle(hs, ws, bs, case["teacher_hidden"], case["teacher_weight"][:v], case["teacher_bias"][:v],
+                         LogitTransform(temperature=0.8, softcap=6.0), LogitTransform(temperature=1.2), beta)
+    labels = case["labels"]
+    counted = (case["mask"] != 0) & (labels != -100)
+    nll = -ref["lp"].gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    want = ((ref["div"] + 0.4 * nll) * counted).sum() / counted.sum()
+    loss, gh, gw, gb, _ = reference
+    assert _close(loss, want.detach()), run
+    assert all(map(_close, (gh, gw, gb), torch.autograd.grad(want, [hs, ws, bs]))), run
+
+
 @pytest.mark.parametrize(("world", "sizes"), [(2, None), (3, [40, 50, 33])])
 def test_vocab_parallel_distill_matches_single_process(world, sizes):
     """Sharded student and teacher (even and uneven splits, 5 padding rows on the last rank):
@@ -234,6 +332,9 @@ def test_vocab_parallel_distill_matches_single_process(world, sizes):
     case = _distill_case(gen)
     case["sizes"] = sizes
     refs = [_reference_distill(case, run) for run in case["runs"]]
+    for run, reference in zip(case["runs"], refs, strict=True):
+        if run["divergence"] != "topk":
+            _assert_distill_oracle(case, run, reference)
     v = case["weight"].shape[0] - case["pad"]
     for o in _spawn("distill_vocab_parallel", world, case):
         start, real = o["start"], min(o["rows"], v - o["start"])
@@ -282,3 +383,27 @@ def test_vocab_parallel_distill_on_the_gemm_kernels():
             if run["mode"] == "recompute":
                 assert got["counts"] == {"max": 1, "sum": 2 + (run["divergence"] == "generalized_jsd"), "other": 0}
 
+
+
+def test_trl_sft_dropin_on_two_processes(tmp_path):
+    """The SFT drop-in and logitless behind TRL's fused LM head, on 2 processes against TRL's own
+    trainer in each: ``num_items_in_batch`` counts both ranks' tokens, so the SFT loss carries
+    ``Trainer``'s world-size factor (``average_tokens_across_devices``) and the fused head divides
+    by that count, not the rank's. fp32 tiny model, TRL's own fused head: fp32 agreement."""
+    pytest.importorskip("trl")
+    from tiny_models import save_tiny_qwen2
+
+    v = 64
+    rng = torch.Generator().manual_seed(21)
+    rows = [dict(text=" ".join(f"t{int(i)}" for i in torch.randint(0, v - 3, (int(n),), generator=rng)))
+            for n in torch.randint(3, 11, (8,), generator=rng)]
+    save_tiny_qwen2(tmp_path / "m", vocab_size=v, seed=21)
+    case = dict(model=str(tmp_path / "m"), out=str(tmp_path / "out"), rows=rows, vocab=v)
+    for o in _spawn("trl_dropins", 2, case):
+        assert o["num_items"] > o["local_tokens"]
+        for name in ("sft", "fused_head"):
+            (loss, grads, metrics), (trl_loss, trl_grads, trl_metrics) = o[name]
+            assert torch.allclose(loss, trl_loss, rtol=1e-5, atol=1e-7), (name, loss, trl_loss)
+            assert (grads - trl_grads).norm() <= 1e-4 * trl_grads.norm(), name
+            metrics.pop("num_tokens", None), trl_metrics.pop("num_tokens", None)
+            assert metrics == pytest.approx(trl_metrics, rel=1e-5, abs=1e-6), name

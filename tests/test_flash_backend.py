@@ -67,11 +67,16 @@ def _oracle(h, w, b, t, transform, g_logp=None, g_lse=None, g_ent=None, g_sz=Non
 
 
 def _assert_bounded(ours, ref, oracle, rtol, name):
-    """``|ours - oracle| <= |ref - oracle| + rtol * max|oracle|`` elementwise."""
+    """``|ours - oracle| <= |ref - oracle| + rtol * max|oracle|`` elementwise, and, independently
+    of the torch backend (whose own error would loosen that bound if it were wrong too),
+    ``max |ours - oracle| <= 2 rtol max|oracle|`` and the same of ``ref``."""
     ours, ref, oracle = ours.double(), ref.double(), oracle.double()
     tol = rtol * oracle.abs().max().clamp_min(1.0)
     excess = (ours - oracle).abs() - (ref - oracle).abs() - tol
     assert excess.max() <= 0, f"{name}: error exceeds the torch backend's by {excess.max().item():.3e} (tol {tol:.1e})"
+    for who, x in (("ours", ours), ("torch backend", ref)):
+        err = (x - oracle).abs().max()
+        assert err <= 2 * tol, f"{name}: {who} is {err.item():.3e} off float64 (bound {2 * tol:.1e})"
 
 
 def _rtol(dtype, what):

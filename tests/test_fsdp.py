@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``) models through find_head / head_inputs, 2 gloo ranks on CPU: one GRPO
-step's loss and every parameter's gradient (after FSDP's reduce-scatter) equal a single-process
-materialized-logits oracle on both ranks' data, whether FSDP holds the head unsharded (root
-group), sharded (``lm_head`` sharded on its own, or the root resharding after forward) or tied
-to the embeddings in one group."""
+step's loss, metrics and every parameter's gradient (after FSDP's reduce-scatter) equal a
+single-process oracle on both ranks' data (TRL's own ``_compute_loss`` on materialized float64
+logits), whether FSDP holds the head unsharded (root group), sharded (``lm_head`` sharded on its
+own, or the root resharding after forward) or tied to the embeddings in one group."""
 
 from __future__ import annotations
 
@@ -60,21 +60,22 @@ def _batch():
 
 
 def _oracle(tie: bool, data: dict):
-    """Materialized logits, TRL's dapo formula, one process, the whole batch."""
+    """TRL's own ``_compute_loss`` (tests/trl_oracle.py) on the materialized float64 logits of the
+    unsharded model, one process, the whole batch: its loss, every parameter's gradient, and its
+    metrics (with 2 processes TRL gathers the same values)."""
+    from trl_oracle import trl_grpo_loss
+
     model = _tiny_llama(tie)
-    logits = model(input_ids=data["ids"]).logits[:, PROMPT - 1:-1]
-    logp = torch.log_softmax(logits, -1).gather(-1, data["ids"][:, PROMPT:, None]).squeeze(-1)
-    old, ref = logp.detach() + data["old_shift"], logp.detach() + data["ref_shift"]
-    coef_1 = torch.exp(logp - old)
-    coef_2 = coef_1.clamp(1 - 0.2, 1 + 0.28)
-    adv = data["advantages"][:, None]
-    d = ref - logp
-    per_token = -torch.min(coef_1 * adv, coef_2 * adv) + CFG["beta"] * (torch.exp(d) - d - 1) * coef_1
-    mask = data["mask"]
-    loss = (per_token * mask).sum() / mask.sum()
+    hidden = model.model(input_ids=data["ids"]).last_hidden_state[:, PROMPT - 1:-1]
+    weight, targets = model.lm_head.weight, data["ids"][:, PROMPT:]
+    with torch.no_grad():
+        logp = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[..., None]).squeeze(-1)
+    old, ref = logp + data["old_shift"], logp + data["ref_shift"]
+    loss, metrics = trl_grpo_loss(hidden, weight, targets, data["mask"], data["advantages"], old, ref,
+                                  max_completion_length=COMPLETION, **CFG)
     loss.backward()
-    return (loss.detach(), logp.detach(), old, ref,
-            {n: p.grad for n, p in model.named_parameters()})
+    return (loss.detach(), logp, old, ref,
+            {n: p.grad for n, p in model.named_parameters()}, metrics)
 
 
 def _shard(model, variant: str, mesh):
@@ -137,12 +138,13 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
         assert not isinstance(ready.weight, DTensor)
         assert ready.weight.dtype == (torch.float32 if variant == "mixed" else torch.float64)  # FSDP's param_dtype
         cfg = PolicyConfig(**CFG, num_processes=world)
-        loss, _ = policy_loss(h, ready, ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
+        loss, metrics = policy_loss(h, ready, ids[:, PROMPT:], mask, case["data"]["advantages"][sl], o["old"][sl],
                               o["ref"][sl], config=cfg, num_items_in_batch=case["data"]["mask"].sum(),
                               group=dist.group.WORLD, options=PassOptions(impl="torch"))
         loss.backward()
         out[variant] = dict(
-            loss=loss.detach(), rollout_logp=rollout_logp, sharded_at_loss=sharded_at_loss,
+            loss=loss.detach(), metrics={k: v.item() for k, v in metrics.items()}, rollout_logp=rollout_logp,
+            sharded_at_loss=sharded_at_loss,
             resharded_after=isinstance(model.lm_head.weight, DTensor),
             grads={n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()})
     # A DTensor head no FSDP module manages (tensor parallel) is refused, not gathered.
@@ -200,8 +202,8 @@ def test_fsdp2_grpo_step_matches_single_process():
     data = _batch()
     oracle = {}
     for tie in (False, True):
-        loss, logp, old, ref, grads = _oracle(tie, data)
-        oracle[tie] = dict(loss=loss, logp=logp, old=old, ref=ref, grads=grads)
+        loss, logp, old, ref, grads, metrics = _oracle(tie, data)
+        oracle[tie] = dict(loss=loss, logp=logp, old=old, ref=ref, grads=grads, metrics=metrics)
     outs = _spawn(dict(data=data, oracle={t: {k: oracle[t][k] for k in ("old", "ref")} for t in oracle}))
     per = B // WORLD
     for variant in VARIANTS:
@@ -216,6 +218,10 @@ def test_fsdp2_grpo_step_matches_single_process():
         # average to the whole-batch loss, and FSDP2 averages gradients over the ranks (reduce-scatter
         # with divide factor = world), so the reduced gradient is the whole-batch loss's, unscaled.
         torch.testing.assert_close(sum(r["loss"].double() for r in res) / WORLD, o["loss"], **tol)
+        for r in res:  # every metric is reduced over the ranks: TRL's on the whole batch
+            assert r["metrics"].keys() == o["metrics"].keys(), variant
+            for k, v in o["metrics"].items():
+                assert r["metrics"][k] == pytest.approx(v, rel=tol["rtol"], abs=tol["atol"]), (variant, k)
         assert set(res[0]["grads"]) == set(o["grads"]), variant
         for name, g in o["grads"].items():
             for r in res:

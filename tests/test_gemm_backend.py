@@ -162,6 +162,8 @@ def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size,
             a, b, c = ours[i].double(), ref[i].double(), oracle_grads[i]
             excess = (a - c).abs() - (b - c).abs() - 2**-7 * c.abs().max()
             assert excess.max() <= 0, f"{name}: {excess.max():.3e} over the bound"
+            # and independently of the torch backend: within twice that of float64
+            assert (a - c).abs().max() <= 2 * 2**-7 * c.abs().max(), name
 
 
 @interpreted

@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import types
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -221,6 +222,26 @@ def test_clip_branches_are_exercised(oracle, seed):
     assert 0 < met["cispo_clip_ratio"] < 1
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "luspo"])  # one metric code path for every clipped type
+def test_sequence_level_clip_ratios_with_epsilon_high(oracle, seed, loss_type):
+    """Sequence level with ε_high ≠ ε: the old log-probs put each sequence's ratio in a band that
+    only the right bound classifies (0.75 and 1.25 lie between 1 - ε_high and 1 - ε, and between
+    1 + ε and 1 + ε_high), for both signs of the advantage."""
+    case = make_case(oracle, B=6, T=7)
+    cfg = PolicyConfig(loss_type=loss_type, importance_sampling_level="sequence", epsilon=0.2, epsilon_high=0.28,
+                       max_completion_length=MAX_LEN)
+    ratio = torch.tensor([0.75, 0.75, 1.25, 1.25, 0.6, 1.4], dtype=torch.float64)
+    case.inputs["advantages"] = torch.tensor([-1.0, 0.5, 1.0, -0.5, -0.8, 0.7], dtype=torch.float64)
+    cur = token_logprobs(case.hidden, Head(oracle.model.lm_head.weight.detach(),
+                                           transform=LogitTransform(temperature=oracle.trainer.temperature)),
+                         case.inputs["completion_ids"])
+    case.inputs["old_per_token_logps"] = cur - ratio.log()[:, None]  # exp(mean(logp - old)) = ratio
+    _, _, _, met = check(oracle, case, cfg)
+    # low: 0.75 and 0.6 with A < 0; high: 1.4 with A > 0 (TRL's float32 means)
+    assert met["clip_ratio/low_mean"] == pytest.approx(2 / 6, abs=1e-6)
+    assert met["clip_ratio/high_mean"] == pytest.approx(1 / 6, abs=1e-6)
+
+
 def test_default_config_is_trl_default(oracle, seed):
     # PolicyConfig() is TRL's GRPOConfig defaults: dapo, token level, ε = 0.2, β = 0.
     case = make_case(oracle, T=MAX_LEN)
@@ -305,6 +326,44 @@ def test_top_entropy_quantile(oracle, seed, loss_type):
     check(oracle, case, cfg, modes=("recompute", "auto"))
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         run_ours(oracle, case, cfg, "fused")
+
+
+def _trl_entropy_mask(entropy, mask, quantile):
+    """TRL's own ``GRPOTrainer.get_high_entropy_mask`` on one process (gathers are identities)."""
+    from trl import GRPOTrainer
+
+    accelerator = types.SimpleNamespace(pad_across_processes=lambda x, **_: x, gather=lambda x: x)
+    return GRPOTrainer.get_high_entropy_mask(types.SimpleNamespace(accelerator=accelerator), entropy, mask,
+                                             1 - quantile)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["max", "middle"])
+def test_top_entropy_quantile_keeps_ties_at_the_threshold(seed, dtype, where):
+    """Low-precision entropies tie: the threshold is itself one of the (fp32) entropies, and rows
+    2, 3 duplicate rows 0, 1, so tokens tie with each other there. TRL keeps every token with
+    entropy >= the threshold: its own mask, applied to our entropies, gives the tokens the loss
+    counts. On-policy (old = current log-probs, ratio 1, no clipping) the dapo loss is then
+    -Σ kept A / Σ counted."""
+    b, t, h, v = 4, 6, 16, 41
+    hidden = torch.randn(b // 2, t, h).repeat(2, 1, 1).to(dtype)
+    weight = torch.randn(v, h).to(dtype)
+    ids = torch.randint(0, v, (b // 2, t)).repeat(2, 1)
+    mask = (torch.rand(b // 2, t) > 0.25).long().repeat(2, 1)
+    mask[:, 0] = 1
+    adv = torch.randn(b)
+    logp, entropy = token_logprobs(hidden, weight, ids, return_entropy=True)
+    n = int(mask.sum())
+    # "max": quantile 0 keeps only the largest entropy (a tie with itself and its copy); "middle":
+    # the threshold's rank falls between the two copies of one entropy.
+    quantile = 0.0 if where == "max" else 1 - (2 * (n // 4) + 0.5) / (n - 1)
+    threshold = torch.quantile(entropy[mask.bool()].float(), 1 - quantile)
+    assert (entropy[mask.bool()] == threshold).sum() >= 2  # the case has ties at the threshold
+    kept = _trl_entropy_mask(entropy, mask, quantile)
+    cfg = PolicyConfig(loss_type="dapo", top_entropy_quantile=quantile)
+    loss, _ = policy_loss(hidden, weight, ids, mask, adv, logp, config=cfg)
+    want = -(adv[:, None] * kept).sum() / mask.sum()
+    torch.testing.assert_close(loss.float(), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -148,14 +148,17 @@ def test_dpo_matches_trl_compute_loss(case):
         _close(metrics[name], logged[name][-1], what=name)
 
 
-@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
-def test_kto_matches_trl_compute_loss(loss_type):
+# kl_gap: the KL completions' policy minus reference mean; TRL clamps the estimate at 0, so a
+# negative gap must give kl = 0.
+@pytest.mark.parametrize(("loss_type", "kl_gap"), [("kto", 2.0), ("kto", -2.0), ("apo_zero_unpaired", 2.0)])
+def test_kto_matches_trl_compute_loss(loss_type, kl_gap):
     rows = 7
     hidden, weight, input_ids, attention, completion = _batch(rows)
     label = torch.tensor([True, False, True, True, False, False, True])
     ref_logps = torch.randn(rows, dtype=torch.float64) * 2 - 15
-    kl_logps = torch.randn(rows, dtype=torch.float64) - 14
-    ref_kl_logps = torch.randn(rows, dtype=torch.float64) - 16
+    ref_kl_logps = torch.randn(rows, dtype=torch.float64) - 15
+    kl_logps = ref_kl_logps + kl_gap + 0.3 * torch.randn(rows, dtype=torch.float64)
+    assert ((kl_logps - ref_kl_logps).mean() > 0) == (kl_gap > 0)
     cfg = KTOLossConfig(beta=0.2, loss_type=loss_type, desirable_weight=1.3, undesirable_weight=0.7)
     pol = sequence_logps(hidden, weight, input_ids[:, 1:], completion[:, 1:], options=PassOptions(chunk_bytes=CHUNK))
     loss, metrics = kto_loss(pol, label, ref_logps, kl_logps, ref_kl_logps, config=cfg)

@@ -21,6 +21,7 @@ def _case(seed):
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = (torch.rand(B, T, generator=g) > 0.25).long()
     mask[0, 0] = 1
+    assert (mask == 0).any()  # ragged: padded positions are there to be skipped
     return g, hidden, weight, ids, mask
 
 
@@ -58,7 +59,11 @@ def test_sampling_correction_reports_the_fraction_beyond_the_clip(mode):
     g = torch.Generator().manual_seed(4)
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     samp = old + 0.8 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    mask = (torch.rand(B, T, generator=g) > 0.2).to(torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.4).to(torch.float64)
+    # A ragged mask, with far-off sampler log-probs at the padded positions: counting them (ratio 1
+    # after the mask, beyond the clip before it) changes the fraction, which is over counted tokens.
+    assert (mask == 0).any() and (mask == 1).any()
+    samp = samp.masked_fill(mask == 0, 5.0)
     _, metrics = sampling_correction(old, samp, mask, mode=mode, clip_min=0.5, clip_max=1.5)
     d = (old - samp) * mask
     raw = d.sum(-1).exp() if mode.startswith("sequence") else d.exp()[mask.bool()]

@@ -143,3 +143,87 @@ class TRLOracle:
 # test_sampler_diagnostics.py): names ours may have beside TRL's.
 SAMPLER_MISMATCH = ("sampling/trainer_sampler_logp_difference/mean", "sampling/trainer_sampler_logp_difference/max",
                     "sampling/trainer_sampler_ratio_error/mean", "sampling/trainer_sampler_ratio_error/max")
+
+
+class TensorAccelerator:
+    """The parts of ``accelerate.Accelerator`` TRL's ``_compute_loss`` uses: identities on one
+    process, or torch.distributed collectives over ``group`` (every process of a data-parallel run)."""
+
+    def __init__(self, group=None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.num_processes = dist.get_world_size(group) if group is not None else 1
+        self.device = torch.device("cpu")
+        self.sync_gradients = True
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.group is None:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.num_processes)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat([p.reshape(-1) if x.dim() == 0 else p for p in parts])
+
+    gather_for_metrics = gather
+
+    def reduce(self, x: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        import torch.distributed as dist
+
+        assert reduction == "sum"
+        if self.group is not None:
+            x = x.clone()
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def pad_across_processes(self, x: torch.Tensor, dim: int = 0, pad_index: float = 0) -> torch.Tensor:
+        import torch.distributed as dist
+
+        assert dim == 0
+        if self.group is None:
+            return x
+        n = torch.tensor([x.shape[0]])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+        return torch.cat([x, x.new_full((int(n) - x.shape[0], *x.shape[1:]), pad_index)])
+
+
+def trl_grpo_loss(hidden, weight, completion_ids, mask, advantages, old_logp, ref_logp=None, *,
+                  num_items_in_batch=None, group=None, temperature: float = 1.0, training: bool = True, **opts):
+    """TRL 1.16's own ``GRPOTrainer._compute_loss`` on tensors: a stub trainer whose model returns
+    the float64 materialized logits ``hidden @ weight.T / temperature`` (TRL's own
+    ``selective_log_softmax`` / ``entropy_from_logits`` on them); every option, normalizer,
+    mask and metric is TRL's code. ``group``: TRL's multi-process semantics over that process
+    group (each process passes its own rows). ``opts``: :func:`configure_trainer`'s options.
+
+    Returns ``(loss, metrics)``: the loss is differentiable w.r.t. ``hidden`` and ``weight``."""
+    import types
+    from collections import defaultdict
+
+    from trl import GRPOTrainer
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    class Stub:
+        get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask
+        get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
+        get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
+
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **_):
+            logits = (hidden.double() @ weight.double().T) / temperature
+            return selective_log_softmax(logits, completion_ids), entropy_from_logits(logits), None
+
+    stub = Stub()
+    stub.args = types.SimpleNamespace()
+    stub.accelerator = TensorAccelerator(group)
+    stub.model = types.SimpleNamespace(training=training)
+    stub.aux_loss_enabled = False
+    stub._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    configure_trainer(stub, temperature=temperature, **opts)
+    b = completion_ids.shape[0]
+    inputs = dict(prompt_ids=completion_ids.new_zeros(b, 0), prompt_mask=mask.new_zeros(b, 0),
+                  completion_ids=completion_ids, completion_mask=mask, advantages=advantages,
+                  old_per_token_logps=old_logp, ref_per_token_logps=ref_logp,
+                  num_items_in_batch=mask.sum().double() if num_items_in_batch is None else num_items_in_batch)
+    loss = GRPOTrainer._compute_loss(stub, stub.model, inputs)
+    mode = "train" if training else "eval"
+    return loss, {k: v[-1] for k, v in stub._metrics[mode].items()}
