@@ -94,7 +94,7 @@ def picked_counts(monkeypatch):
             if idx is not None:
                 assert idx.numel() % 4 == 0 or idx.numel() == n
                 assert (idx.diff() > 0).all()  # ascending: the in-place compactions rely on it
-                assert not zero[sl][idx].all() or idx.numel() == 0
+                assert not zero.mask[sl][idx].all() or idx.numel() == 0
         return out
 
     monkeypatch.setattr(engine, "_backward_rows", spy)

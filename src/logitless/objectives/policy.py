@@ -17,6 +17,7 @@ from ..ops import (
     PassOptions,
     StatRequest,
     ValueChecks,
+    ZeroRows,
     as_head,
     as_options,
     check_head_inputs,
@@ -144,7 +145,7 @@ def policy_loss(
     spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
-                         zero_rows=_zero_gradient_rows(cfg, tok))
+                         zero_rows=tok.zero_rows)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
     loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)
@@ -333,7 +334,10 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                        old_logp=tok_tensor(old_logp, "old_logp"), ref_logp=tok_tensor(ref_logp, "ref_logp"),
                        sampling_logp=tok_tensor(sampling_logp, "sampling_logp"), is_ratio=is_tok,
                        log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight)
-    checks.run()
+    zero = _zero_gradient_rows(cfg, tok)
+    others = checks.run(*(() if zero is None else ((~zero).sum(),)))  # the value checks' one synchronization
+    if zero is not None:
+        tok.zero_rows = ZeroRows(zero, int(others[0]))
     return tok, h_flat, t_flat
 
 

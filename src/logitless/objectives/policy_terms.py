@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import ZeroRows
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
 
@@ -39,6 +40,7 @@ class PolicyTokens:
     loss_weight: torch.Tensor
     bonus_weight: torch.Tensor | None
     entropy_mask: torch.Tensor | None = None  # [n] bool, set after the quantile is known
+    zero_rows: ZeroRows | None = None  # the tokens whose gradient is exactly zero (no KL, no bonus)
 
 
 def vespo_phi(cfg: PolicyConfig, seq_log_ratio: torch.Tensor, adv_seq: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Knows nothing about RL; the objectives layer sits on top and talks to it through
 
 from .backend import StatRequest, resolve_backend
 from .distill import DistillPass, DistillStats, check_shards, run_distill
-from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, compute_stats, run_objective
+from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, ZeroRows, compute_stats, run_objective
 from .head import Head, as_head
 from .lora import HeadLoRA
 from .memory import PassOutOfMemoryError
@@ -35,6 +35,7 @@ __all__ = [
     "ValueChecks",
     "VocabShard",
     "VocabStats",
+    "ZeroRows",
     "as_head",
     "as_options",
     "check_head_inputs",

@@ -64,6 +64,19 @@ class ChunkStats(NamedTuple):
 ChunkObjective = Callable[[slice, ChunkStats], tuple[torch.Tensor, Any]]
 
 
+class ZeroRows(NamedTuple):
+    """The rows of a pass whose gradient is known before it runs to be exactly zero.
+
+    Attributes:
+        mask: ``[n]`` bool.
+        others: how many rows are not in ``mask``, when the caller has read it (e.g. with its
+            value checks); ``None``: the pass reads it (one host synchronization).
+    """
+
+    mask: torch.Tensor
+    others: int | None = None
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """What an objective needs from the pass.
@@ -76,17 +89,17 @@ class ObjectiveSpec:
             entropy quantile), so it runs in recompute mode.
         before_loss: called with every token's detached statistics before the objective, in
             recompute mode (e.g. to set a quantile mask).
-        zero_rows: ``[n]`` bool, the rows whose gradient is known before the pass to be exactly
-            zero (a policy loss without KL or entropy bonus: the tokens of zero advantage), or
-            ``None``; with :attr:`PassOptions.skip_zero_rows` the gradient GEMMs leave them out
-            (their statistics are still computed). One host synchronization per pass.
+        zero_rows: the rows whose gradient is known before the pass to be exactly zero
+            (:class:`ZeroRows`; a policy loss without KL or entropy bonus: the tokens of zero
+            advantage), or ``None``; with :attr:`PassOptions.skip_zero_rows` the gradient GEMMs
+            leave them out (their statistics are still computed).
     """
 
     want: StatRequest = field(default_factory=StatRequest)
     cuts: Sequence[int] | None = None
     needs_all_stats: bool = False
     before_loss: Callable[[ChunkStats], None] | None = None
-    zero_rows: torch.Tensor | None = None
+    zero_rows: ZeroRows | None = None
 
 
 class PassResult(NamedTuple):
@@ -131,9 +144,9 @@ class PassKind(Protocol):
     head: LocalHead
     plan: ChunkPlan
     DIFFERENTIABLE: tuple[str, ...]
-    # ``[n]`` bool, the rows the backward may leave out (their gradient is exactly zero), or
-    # ``None``; a kind that sets it implements ``pick``, ``pick_kept`` and ``select``.
-    zero_rows: torch.Tensor | None
+    # The rows the backward may leave out (their gradient is exactly zero), or ``None``; a kind
+    # that sets it implements ``pick``, ``pick_kept`` and ``select``.
+    zero_rows: ZeroRows | None
 
     @property
     def stores_weight_grad(self) -> bool:
@@ -179,7 +192,7 @@ class _Pass:
     plan: ChunkPlan
     want: StatRequest
     lora_b: torch.Tensor | None = None  # [V, r] the adapter's vocabulary-side factor (GEMM dtype)
-    zero_rows: torch.Tensor | None = None  # [n] bool
+    zero_rows: ZeroRows | None = None
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
@@ -484,7 +497,7 @@ def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bia
 
 
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
-                  options: PassOptions, zero_rows: torch.Tensor | None = None) -> ChunkStats:
+                  options: PassOptions, zero_rows: ZeroRows | None = None) -> ChunkStats:
     """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
     mode; under ``torch.no_grad`` only the forward runs: one GEMM's worth of work).
 
@@ -494,7 +507,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
         targets: ``[n]`` int64 global token ids, all valid.
         want: statistics beyond ``logp``/``lse``/``is_top1``.
         options: :class:`PassOptions` (``mode`` is not read: this is recompute mode).
-        zero_rows: ``[n]`` bool, rows whose gradient is known to be zero (:attr:`ObjectiveSpec.zero_rows`).
+        zero_rows: rows whose gradient is known to be zero (:attr:`ObjectiveSpec.zero_rows`).
 
     Returns:
         :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
@@ -563,19 +576,23 @@ _ROW_MULTIPLE = 128
 _MIN_SKIPPED = 1 / 16
 
 
-def _backward_rows(zero: torch.Tensor, chunks: Sequence[slice]) -> list[torch.Tensor | None]:
+def _backward_rows(zero: ZeroRows, chunks: Sequence[slice]) -> list[torch.Tensor | None]:
     """For each chunk, the rows (``[m]`` int64, relative to the chunk, ascending) its backward
     runs on, or ``None`` for all of them.
 
     A row whose statistics all have a zero gradient has ``dz = 0`` exactly (``p_v`` times zero
     coefficients), so it adds nothing to ``d weight`` and its ``d hidden`` is zero: the gradient
-    GEMMs may leave it out. A chunk's rows are those not in ``zero`` (``[n]`` bool), then as many
-    of ``zero``'s as round the count up to :data:`_ROW_MULTIPLE`. One host synchronization (the
-    chunks' counts) for the whole pass."""
-    if not zero.numel():
+    GEMMs may leave it out. A chunk's rows are those not in ``zero.mask``, then as many of the
+    others as round the count up to :data:`_ROW_MULTIPLE`. Several chunks (or an unread count)
+    take one host synchronization for the whole pass."""
+    mask = zero.mask
+    if not mask.numel():
         return [None] * len(chunks)
-    ends = torch.tensor([sl.stop - 1 for sl in chunks], device=zero.device)
-    totals = [0, *torch.cumsum((~zero).to(torch.int64), 0)[ends].tolist()]
+    if len(chunks) == 1 and zero.others is not None:
+        totals = [0, zero.others]
+    else:
+        ends = torch.tensor([sl.stop - 1 for sl in chunks], device=mask.device)
+        totals = [0, *torch.cumsum((~mask).to(torch.int64), 0)[ends].tolist()]
     out: list[torch.Tensor | None] = []
     for i, sl in enumerate(chunks):
         n = sl.stop - sl.start
@@ -583,7 +600,7 @@ def _backward_rows(zero: torch.Tensor, chunks: Sequence[slice]) -> list[torch.Te
         if n - m < n * _MIN_SKIPPED:
             out.append(None)
             continue
-        order = torch.argsort(zero[sl].to(torch.int8), stable=True)  # rows with a gradient first, each part ascending
+        order = torch.argsort(mask[sl].to(torch.int8), stable=True)  # rows with a gradient first, each part ascending
         out.append(torch.sort(order[:m]).values)
     return out
 
