@@ -11,12 +11,15 @@ error. Its genuine fp32-rounded loss is also compared, at fp32's tolerance.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from test_model_families import CASES, V, _build
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from logitless import PassOptions, apply_logitless
 from logitless.integrations.hf import UnsupportedModelError
@@ -153,6 +156,40 @@ def test_lora_on_backbone_and_head(seed):
     assert got.keys() == exp.keys() and any("lm_head.lora_A" in n for n in exp)
     for name in exp:
         torch.testing.assert_close(got[name], exp[name], **TOL, msg=name)
+
+
+class _TensorShapes(TorchDispatchMode):
+    """Records the shape of every tensor an op returns, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_no_logits_tensor_is_built(seed):
+    # 128 tokens, in token chunks of at most 16 rows by the chunk budget: no tensor of the pass may hold
+    # a vocabulary dimension beside more than a chunk of tokens. The unpatched model, watched the same
+    # way, builds its [2, 64, V] logits (so the watch sees them).
+    _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == "llama")
+    ours, ref, _ = _twins(cls, cfg, kw, ties[0], options=PassOptions(chunk_bytes=16 * V * 8))
+    ours.train()
+    ref.train()
+    ids = torch.randint(3, V, (2, 64))
+
+    def largest_vocab_tensor(model) -> int:
+        with _TensorShapes() as watch:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        # [V, H]: the weight and its gradient
+        return max((math.prod(s) // V for s in watch.shapes if V in s and s != (V, 32)), default=0)
+
+    assert largest_vocab_tensor(ref) >= ids.numel()
+    assert largest_vocab_tensor(ours) <= 16
+    _assert_same_grads(ours, ref)
 
 
 def test_when_the_patch_applies_and_remove():

@@ -41,6 +41,7 @@ class _Call:
     head_forward: Any  # the head's own instance ``forward`` attribute before the call, or _MISSING
     loss_function: Any  # the model's own ``_loss_function`` attribute before the call, or _MISSING
     hidden: torch.Tensor | None = None  # what the forward passed to its head
+    loss_computed: bool = False
 
 
 @dataclass(eq=False)
@@ -96,8 +97,8 @@ class LogitlessPatch:
         # As Liger's lce_forward: fused by default in training only; an eval pass (Trainer.evaluate with
         # compute_metrics, generation) keeps the logits and the model's own loss.
         fused = labels is not None and (module.training if skip_logits is None else bool(skip_logits))
-        if kwargs.get("logitless_hidden_states"):  # a TRL drop-in asks for hidden states only
-            fused = False
+        if kwargs.get("logitless_hidden_states") or kwargs.get("fused_lm_head"):
+            fused = False  # a logitless drop-in asks for hidden states / TRL runs its own fused head: no logits
         if not fused:
             self._calls.append(None)
             return args, kwargs
@@ -128,8 +129,15 @@ class LogitlessPatch:
             return None
         _restore(call.head_module, "forward", call.head_forward)
         _restore(module, "_loss_function", call.loss_function)
-        if output is None:
+        if output is None:  # the forward raised
             return None
+        if not call.loss_computed:
+            if call.hidden is None:  # neither head nor loss ran (another patch's path): its output as it is
+                return None
+            raise RuntimeError(
+                f"{type(module).__name__}'s forward ran its output head but not its loss_function although labels "
+                "were given; its logits were not computed. Call it with skip_logits=False"
+            )
         if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...), None fields left out
             return (output[0], *output[2:])
         values = {k: v for k, v in output.items() if k != "logits"}
@@ -158,6 +166,7 @@ class LogitlessPatch:
             options=self.options,
         )
         self.last_metrics = metrics
+        call.loss_computed = True
         # ForCausalLMLoss upcasts half-precision logits: its loss is never lower than fp32.
         return loss.float() if loss.dtype in (torch.float16, torch.bfloat16) else loss
 
