@@ -220,6 +220,14 @@ def test_when_the_patch_applies_and_remove():
         model(input_ids=ids, labels=labels[:, :4])
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
     assert model(input_ids=ids).logits.shape == (*ids.shape, V)
+    # A deep copy (TRL's reference models, EMA copies) is patched on its own; so is a checkpointed model.
+    twin = copy.deepcopy(model)
+    twin.gradient_checkpointing_enable()
+    out = twin(input_ids=ids, labels=labels, use_cache=False)
+    assert out.logits is None and torch.equal(out.loss, fused.loss)
+    out.loss.backward()
+    twin._logitless_apply.remove()
+    assert twin(input_ids=ids, labels=labels).logits is not None and model(input_ids=ids, labels=labels).logits is None
     # Applying again replaces; remove() restores the model's own loss.
     again = apply_logitless(model, z_loss=1e-2)
     assert not patch.active and again.active
@@ -228,6 +236,25 @@ def test_when_the_patch_applies_and_remove():
     assert not model._forward_hooks and not model._forward_pre_hooks and "_logitless_apply" not in model.__dict__
     restored = model(input_ids=ids, labels=labels)
     assert restored.logits is not None and restored.loss.dtype == torch.float32
+
+
+def test_compiled_model(seed):
+    # apply_logitless(torch.compile(model)) patches the model inside; the compiled call fuses as the eager one.
+    _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == "llama")
+    ours, ref, _ = _twins(cls, cfg, kw, ties[0])
+    compiled = torch.compile(ref, backend="eager")
+    apply_logitless(compiled)
+    ours.train()
+    compiled.train()
+    ids, labels = _batch(seed)
+    out, want = compiled(input_ids=ids, labels=labels), ours(input_ids=ids, labels=labels)
+    assert out.logits is None and want.logits is None
+    torch.testing.assert_close(out.loss, want.loss, **TOL)
+    out.loss.backward()
+    want.loss.backward()
+    _assert_same_grads(ref, ours)
+    assert compiled(input_ids=ids).logits.shape == (*ids.shape, V)
+    torch._dynamo.reset()
 
 
 def test_unsupported_model_and_bad_arguments_raise_named_errors():

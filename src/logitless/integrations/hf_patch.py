@@ -64,7 +64,8 @@ class LogitlessPatch:
     options: PassOptions | None
     last_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
-    _calls: list[_Call | None] = field(default_factory=list, repr=False)
+    # Open calls per module: nn.DataParallel runs replicas (copies sharing these hooks) in threads at once.
+    _calls: dict[int, list[_Call | None]] = field(default_factory=dict, repr=False)
 
     @property
     def active(self) -> bool:
@@ -99,8 +100,9 @@ class LogitlessPatch:
         fused = labels is not None and (module.training if skip_logits is None else bool(skip_logits))
         if kwargs.get("logitless_hidden_states") or kwargs.get("fused_lm_head"):
             fused = False  # a logitless drop-in asks for hidden states / TRL runs its own fused head: no logits
+        stack = self._calls.setdefault(id(module), [])
         if not fused:
-            self._calls.append(None)
+            stack.append(None)
             return args, kwargs
         # Looked up per call: PEFT, FSDP or accelerate may have wrapped or re-hooked the head since.
         head_module = module.get_output_embeddings()
@@ -119,12 +121,15 @@ class LogitlessPatch:
 
         head_module.forward = placeholder_head
         module.loss_function = loss_function  # transformers' setter: the instance's _loss_function
-        self._calls.append(call)
+        stack.append(call)
         return args, kwargs
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         # always_call: also runs when the forward raised (then output is None).
-        call = self._calls.pop() if self._calls else None
+        stack = self._calls.get(id(module))
+        call = stack.pop() if stack else None
+        if not stack:
+            self._calls.pop(id(module), None)
         if call is None:
             return None
         _restore(call.head_module, "forward", call.head_forward)
