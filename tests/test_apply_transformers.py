@@ -238,6 +238,28 @@ def test_when_the_patch_applies_and_remove():
     assert restored.logits is not None and restored.loss.dtype == torch.float32
 
 
+def test_autocast_bf16_is_at_least_as_close_to_float64_as_the_models_own_loss(seed):
+    # An fp32 model under CPU bf16 autocast: both heads take the bf16-rounded hidden states and weight;
+    # the oracle is the CE of those operands in float64. The model's own loss rounds its logits to
+    # bf16, ours keeps fp32 statistics, so ours must be at least as close (and is returned in fp32).
+    _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == "gemma2")
+    ours, ref, _ = _twins(cls, cfg, kw, ties[0])
+    ours, ref = ours.float().train(), ref.float().train()
+    ref.__dict__.pop("_loss_function")
+    ids, labels = _batch(seed)
+    seen = []
+    ref.lm_head.register_forward_hook(lambda m, a, out: seen.append(a[0].detach()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ours(input_ids=ids, labels=labels).loss
+        own = ref(input_ids=ids, labels=labels).loss
+    assert loss.dtype == own.dtype == torch.float32
+    cap = ref.config.final_logit_softcapping
+    y = seen[0].bfloat16().double() @ ref.lm_head.weight.bfloat16().double().T
+    logits = cap * torch.tanh(y / cap)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+    assert (loss.double() - want).abs() <= (own.double() - want).abs() + 1e-6
+
+
 def test_compiled_model(seed):
     # apply_logitless(torch.compile(model)) patches the model inside; the compiled call fuses as the eager one.
     _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == "llama")
