@@ -264,6 +264,7 @@ def test_compiled_model(seed):
     # apply_logitless(torch.compile(model)) patches the model inside; the compiled call fuses as the eager one.
     _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == "llama")
     ours, ref, _ = _twins(cls, cfg, kw, ties[0])
+    del ref._loss_function
     compiled = torch.compile(ref, backend="eager")
     apply_logitless(compiled)
     ours.train()
@@ -298,6 +299,17 @@ def test_unsupported_model_and_bad_arguments_raise_named_errors():
         apply_logitless(model, options={"mode": "fused"})
     with pytest.raises(TypeError, match="model must be"):
         apply_logitless("meta-llama/Llama-3.2-1B")
+    # A loss of the user's own is not silently replaced by CE: refused when patching and when called.
+    model.loss_function = _causal_lm_loss64
+    with pytest.raises(ValueError, match=r"_causal_lm_loss64.*not transformers' ForCausalLMLoss"):
+        apply_logitless(model)
+    del model._loss_function
+    apply_logitless(model)
+    model.loss_function = _causal_lm_loss64
+    ids, labels = _batch(5)
+    with pytest.raises(ValueError, match="ForCausalLMLoss"):
+        model(input_ids=ids, labels=labels, skip_logits=True)
+    assert model.__dict__["_loss_function"] is _causal_lm_loss64
 
 
 class _Rows(torch.utils.data.Dataset):

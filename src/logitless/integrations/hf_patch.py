@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..objectives import cross_entropy
 from ..ops import Head, PassOptions, as_options
-from .hf import _base, _family, backbone, find_head, head_inputs
+from .hf import _base, _family, find_head, head_inputs
 
 __all__ = ["LogitlessPatch", "apply_logitless"]
 
@@ -104,6 +104,7 @@ class LogitlessPatch:
         if not fused:
             stack.append(None)
             return args, kwargs
+        _check_loss_function(module)
         # Looked up per call: PEFT, FSDP or accelerate may have wrapped or re-hooked the head since.
         head_module = module.get_output_embeddings()
         call = _Call(
@@ -195,6 +196,21 @@ def _bound_labels(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor 
     return bound.arguments.get("labels")
 
 
+def _check_loss_function(module: nn.Module) -> None:
+    """Refuse a model whose ``loss_function`` is not transformers' ``ForCausalLMLoss`` (one the user set,
+    or a ``config.loss_type`` that maps elsewhere): the patch computes that loss, not theirs."""
+    fn = module.loss_function
+    if (getattr(fn, "__name__", None), getattr(fn, "__module__", None)) != (
+        "ForCausalLMLoss",
+        "transformers.loss.loss_utils",
+    ):
+        raise ValueError(
+            f"{type(module).__name__}.loss_function is {getattr(fn, '__qualname__', fn)!r}, not transformers' "
+            "ForCausalLMLoss, which is the loss apply_logitless computes; restore it (del model._loss_function) "
+            "or call logitless.cross_entropy / head_loss on the hidden states yourself"
+        )
+
+
 def _head_at_input(module: nn.Module) -> Head:
     """The head that maps what the forward passes to its head module to the model's logits:
     :func:`find_head`'s, minus a scale the forward applies to the hidden states before its head
@@ -255,8 +271,9 @@ def apply_logitless(
         UnsupportedModelError: (a ``ValueError``) the model's class is not a verified one (the
             message lists the supported classes), or its head is not a plain ``nn.Linear``.
         TypeError: ``model`` is not an ``nn.Module``, or ``options`` not a ``PassOptions``.
-        ValueError: ``z_loss`` negative or not finite, ``label_smoothing`` outside ``[0, 1]``;
-            at call time, ``skip_logits=True`` without labels, and what
+        ValueError: ``z_loss`` negative or not finite, ``label_smoothing`` outside ``[0, 1]``, a
+            ``model.loss_function`` other than transformers' ``ForCausalLMLoss`` (also checked at
+            each fused call); at call time, ``skip_logits=True`` without labels, and what
             :func:`logitless.cross_entropy` raises (e.g. labels whose shape does not match).
     """
     if not isinstance(model, nn.Module):
@@ -272,7 +289,7 @@ def apply_logitless(
     as_options(options)
     base = _base(model)
     find_head(base)  # UnsupportedModelError, naming the class and the supported ones
-    backbone(base)
+    _check_loss_function(base)
     previous = base.__dict__.get("_logitless_apply")
     if previous is not None:
         previous.remove()
