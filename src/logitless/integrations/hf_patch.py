@@ -58,11 +58,11 @@ class LogitlessPatch:
             :func:`logitless.cross_entropy`); empty before the first one.
     """
 
-    model: nn.Module
+    model: nn.Module = field(repr=False)
     z_loss: float
     label_smoothing: float
     options: PassOptions | None
-    last_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    last_metrics: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
     # Open calls per module: nn.DataParallel runs replicas (copies sharing these hooks) in threads at once.
     _calls: dict[int, list[_Call | None]] = field(default_factory=dict, repr=False)
