@@ -366,6 +366,83 @@ def test_trainer_logs_match_an_unpatched_run(tmp_path, seed):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+FSDP_VARIANTS = ("root", "head", "tied", "root_reshard")
+
+
+def _fsdp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One gloo rank: the patched and the unpatched (float64-loss) twin, FSDP2-sharded alike, one step on this
+    rank's half of the batch; their losses and reduce-scattered gradients, saved for the parent."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        ids, labels = _batch(21, b=2 * world)
+        n_items = (labels[:, 1:] != -100).sum()  # the whole batch's, as Trainer counts it across ranks
+        rows = slice(2 * rank, 2 * rank + 2)
+        _, cls, cfg, kw, _ = next(c for c in CASES if c[0] == "llama")
+        out = {}
+        for variant in FSDP_VARIANTS:
+            twins = [_build(cls, cfg, kw, variant == "tied") for _ in range(2)]
+            for m in twins:
+                for layer in m.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                if variant == "head":  # the head in a group of its own, resharded after its forward
+                    fully_shard(m.lm_head, mesh=mesh)
+                elif variant == "tied":  # FSDP2 needs a tied weight's modules in one group
+                    fully_shard([m.model.embed_tokens, m.lm_head], mesh=mesh)
+                fully_shard(m, mesh=mesh, reshard_after_forward=True if variant == "root_reshard" else None)
+                m.train()
+            ours, ref = twins
+            ref.loss_function = _causal_lm_loss64
+            apply_logitless(ours)
+            got = ours(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items, use_cache=False)
+            want = ref(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items, use_cache=False)
+            # x world: FSDP averages the gradients over ranks (Trainer scales the loss the same way).
+            (world * got.loss).backward()
+            (world * want.loss).backward()
+            out[variant] = dict(
+                logits=got.logits,
+                loss=(got.loss.detach(), want.loss.detach()),
+                grads=[
+                    (p.grad.full_tensor(), q.grad.full_tensor())
+                    for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
+                ],
+            )
+        torch.save(out, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_match_the_models_own(tmp_path):
+    # 2 gloo ranks on CPU; the head unsharded in the root group, sharded on its own, tied to the embeddings in one
+    # group, and with the root resharding after forward (find_head / head_inputs gather it for the pass).
+    import socket
+
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_fsdp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"{rank}.pt")
+        for variant in FSDP_VARIANTS:
+            r = res[variant]
+            assert r["logits"] is None, variant
+            torch.testing.assert_close(*r["loss"], **TOL, msg=variant)
+            for got, want in r["grads"]:
+                torch.testing.assert_close(got, want, **TOL, msg=variant)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_bf16_training_step_is_closer_to_float64_and_leaner_than_the_models_own():
