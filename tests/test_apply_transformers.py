@@ -366,17 +366,22 @@ def test_trainer_logs_match_an_unpatched_run(tmp_path, seed):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-FSDP_VARIANTS = ("root", "head", "tied", "root_reshard")
+DIST_VARIANTS = ("root", "head", "tied", "root_reshard", "ddp")
 
 
-def _fsdp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One gloo rank: the patched and the unpatched (float64-loss) twin, FSDP2-sharded alike, one step on this
-    rank's half of the batch; their losses and reduce-scattered gradients, saved for the parent."""
+def _dist_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One gloo rank: the patched and the unpatched (float64-loss) twin, FSDP2-sharded alike (or both in DDP),
+    one step on this rank's half of the batch; their losses and reduced gradients, saved for the parent."""
     import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    def _full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -388,9 +393,9 @@ def _fsdp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         rows = slice(2 * rank, 2 * rank + 2)
         _, cls, cfg, kw, _ = next(c for c in CASES if c[0] == "llama")
         out = {}
-        for variant in FSDP_VARIANTS:
-            twins = [_build(cls, cfg, kw, variant == "tied") for _ in range(2)]
-            for m in twins:
+        for variant in DIST_VARIANTS:
+            twins = [_build(cls, cfg, kw, variant == "tied").train() for _ in range(2)]
+            for m in twins if variant != "ddp" else ():
                 for layer in m.model.layers:
                     fully_shard(layer, mesh=mesh)
                 if variant == "head":  # the head in a group of its own, resharded after its forward
@@ -398,21 +403,20 @@ def _fsdp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
                 elif variant == "tied":  # FSDP2 needs a tied weight's modules in one group
                     fully_shard([m.model.embed_tokens, m.lm_head], mesh=mesh)
                 fully_shard(m, mesh=mesh, reshard_after_forward=True if variant == "root_reshard" else None)
-                m.train()
-            ours, ref = twins
+            ref = twins[1]
             ref.loss_function = _causal_lm_loss64
-            apply_logitless(ours)
+            apply_logitless(twins[0])
+            ours, ref = twins if variant != "ddp" else [DistributedDataParallel(m) for m in twins]
             got = ours(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items, use_cache=False)
             want = ref(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=n_items, use_cache=False)
-            # x world: FSDP averages the gradients over ranks (Trainer scales the loss the same way).
+            # x world: FSDP and DDP average the gradients over ranks (Trainer scales the loss the same way).
             (world * got.loss).backward()
             (world * want.loss).backward()
             out[variant] = dict(
                 logits=got.logits,
                 loss=(got.loss.detach(), want.loss.detach()),
                 grads=[
-                    (p.grad.full_tensor(), q.grad.full_tensor())
-                    for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
+                    (_full(p.grad), _full(q.grad)) for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
                 ],
             )
         torch.save(out, f"{out_dir}/{rank}.pt")
@@ -421,9 +425,10 @@ def _fsdp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_match_the_models_own(tmp_path):
-    # 2 gloo ranks on CPU; the head unsharded in the root group, sharded on its own, tied to the embeddings in one
-    # group, and with the root resharding after forward (find_head / head_inputs gather it for the pass).
+def test_fsdp2_and_ddp_two_ranks_match_the_models_own(tmp_path):
+    # 2 gloo ranks on CPU. FSDP2: the head unsharded in the root group, sharded on its own, tied to the embeddings
+    # in one group, and with the root resharding after forward (find_head / head_inputs gather it for the pass).
+    # DDP: the hooks are on the model DDP wraps.
     import socket
 
     dist = pytest.importorskip("torch.distributed")
@@ -432,10 +437,10 @@ def test_fsdp2_two_ranks_match_the_models_own(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_fsdp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_dist_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         res = torch.load(tmp_path / f"{rank}.pt")
-        for variant in FSDP_VARIANTS:
+        for variant in DIST_VARIANTS:
             r = res[variant]
             assert r["logits"] is None, variant
             torch.testing.assert_close(*r["loss"], **TOL, msg=variant)
