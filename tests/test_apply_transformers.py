@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -134,8 +135,15 @@ def test_moe_router_aux_loss_is_added_by_the_models_forward(seed):
     _assert_same_grads(ours, ref)
 
 
-def test_lora_on_backbone_and_head(seed):
+@pytest.mark.parametrize("tuner_forward", ["installed", "calls_model_forward"])
+def test_lora_on_backbone_and_head(tuner_forward, seed, monkeypatch):
+    # "calls_model_forward": PEFT before 0.21, whose tuner calls model.forward(...) directly, passing by any
+    # hook on the transformers model; apply_logitless(peft_model) hooks the PEFT model, so it still applies.
     peft = pytest.importorskip("peft")
+    if tuner_forward == "calls_model_forward":
+        monkeypatch.setattr(
+            peft.tuners.tuners_utils.BaseTuner, "forward", lambda self, *a, **k: self.model.forward(*a, **k)
+        )
     _, cls, cfg, kw, _ = next(c for c in CASES if c[0] == "gemma2")
     base = _build(cls, cfg, kw, False)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
@@ -169,6 +177,25 @@ class _TensorShapes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.shapes += [tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out
+
+
+def test_a_call_that_passes_the_hooks_by_warns_once(seed):
+    # model.forward(...) instead of model(...) (what PEFT before 0.21 does to the model it wraps): the hooks
+    # do not run, so the logits are built. The model's own loss is returned, with one warning.
+    _, cls, cfg, kw, ties = next(c for c in CASES if c[0] == "qwen2")
+    model = _build(cls, cfg, kw, ties[0]).train()
+    ids, labels = _batch(seed)
+    want = model(input_ids=ids, labels=labels).loss
+    apply_logitless(model)
+    with pytest.warns(UserWarning, match=r"Qwen2ForCausalLM.forward was called directly.*PeftModel"):
+        out = model.forward(input_ids=ids, labels=labels)
+    assert out.logits is not None and torch.equal(out.loss, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.forward(input_ids=ids, labels=labels)  # once
+        assert model(input_ids=ids, labels=labels).logits is None
+        model.eval()
+        model(input_ids=ids, labels=labels)  # eval: the model's own loss, through the hooks
 
 
 def test_no_logits_tensor_is_built(seed):
@@ -218,7 +245,7 @@ def test_when_the_patch_applies_and_remove():
     # A forward that raises leaves nothing behind (the head and loss_function restored).
     with pytest.raises((ValueError, RuntimeError)):
         model(input_ids=ids, labels=labels[:, :4])
-    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
+    assert "forward" not in model.lm_head.__dict__ and model.__dict__["_loss_function"] == patch._guard
     assert model(input_ids=ids).logits.shape == (*ids.shape, V)
     # A deep copy (TRL's reference models, EMA copies) is patched on its own; so is a checkpointed model.
     twin = copy.deepcopy(model)
@@ -233,7 +260,8 @@ def test_when_the_patch_applies_and_remove():
     assert not patch.active and again.active
     assert model(input_ids=ids, labels=labels).loss > fused.loss
     again.remove()
-    assert not model._forward_hooks and not model._forward_pre_hooks and "_logitless_apply" not in model.__dict__
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert "_logitless_apply" not in model.__dict__ and "_loss_function" not in model.__dict__
     restored = model(input_ids=ids, labels=labels)
     assert restored.logits is not None and restored.loss.dtype == torch.float32
 

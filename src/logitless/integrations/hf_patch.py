@@ -14,8 +14,10 @@ the forward does around the loss (the MoE router aux loss, the output fields) is
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,17 +28,25 @@ from torch.utils.hooks import RemovableHandle
 
 from ..objectives import cross_entropy
 from ..ops import Head, PassOptions, as_options
-from .hf import _base, _family, find_head, head_inputs
+from .hf import _base, _family, _own_class, find_head, head_inputs
 
 __all__ = ["LogitlessPatch", "apply_logitless"]
 
-_MISSING = object()
+
+class _Missing(enum.Enum):
+    """No instance attribute of that name (an enum member survives ``copy.deepcopy`` of the model as itself)."""
+
+    MISSING = enum.auto()
+
+
+_MISSING = _Missing.MISSING
 
 
 @dataclass
 class _Call:
     """One fused forward call, from the model's pre-hook to its post-hook."""
 
+    base: nn.Module  # the transformers model whose head and loss_function are swapped
     head_module: nn.Module
     head_forward: Any  # the head's own instance ``forward`` attribute before the call, or _MISSING
     loss_function: Any  # the model's own ``_loss_function`` attribute before the call, or _MISSING
@@ -51,7 +61,9 @@ class LogitlessPatch:
     Also a context manager: ``with apply_logitless(model): ...`` removes the patch on exit.
 
     Attributes:
-        model: the transformers model the hooks are on (inside PEFT / ``torch.compile`` wrappers).
+        model: the module the hooks are on: the PEFT model when one was given, else the
+            transformers model (inside a ``torch.compile`` wrapper).
+        base: the transformers model whose head and ``loss_function`` a fused call swaps.
         z_loss, label_smoothing, options: as given to :func:`apply_logitless`.
         last_metrics: detached metrics of the last fused loss (``ce``: the smoothed CE without
             z-loss, ``z_loss``, ``accuracy``: top-1 rate; reduced like the loss, see
@@ -59,6 +71,7 @@ class LogitlessPatch:
     """
 
     model: nn.Module = field(repr=False)
+    base: nn.Module = field(repr=False)
     z_loss: float
     label_smoothing: float
     options: PassOptions | None
@@ -66,6 +79,9 @@ class LogitlessPatch:
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
     # Open calls per module: nn.DataParallel runs replicas (copies sharing these hooks) in threads at once.
     _calls: dict[int, list[_Call | None]] = field(default_factory=dict, repr=False)
+    _own_loss: Any = field(default=None, repr=False)  # the model's ForCausalLMLoss
+    _previous_loss: Any = field(default=_MISSING, repr=False)  # base's _loss_function attribute before the patch
+    _warned: bool = field(default=False, repr=False)
 
     @property
     def active(self) -> bool:
@@ -79,6 +95,8 @@ class LogitlessPatch:
         self._handles.clear()
         if self.model.__dict__.get("_logitless_apply") is self:
             del self.model._logitless_apply
+        if self.base.__dict__.get("_loss_function") == self._guard:
+            _restore(self.base, "_loss_function", self._previous_loss)
 
     def __enter__(self) -> LogitlessPatch:
         return self
@@ -95,20 +113,24 @@ class LogitlessPatch:
             labels = _bound_labels(module, args, kwargs)
         if skip_logits and labels is None:
             raise ValueError("skip_logits=True needs labels: without them there is no loss to compute")
+        base = _base(module)
         # As Liger's lce_forward: fused by default in training only; an eval pass (Trainer.evaluate with
         # compute_metrics, generation) keeps the logits and the model's own loss.
-        fused = labels is not None and (module.training if skip_logits is None else bool(skip_logits))
+        fused = labels is not None and (base.training if skip_logits is None else bool(skip_logits))
         if kwargs.get("logitless_hidden_states") or kwargs.get("fused_lm_head"):
             fused = False  # a logitless drop-in asks for hidden states / TRL runs its own fused head: no logits
         stack = self._calls.setdefault(id(module), [])
         if not fused:
             stack.append(None)
             return args, kwargs
-        _check_loss_function(module)
+        _check_loss_function(base, self._guard)
         # Looked up per call: PEFT, FSDP or accelerate may have wrapped or re-hooked the head since.
-        head_module = module.get_output_embeddings()
+        head_module = base.get_output_embeddings()
         call = _Call(
-            head_module, head_module.__dict__.get("forward", _MISSING), module.__dict__.get("_loss_function", _MISSING)
+            base,
+            head_module,
+            head_module.__dict__.get("forward", _MISSING),
+            base.__dict__.get("_loss_function", _MISSING),
         )
 
         def placeholder_head(x: torch.Tensor, *_a, **_k) -> torch.Tensor:
@@ -118,10 +140,10 @@ class LogitlessPatch:
         def loss_function(
             logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_kwargs
         ):
-            return self._loss(module, call, labels, num_items_in_batch, ignore_index, shift_labels)
+            return self._loss(call, labels, num_items_in_batch, ignore_index, shift_labels)
 
         head_module.forward = placeholder_head
-        module.loss_function = loss_function  # transformers' setter: the instance's _loss_function
+        base.loss_function = loss_function  # transformers' setter: the instance's _loss_function
         stack.append(call)
         return args, kwargs
 
@@ -134,14 +156,14 @@ class LogitlessPatch:
         if call is None:
             return None
         _restore(call.head_module, "forward", call.head_forward)
-        _restore(module, "_loss_function", call.loss_function)
+        _restore(call.base, "_loss_function", call.loss_function)
         if output is None:  # the forward raised
             return None
         if not call.loss_computed:
             if call.hidden is None:  # neither head nor loss ran (another patch's path): its output as it is
                 return None
             raise RuntimeError(
-                f"{type(module).__name__}'s forward ran its output head but not its loss_function although labels "
+                f"{type(call.base).__name__}'s forward ran its output head but not its loss_function although labels "
                 "were given; its logits were not computed. Call it with skip_logits=False"
             )
         if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...), None fields left out
@@ -149,13 +171,28 @@ class LogitlessPatch:
         values = {k: v for k, v in output.items() if k != "logits"}
         return type(output)(**values)
 
-    def _loss(self, module, call: _Call, labels, num_items_in_batch, ignore_index, shift_labels) -> torch.Tensor:
+    def _guard(self, logits, labels, vocab_size, **kwargs) -> torch.Tensor:
+        """The model's ``loss_function`` between fused calls: its own loss, with a warning when a training
+        call reached it without passing the hooks (a wrapper calling ``model.forward`` directly, as PEFT
+        before 0.21 does, so the logits were built)."""
+        if not self._calls and self.base.training and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"apply_logitless: {type(self.base).__name__}.forward was called directly, not through the module "
+                "call, so the patch did not apply: the logits were built and the loss is the model's own. A wrapper "
+                "does this (PEFT before 0.21 calls model.forward): apply apply_logitless to the outermost model you "
+                "call, e.g. the PeftModel.",
+                stacklevel=2,
+            )
+        return self._own_loss(logits, labels, vocab_size, **kwargs)
+
+    def _loss(self, call: _Call, labels, num_items_in_batch, ignore_index, shift_labels) -> torch.Tensor:
         if call.hidden is None:
             raise RuntimeError(
-                f"{type(module).__name__}'s forward computed a loss without calling its output head "
+                f"{type(call.base).__name__}'s forward computed a loss without calling its output head "
                 "(get_output_embeddings()); logitless cannot compute it"
             )
-        hidden, head = head_inputs(call.hidden, _head_at_input(module))
+        hidden, head = head_inputs(call.hidden, _head_at_input(call.base))
         if shift_labels is None:  # ForCausalLMLoss: tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = shift_labels.to(hidden.device)
@@ -196,19 +233,19 @@ def _bound_labels(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor 
     return bound.arguments.get("labels")
 
 
-def _check_loss_function(module: nn.Module) -> None:
+def _check_loss_function(base: nn.Module, guard: Any = None) -> None:
     """Refuse a model whose ``loss_function`` is not transformers' ``ForCausalLMLoss`` (one the user set,
-    or a ``config.loss_type`` that maps elsewhere): the patch computes that loss, not theirs."""
-    fn = module.loss_function
-    if (getattr(fn, "__name__", None), getattr(fn, "__module__", None)) != (
-        "ForCausalLMLoss",
-        "transformers.loss.loss_utils",
-    ):
-        raise ValueError(
-            f"{type(module).__name__}.loss_function is {getattr(fn, '__qualname__', fn)!r}, not transformers' "
-            "ForCausalLMLoss, which is the loss apply_logitless computes; restore it (del model._loss_function) "
-            "or call logitless.cross_entropy / head_loss on the hidden states yourself"
-        )
+    or a ``config.loss_type`` that maps elsewhere): the patch computes that loss, not theirs. ``guard``:
+    the patch's own stand-in, also accepted."""
+    fn = base.loss_function
+    name = (getattr(fn, "__name__", None), getattr(fn, "__module__", None))
+    if (guard is not None and fn == guard) or name == ("ForCausalLMLoss", "transformers.loss.loss_utils"):
+        return
+    raise ValueError(
+        f"{type(base).__name__}.loss_function is {getattr(fn, '__qualname__', fn)!r}, not transformers' "
+        "ForCausalLMLoss, which is the loss apply_logitless computes; restore it (del model._loss_function) "
+        "or call logitless.cross_entropy / head_loss on the hidden states yourself"
+    )
 
 
 def _head_at_input(module: nn.Module) -> Head:
@@ -253,8 +290,12 @@ def apply_logitless(
     without z-loss or label smoothing. For smoothing use ``label_smoothing`` here, not Trainer's
     ``label_smoothing_factor`` (which needs the logits, so it turns this patch off).
 
-    The patch is per instance: forward hooks on the transformers model (inside a PEFT or
-    ``torch.compile`` wrapper), nothing changed on its class. Applying again replaces it.
+    The patch is per instance, nothing changed on the class: forward hooks on the model you call (a
+    PEFT model when given one, else the transformers model, inside a ``torch.compile`` wrapper), and
+    ``model.loss_function`` set to a stand-in that runs the model's own ``ForCausalLMLoss`` outside
+    fused calls and warns once if a training call reached it without passing the hooks (a wrapper
+    that calls ``model.forward`` directly, as PEFT before 0.21 does with the model it wraps: apply
+    the patch to the outermost model you call). Applying again replaces the patch.
 
     Args:
         model: one of the verified causal LM classes
@@ -287,14 +328,23 @@ def apply_logitless(
     ):
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     as_options(options)
-    base = _base(model)
+    target = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+    base = _base(target)
     find_head(base)  # UnsupportedModelError, naming the class and the supported ones
+    # The hooks go on the module the user calls: a PEFT model's own forward may call the transformers
+    # model's forward directly (PEFT before 0.21), which would pass hooks on the latter by.
+    if not _own_class(target).__name__.startswith("Peft"):
+        target = base
+    for m in (target, base):
+        previous = m.__dict__.get("_logitless_apply")
+        if previous is not None:
+            previous.remove()
     _check_loss_function(base)
-    previous = base.__dict__.get("_logitless_apply")
-    if previous is not None:
-        previous.remove()
-    patch = LogitlessPatch(base, float(z_loss), float(label_smoothing), options)
-    patch._handles.append(base.register_forward_pre_hook(patch._pre_hook, with_kwargs=True))
-    patch._handles.append(base.register_forward_hook(patch._post_hook, with_kwargs=True, always_call=True))
-    base._logitless_apply = patch
+    patch = LogitlessPatch(target, base, float(z_loss), float(label_smoothing), options)
+    patch._own_loss = base.loss_function
+    patch._previous_loss = base.__dict__.get("_loss_function", _MISSING)
+    patch._handles.append(target.register_forward_pre_hook(patch._pre_hook, with_kwargs=True))
+    patch._handles.append(target.register_forward_hook(patch._post_hook, with_kwargs=True, always_call=True))
+    base.loss_function = patch._guard  # transformers' setter: the instance's _loss_function
+    target._logitless_apply = patch
     return patch
