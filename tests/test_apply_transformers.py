@@ -242,6 +242,7 @@ def test_when_the_patch_applies_and_remove():
     assert len(as_tuple) == 1 and torch.equal(as_tuple[0], fused.loss)
     with pytest.raises(ValueError, match="skip_logits=True needs labels"):
         model(input_ids=ids, skip_logits=True)
+    assert not patch._calls  # a pre-hook that raised leaves no open call
     # A forward that raises leaves nothing behind (the head and loss_function restored).
     with pytest.raises((ValueError, RuntimeError)):
         model(input_ids=ids, labels=labels[:, :4])

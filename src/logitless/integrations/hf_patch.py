@@ -9,6 +9,8 @@ input, the final hidden states, is kept), and its ``loss_function`` is swapped f
 computes :func:`logitless.cross_entropy` from those hidden states and the head that
 :func:`~logitless.integrations.hf.find_head` finds (with the family's logit scale / soft-cap). What
 the forward does around the loss (the MoE router aux loss, the output fields) is the model's.
+Between fused calls ``loss_function`` is a stand-in for the model's own that notices calls which
+bypassed the hooks.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ class LogitlessPatch:
     # ---- hooks -----------------------------------------------------------------------------
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # One entry per call, pushed first: the always_call post-hook pops it even when this hook raises.
+        stack = self._calls.setdefault(id(module), [])
+        stack.append(None)
         skip_logits = kwargs.pop("skip_logits", None)
         labels = kwargs.get("labels", _MISSING)
         if labels is _MISSING:
@@ -119,9 +124,7 @@ class LogitlessPatch:
         fused = labels is not None and (base.training if skip_logits is None else bool(skip_logits))
         if kwargs.get("logitless_hidden_states") or kwargs.get("fused_lm_head"):
             fused = False  # a logitless drop-in asks for hidden states / TRL runs its own fused head: no logits
-        stack = self._calls.setdefault(id(module), [])
         if not fused:
-            stack.append(None)
             return args, kwargs
         _check_loss_function(base, self._guard)
         # Looked up per call: PEFT, FSDP or accelerate may have wrapped or re-hooked the head since.
@@ -144,7 +147,7 @@ class LogitlessPatch:
 
         head_module.forward = placeholder_head
         base.loss_function = loss_function  # transformers' setter: the instance's _loss_function
-        stack.append(call)
+        stack[-1] = call
         return args, kwargs
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
