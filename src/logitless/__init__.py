@@ -55,3 +55,8 @@ __all__ = [
     "distill_loss", "dpo_loss", "head_loss", "kto_loss", "orpo_loss", "policy_loss", "sampling_correction",
     "sequence_logps", "simpo_loss", "token_logprobs", "vocab_stats",
 ]
+
+# Plain transformers (docs/transformers.md). torch-only at import: transformers is read off the model.
+from .integrations.hf_patch import LogitlessPatch, apply_logitless
+
+__all__ += ["LogitlessPatch", "apply_logitless"]
