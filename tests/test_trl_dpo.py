@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from tiny_models import save_tiny_qwen2, word_tokenizer
 from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.config import LogitlessConfig
-from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, trl_own_path
+from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, reference_records, trl_own_path
 
 V = 64
 
@@ -122,3 +123,37 @@ def test_trains(tmp_path):
     tr.train()
     logged = [h for h in tr.state.log_history if "loss" in h]
     assert logged and "rewards/accuracies" in logged[-1] and torch.isfinite(torch.tensor(logged[-1]["loss"]))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_cache_matches_trls_reference_float64(tmp_path, seed):
+    """``ref_cache=``: the reference log-probs come from a cache built from the trainer's own
+    records (TRL's tokenization of the text rows) instead of the reference model; the loss,
+    gradients and metrics equal TRL's own trainer running its reference model, in float64."""
+    from logitless.integrations.trl_head import CachedReference
+    from logitless.refcache import RefCache, build
+
+    opts = dict(loss_type=["sigmoid", "ipo"][seed], beta=0.1, **({"ld_alpha": 0.6} if seed else {}))
+    tr = _float64_oracle_trainer(_dpo(tmp_path, seed, **opts))
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    theirs = _step(tr, batch)  # TRL's trainer, its reference model, float64 full-logits head
+    build(tr.ref_model, reference_records(tr), tmp_path / "cache", tokenizer=tr.processing_class)
+    ref = tr.ref_model
+    tr = patch_dpo_trainer(tr, ref_cache=RefCache.open(tmp_path / "cache"))
+    assert isinstance(tr.ref_model, CachedReference)
+    assert all(p.is_meta for p in ref.parameters())  # the reference model was freed
+    ours = _step(tr, batch)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0]))), opts
+    assert rel_err(ours[1], theirs[1]) <= 1e-10, opts
+    for k, v in theirs[2].items():
+        if k != "num_tokens":
+            assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), (k, opts)
+
+
+def test_reference_cache_refuses_a_moving_or_precomputed_reference(tmp_path):
+    from logitless.integrations.trl_head import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="precompute_ref_log_probs"):
+        _dpo(tmp_path, 4, cls=functools.partial(LogitlessDPOTrainer, ref_cache=tmp_path / "x"),
+             precompute_ref_log_probs=True)

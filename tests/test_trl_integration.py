@@ -14,7 +14,7 @@ V = 64
 
 
 def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, logitless_config=None, model=None,
-             **config):
+             rollout_func=None, **config):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -26,6 +26,8 @@ def _trainer(tmp_path, cls=LogitlessGRPOTrainer, tie=False, ref_cache=None, logi
     extra = {} if ref_cache is None else {"ref_cache": ref_cache}
     if logitless_config is not None:
         extra["logitless_config"] = logitless_config
+    if rollout_func is not None:
+        extra["rollout_func"] = rollout_func
     return cls(**extra, model=model if model is not None else str(tmp_path / "m"),
                reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                args=GRPOConfig(**opts), train_dataset=Dataset.from_dict({"prompt": ["t1 t2", "t3 t4 t5"] * 8}),
@@ -228,6 +230,7 @@ def test_refuses_unknown_head():
 def test_reference_cache_replaces_the_reference_model(tmp_path):
     """beta > 0 with a ref cache: the reference model is freed and its log-probs come from the
     cache, equal to a live reference pass (the policy before any step has the same weights)."""
+    from logitless.integrations.trl import FixedCompletions
     from logitless.refcache import build
 
     tr = _trainer(tmp_path, beta=0.04)
@@ -241,18 +244,54 @@ def test_reference_cache_replaces_the_reference_model(tmp_path):
     build(tr.ref_model, records, tmp_path / "cache", tokenizer=tr.processing_class)
     with torch.no_grad():
         live, _, _ = tr._get_per_token_logps_and_entropies(tr.ref_model, ids, am, t)
-    tr2 = _trainer(tmp_path / "second", beta=0.04, ref_cache=tmp_path / "cache")
+    fixed = FixedCompletions({"t1 t2": ["t5"], "t3 t4 t5": ["t6"]}, tr.processing_class)
+    tr2 = _trainer(tmp_path / "second", beta=0.04, ref_cache=tmp_path / "cache", rollout_func=fixed)
     assert type(tr2.ref_model).__name__ == "_CachedReference"
     with torch.no_grad():
         cached, _, _ = tr2._get_per_token_logps_and_entropies(tr2.ref_model, ids, am, t)
     assert torch.allclose(cached, live, rtol=1e-6, atol=1e-6)
     assert (cached[1, -2:] == 0).all()
-    # Generated completions are not in this cache: training must stop with a named miss, not
-    # run on wrong reference values.
+    # These completions are not in this cache: training stops with a named miss, never runs on
+    # wrong reference values.
     from logitless.refcache import RefCacheMissError
 
     with pytest.raises(RefCacheMissError):
         tr2.train()
+
+
+def test_reference_cache_refused_when_the_trainer_samples(tmp_path):
+    # Sampled completions are never in a cache built beforehand: refused at construction, with
+    # the reason and the fixed-completion route, instead of a RefCacheMissError at step 1.
+    with pytest.raises(UnsupportedConfigError, match=r"generates them \(no rollout_func.*FixedCompletions"):
+        _trainer(tmp_path, beta=0.04, ref_cache=tmp_path / "never-opened")
+
+
+def test_reference_cache_on_fixed_completions_trains_as_trl_does(tmp_path):
+    """GRPO on completions fixed in advance (TRL's rollout_func): two steps with the reference
+    served from a cache log the loss and KL of TRL's own trainer with its live reference model."""
+    from trl import GRPOTrainer
+
+    from logitless.integrations.trl import FixedCompletions
+    from logitless.refcache import build
+
+    save_tiny_qwen2(tmp_path / "m", vocab_size=V, seed=1)
+    tok = word_tokenizer(V)
+    fixed = FixedCompletions({"t1 t2": ["t5 t6 t7", "t8", "t9 t10", "t11 t12 t13 t14"],
+                              "t3 t4 t5": ["t20", "t21 t22", "t23 t24 t25", "t26 t27"]}, tok)
+    opts = dict(beta=0.1, learning_rate=0.05, rollout_func=fixed)
+    theirs = _trainer(tmp_path / "trl", cls=GRPOTrainer, model=str(tmp_path / "m"), **opts)
+    build(theirs.ref_model, fixed.records(), tmp_path / "cache", tokenizer=tok)
+    ours = _trainer(tmp_path / "ours", model=str(tmp_path / "m"), ref_cache=tmp_path / "cache", **opts)
+    assert type(ours.ref_model).__name__ == "_CachedReference" and ours.logitless.active
+    for tr in (theirs, ours):
+        tr.train()
+    logs = [[h for h in tr.state.log_history if "loss" in h] for tr in (theirs, ours)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    assert logs[1][1]["kl"] > 1e-4  # the policy moved: the reference matters at step 2
+    for a, b in zip(*logs, strict=True):
+        for k in ("loss", "kl", "entropy", "reward"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+        assert b["logitless/active"] == 1.0 and "logitless/active" not in a
 
 
 def test_reference_cache_refuses_moving_reference(tmp_path):

@@ -9,7 +9,7 @@ import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
 from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
-from logitless.integrations.trl_kto import LogitlessKTOTrainer, patch_kto_trainer, trl_own_path
+from logitless.integrations.trl_kto import LogitlessKTOTrainer, patch_kto_trainer, reference_records, trl_own_path
 
 V = 64
 
@@ -72,3 +72,30 @@ def test_trains(tmp_path):
     tr.train()
     logged = [h for h in tr.state.log_history if "loss" in h]
     assert logged and torch.isfinite(torch.tensor(logged[-1]["loss"]))
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_reference_cache_matches_trls_reference_float64(tmp_path, loss_type):
+    """``ref_cache=``: the reference log-probs, KL pairs included (``kto``), come from a cache built
+    from the trainer's own records; the step equals TRL's own with its reference model, float64."""
+    from logitless.integrations.trl_head import CachedReference
+    from logitless.refcache import RefCache, build
+
+    tr = _kto(tmp_path, 4, loss_type=loss_type, beta=0.3)
+    for m in (tr.model, tr.ref_model):
+        m.double()
+        install_plain_head(m)
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    theirs = _step(tr, batch)
+    records = list(reference_records(tr))
+    assert len(records) == (16 if loss_type == "kto" else 8)  # the KL pairs are scored only for "kto"
+    build(tr.ref_model, records, tmp_path / "cache", tokenizer=tr.processing_class)
+    tr = patch_kto_trainer(tr, ref_cache=RefCache.open(tmp_path / "cache"))
+    assert isinstance(tr.ref_model, CachedReference)
+    ours = _step(tr, batch)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0])))
+    assert rel_err(ours[1], theirs[1]) <= 1e-10
+    for k, v in theirs[2].items():
+        if k != "num_tokens":
+            assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10, nan_ok=True), k
