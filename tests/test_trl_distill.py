@@ -3,6 +3,7 @@ entropy metric on float64 tiny models (a student and a wider teacher sharing a v
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -238,3 +239,23 @@ def test_gkd_unverified_teacher_falls_back_with_one_warning(models, tmp_path):
     with trl_own_path(tr):
         theirs = _gkd_step(tr, batch, None)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_import_is_silent():
+    """Importing the module emits no TRLExperimentalWarning (``trl.experimental.gkd`` is imported
+    only when ``LogitlessGKDTrainer`` is asked for). A fresh interpreter: the warning fires once
+    per process, at the first import of ``trl.experimental``."""
+    import subprocess
+    import sys
+
+    code = """
+import warnings
+from trl.import_utils import TRLExperimentalWarning
+warnings.simplefilter("error", TRLExperimentalWarning)
+import logitless.integrations.trl_distill as m
+from trl.experimental.gkd import GKDTrainer
+assert issubclass(m.LogitlessGKDTrainer, GKDTrainer) and m.LogitlessGKDTrainer.__name__ == "LogitlessGKDTrainer"
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRL_EXPERIMENTAL_SILENCE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

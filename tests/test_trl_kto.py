@@ -18,7 +18,7 @@ def _words(rng, n):
     return " ".join(f"t{rng.randrange(V - 3)}" for _ in range(n))
 
 
-def _kto(tmp_path, seed, cls=None, **opts):
+def _kto(tmp_path, seed, cls=None, peft_config=None, **opts):
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
 
@@ -28,7 +28,8 @@ def _kto(tmp_path, seed, cls=None, **opts):
                  label=bool(i % 2)) for i in range(8)]
     args = KTOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
                      bf16=False, max_steps=1, logging_steps=1, **opts)
-    return (cls or KTOTrainer)(model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
+    extra = {} if peft_config is None else {"peft_config": peft_config}
+    return (cls or KTOTrainer)(**extra, model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=word_tokenizer(V))
 
 
@@ -99,3 +100,14 @@ def test_reference_cache_matches_trls_reference_float64(tmp_path, loss_type):
     for k, v in theirs[2].items():
         if k != "num_tokens":
             assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10, nan_ok=True), k
+
+
+def test_peft_config_with_lm_head_is_accepted(tmp_path):
+    # TRL's own trainer refuses peft_config with lm_head ("Remove 'lm_head'"); the drop-in takes it,
+    # with logitless behind the head (the adapter's term computed; DPO / SFT check the numbers).
+    from logitless.integrations.hf import find_head
+
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    tr = _kto(tmp_path, 3, cls=LogitlessKTOTrainer, peft_config=cfg)
+    assert find_head(tr.model).lora is not None and tr.logitless.fused_logprobs

@@ -92,12 +92,12 @@ class Switches:
         """Whether any logitless pass runs in this trainer (else it is the trainer's own code)."""
         return self.fused_loss or self.fused_logprobs
 
-    def warn_if_inactive(self, trainer: str) -> None:
-        """One warning when nothing runs through logitless, unless both switches were set to
-        ``False`` on purpose."""
-        if self.active or (self.config.fused_loss is False and self.config.fused_logprobs is False):
+    def warn_if_inactive(self, trainer: str, switches: tuple[str, ...] = ("fused_loss", "fused_logprobs")) -> None:
+        """One warning when nothing runs through logitless, unless each of ``switches`` (those
+        that apply to the trainer) was set to ``False`` on purpose."""
+        if self.active or all(self.why_not.get(k) == "set to False" for k in switches):
             return
-        reasons = "; ".join(dict.fromkeys(self.why_not.values()))
+        reasons = "; ".join(dict.fromkeys(self.why_not[k] for k in switches if self.why_not[k] != "set to False"))
         warnings.warn(f"logitless: {trainer} runs the trainer's own code throughout, no logitless pass ({reasons}). "
                       "trainer.logitless.why_not has the details; LogitlessConfig(allow_unverified=True) takes a "
                       "model class logitless has not verified, after a check (docs/trainers.md)",

@@ -110,13 +110,14 @@ def check_config(config: LogitlessConfig | None) -> LogitlessConfig:
     return config
 
 
-def finish(trainer: Any, sw: Switches) -> None:
+def finish(trainer: Any, sw: Switches, switches: tuple[str, ...] = ("fused_loss", "fused_logprobs")) -> None:
     """What every drop-in does once its switches are resolved: record the backend the passes
-    resolve to, warn once when nothing runs through logitless, check TRL's version."""
+    resolve to, warn once when nothing runs through logitless (``switches``: those that apply),
+    check TRL's version."""
     check_trl_version()
     if sw.active:
         sw.backend = _resolved_backend(trainer, sw)
-    sw.warn_if_inactive(type(trainer).__name__)
+    sw.warn_if_inactive(type(trainer).__name__, switches)
 
 
 def _resolved_backend(trainer: Any, sw: Switches) -> str:
