@@ -82,7 +82,8 @@ class FixedCompletions:
 
     Raises:
         TypeError: a prompt that is not a string.
-        ValueError: a prompt without completions; at call, a prompt not in ``completions``.
+        ValueError: a prompt without completions, or that (or a completion) tokenizes to no
+            tokens; at call, a prompt not in ``completions``.
     """
 
     def __init__(self, completions: Mapping[str, Sequence[str]], tokenizer: Any) -> None:
@@ -96,6 +97,9 @@ class FixedCompletions:
         self._ids = {p: (tokenizer(text=[p])["input_ids"][0],
                          [tokenizer(text=t, add_special_tokens=False)["input_ids"] + eos for t in texts])
                      for p, texts in completions.items()}
+        for p, (ids, outs) in self._ids.items():
+            if not ids or not all(outs):
+                raise ValueError(f"prompt {p!r} or one of its completions tokenizes to no tokens")
 
     def __call__(self, prompts: list, trainer: Any = None) -> dict[str, Any]:
         """TRL's ``rollout_func(prompts, trainer)``: ``prompt_ids``, ``completion_ids`` (lists of
