@@ -200,3 +200,14 @@ def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
         _dpo(tmp_path / "trl", 8, peft_config=cfg())
     direct = _dpo(tmp_path / "ours", 8, cls=LogitlessDPOTrainer, peft_config=cfg())
     assert direct.logitless.fused_logprobs
+
+
+def test_logprobs_off_on_purpose_does_not_warn(tmp_path):
+    # DPO has no fused_loss path: fused_logprobs=False alone is a deliberate "all off", not a no-op
+    # to warn about.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        tr = _dpo(tmp_path, 2, cls=LogitlessDPOTrainer, logitless_config=LogitlessConfig(fused_logprobs=False))
+    assert not tr.logitless.active

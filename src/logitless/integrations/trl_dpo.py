@@ -63,7 +63,8 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
             super().__init__(*args, **kwargs)
         if ref_cache is not None:
             use_ref_cache(self, ref_cache)
-        attach(self, logitless_config, outputs=_outputs(self), loss_problems=_SHARED_LOSS)
+        attach(self, logitless_config, outputs=_outputs(self), loss_problems=_SHARED_LOSS,
+               logprobs_only=True)
 
 
 def patch_dpo_trainer(trainer: DPOTrainer, logitless_config: LogitlessConfig | None = None,
@@ -72,6 +73,7 @@ def patch_dpo_trainer(trainer: DPOTrainer, logitless_config: LogitlessConfig | N
     as there)."""
     if ref_cache is not None:
         use_ref_cache(trainer, ref_cache)
-    attach(trainer, logitless_config, outputs=_outputs(trainer), loss_problems=_SHARED_LOSS)
+    attach(trainer, logitless_config, outputs=_outputs(trainer), loss_problems=_SHARED_LOSS,
+           logprobs_only=True)
     trainer.__class__ = LogitlessDPOTrainer
     return trainer

@@ -54,7 +54,7 @@ BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use
 
 
 def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, ...], temperature: float = 1.0,
-           loss_problems: list[str] | None = None) -> Switches:
+           loss_problems: list[str] | None = None, logprobs_only: bool = False) -> Switches:
     """Resolve ``config`` for ``trainer`` into ``trainer.logitless`` and put logitless behind the
     fused LM head of ``trainer.model`` (computing ``outputs``) and ``trainer.ref_model`` (log-probs).
 
@@ -65,6 +65,8 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
         temperature: the temperature TRL's head divides the logits by.
         loss_problems: trainer options the ``fused_loss`` path does not reproduce (``fused_loss``
             resolves off, with their names, when any).
+        logprobs_only: the trainer has no ``fused_loss`` path (its loss is TRL's code on the
+            log-probs), so ``fused_logprobs=False`` alone is a deliberate "all off".
 
     Raises:
         TypeError: ``config`` is not a :class:`LogitlessConfig`.
@@ -94,7 +96,7 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
         for m, wanted in zip(models, (tuple(outputs), ("log_probs",)), strict=False):  # ref_model may be None
             add_hidden_states_forward(m)
             _put_behind_fused_head(trainer, m, wanted, temperature)
-    finish(trainer, sw)
+    finish(trainer, sw, ("fused_logprobs",) if logprobs_only else ("fused_loss", "fused_logprobs"))
     return sw
 
 

@@ -46,7 +46,8 @@ class LogitlessKTOTrainer(ActiveMetric, KTOTrainer):
             super().__init__(*args, **kwargs)
         if ref_cache is not None:
             use_ref_cache(self, ref_cache)
-        attach(self, logitless_config, outputs=_OUTPUTS, loss_problems=_SHARED_LOSS)
+        attach(self, logitless_config, outputs=_OUTPUTS, loss_problems=_SHARED_LOSS,
+               logprobs_only=True)
 
 
 def patch_kto_trainer(trainer: KTOTrainer, logitless_config: LogitlessConfig | None = None,
@@ -55,6 +56,7 @@ def patch_kto_trainer(trainer: KTOTrainer, logitless_config: LogitlessConfig | N
     as there)."""
     if ref_cache is not None:
         use_ref_cache(trainer, ref_cache)
-    attach(trainer, logitless_config, outputs=_OUTPUTS, loss_problems=_SHARED_LOSS)
+    attach(trainer, logitless_config, outputs=_OUTPUTS, loss_problems=_SHARED_LOSS,
+           logprobs_only=True)
     trainer.__class__ = LogitlessKTOTrainer
     return trainer

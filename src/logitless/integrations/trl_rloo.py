@@ -37,11 +37,13 @@ class LogitlessRLOOTrainer(ActiveMetric, RLOOTrainer):
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
         with lora_head_admitted(RLOOTrainer, args, kwargs):
             super().__init__(*args, **kwargs)
-        attach(self, logitless_config, outputs=_OUTPUTS, temperature=self.temperature, loss_problems=_SHARED_LOSS)
+        attach(self, logitless_config, outputs=_OUTPUTS, temperature=self.temperature, loss_problems=_SHARED_LOSS,
+               logprobs_only=True)
 
 
 def patch_rloo_trainer(trainer: RLOOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessRLOOTrainer:
     """Turn an existing ``RLOOTrainer`` into a :class:`LogitlessRLOOTrainer` in place."""
-    attach(trainer, logitless_config, outputs=_OUTPUTS, temperature=trainer.temperature, loss_problems=_SHARED_LOSS)
+    attach(trainer, logitless_config, outputs=_OUTPUTS, temperature=trainer.temperature, loss_problems=_SHARED_LOSS,
+           logprobs_only=True)
     trainer.__class__ = LogitlessRLOOTrainer
     return trainer
