@@ -460,3 +460,21 @@ def test_peft_config_with_lm_head_is_accepted(tmp_path):
     assert torch.allclose(ours[0], theirs.detach(), rtol=1e-5, atol=1e-7)
     head_b = [p.grad for n, p in tr.model.named_parameters() if "lm_head.lora_B" in n and p.grad is not None]
     assert head_b and head_b[0].abs().max() > 0
+
+
+def test_fixed_completions_rollout():
+    from logitless.integrations.trl import FixedCompletions
+
+    tok = word_tokenizer(V)
+    fixed = FixedCompletions({"t1 t2": ["t5 t6", "t7"], "t3": ["t8"]}, tok)
+    out = fixed(["t1 t2", "t1 t2", "t1 t2", "t3"], None)  # TRL repeats each prompt num_generations times
+    eos = tok.eos_token_id
+    assert out["prompt_ids"] == [[1, 2], [1, 2], [1, 2], [3]] and out["logprobs"] is None
+    assert out["completion_ids"] == [[5, 6, eos], [7, eos], [5, 6, eos], [8, eos]]  # member i gets i mod n
+    assert sorted(map(str, fixed.records())) == sorted(map(str, [
+        {"prompt_ids": [1, 2], "completion_ids": [5, 6, eos]}, {"prompt_ids": [1, 2], "completion_ids": [7, eos]},
+        {"prompt_ids": [3], "completion_ids": [8, eos]}]))
+    with pytest.raises(ValueError, match="no completions for prompt 't9'"):
+        fixed(["t9"], None)
+    with pytest.raises(ValueError, match="tokenizes to no tokens"):
+        FixedCompletions({"": ["t1"]}, tok)

@@ -175,7 +175,8 @@ def admit_unverified(model: nn.Module) -> None:
         backbone(base)
         weight = head.weight
         g = torch.Generator().manual_seed(0)
-        vocab = min(weight.shape[0], base.get_input_embeddings().weight.shape[0])
+        emb = base.get_input_embeddings()
+        vocab = weight.shape[0] if emb is None else min(weight.shape[0], emb.weight.shape[0])
         ids = torch.randint(0, vocab, _PROBE_SHAPE, generator=g).to(weight.device)
         targets = torch.randint(0, weight.shape[0], _PROBE_SHAPE, generator=g).to(weight.device)
         training = base.training
