@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -150,35 +151,18 @@ class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, ref_cache: Any = None,
                  **kwargs: Any) -> None:
+        if ref_cache is not None:  # before TRL loads a reference model
+            _check_ref_cache_applies(inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs))
         with lora_head_admitted(GRPOTrainer, args, kwargs):
             super().__init__(*args, **kwargs)
-        if ref_cache is not None:
-            self._check_ref_cache_applies()
         _attach(self, logitless_config)
         self.logitless_ref_cache = None
         if ref_cache is not None:
             self._use_ref_cache(ref_cache)
 
-    def _check_ref_cache_applies(self) -> None:
-        if self.beta == 0.0:
-            raise UnsupportedConfigError("ref_cache is only used with beta != 0 (the KL to the reference)")
-        if getattr(self.args, "sync_ref_model", False):
-            raise UnsupportedConfigError("ref_cache holds a fixed reference; sync_ref_model=True moves it")
-        generated = []
-        if self.rollout_func is None:
-            generated.append("no rollout_func: TRL samples the completions")
-        if self.tools or self.environment_factories is not None:
-            generated.append("tools / environment_factory: the tool loop generates completion tokens")
-        if generated:
-            raise UnsupportedConfigError(
-                "ref_cache needs completions known before training, but this trainer generates them ("
-                + "; ".join(generated) + "), so no cache built beforehand holds them and the first step would stop "
-                "with RefCacheMissError. Without a ref_cache the reference model runs (through logitless). For a "
-                "fixed-completion dataset pass rollout_func=FixedCompletions(...) and build the cache from its "
-                "records() (docs/refcache.md, Recipes)")
-
     def _use_ref_cache(self, ref_cache: Any) -> None:
         from ..refcache import RefCache, free_reference
+
         if not isinstance(ref_cache, RefCache):
             ref_cache = RefCache.open(ref_cache, model=self.accelerator.unwrap_model(self.model),
                                       tokenizer=self.processing_class, temperature=self.temperature)
@@ -290,6 +274,29 @@ class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
         if self.entropy_coef != 0.0 and mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # as TRL logs it, per optimizer step
         return loss
+
+
+def _check_ref_cache_applies(call: inspect.BoundArguments) -> None:
+    """Refuse ``ref_cache`` for a ``GRPOTrainer(...)`` call whose reference cannot come from a cache
+    built beforehand (see :class:`LogitlessGRPOTrainer`)."""
+    a = call.arguments
+    args = a.get("args")
+    if getattr(args, "beta", 0.0) == 0.0:
+        raise UnsupportedConfigError("ref_cache is only used with beta != 0 (the KL to the reference)")
+    if getattr(args, "sync_ref_model", False):
+        raise UnsupportedConfigError("ref_cache holds a fixed reference; sync_ref_model=True moves it")
+    generated = []
+    if a.get("rollout_func") is None:
+        generated.append("no rollout_func: TRL samples the completions")
+    if a.get("tools") or a.get("environment_factory") is not None:
+        generated.append("tools / environment_factory: the tool loop generates completion tokens")
+    if generated:
+        raise UnsupportedConfigError(
+            "ref_cache needs completions known before training, but this trainer generates them ("
+            + "; ".join(generated) + "), so no cache built beforehand holds them and the first step would stop "
+            "with RefCacheMissError. Without a ref_cache the reference model runs (through logitless). For a "
+            "fixed-completion dataset pass rollout_func=FixedCompletions(...) and build the cache from its "
+            "records() (docs/refcache.md, Recipes)")
 
 
 def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessGRPOTrainer:
