@@ -478,3 +478,14 @@ def test_fixed_completions_rollout():
         fixed(["t9"], None)
     with pytest.raises(ValueError, match="tokenizes to no tokens"):
         FixedCompletions({"": ["t1"]}, tok)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_switches_show_the_backend_auto_resolves_to_on_a_gpu(tmp_path):
+    import importlib.util
+
+    tr = _trainer(tmp_path, use_cpu=False, bf16=True)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    expected = ("gemm" if hopper else "triton") if importlib.util.find_spec("triton") else "torch"
+    assert tr.logitless.backend == expected
