@@ -127,8 +127,8 @@ def _resolved_backend(trainer: Any, sw: Switches) -> str:
     training dtype (TRL's ``bf16``/``fp16`` autocast, else the weight's)."""
     try:
         head = find_head(trainer.accelerator.unwrap_model(trainer.model))
-    except UnsupportedModelError:  # a teacher-only pass (distillation) still resolves below
-        return "unresolved (no head)"
+    except UnsupportedModelError as e:  # not expected once a switch resolved on; reported, not raised
+        return f"unresolved ({e})"
     args = trainer.args
     if getattr(args, "cast_lm_head_to_fp32", False):
         dtype = torch.float32
