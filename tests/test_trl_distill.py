@@ -238,3 +238,29 @@ def test_gkd_unverified_teacher_falls_back_with_one_warning(models, tmp_path):
     with trl_own_path(tr):
         theirs = _gkd_step(tr, batch, None)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_import_does_not_import_trl_experimental():
+    """TRL warns (TRLExperimentalWarning) at the first import of ``trl.experimental``; the module's
+    own code must not import it (only ``LogitlessGKDTrainer``, on first use, does). Its source is
+    run into a fresh module object, every import it makes recorded."""
+    import builtins
+    import types
+    from pathlib import Path
+
+    seen = []
+    real = builtins.__import__
+
+    def recording(name, globals=None, locals=None, fromlist=(), level=0):
+        seen.append(name if level == 0 else "." * level + name)
+        return real(name, globals, locals, fromlist, level)
+
+    mod = types.ModuleType("logitless.integrations._trl_distill_copy")
+    mod.__package__ = "logitless.integrations"
+    mod.__builtins__ = {**vars(builtins), "__import__": recording}
+    exec(compile(Path(trl_distill.__file__).read_text(), trl_distill.__file__, "exec"), mod.__dict__)
+    assert seen and not [n for n in seen if n.startswith("trl.experimental")], seen
+    gkd = mod.LogitlessGKDTrainer  # built on first use
+    from trl.experimental.gkd import GKDTrainer
+
+    assert "trl.experimental.gkd" in seen and issubclass(gkd, GKDTrainer) and gkd.__name__ == "LogitlessGKDTrainer"

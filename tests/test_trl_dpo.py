@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from tiny_models import save_tiny_qwen2, word_tokenizer
 from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.config import LogitlessConfig
-from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, trl_own_path
+from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, reference_records, trl_own_path
 
 V = 64
 
@@ -19,7 +20,7 @@ def _words(rng, n):
     return " ".join(f"t{rng.randrange(V - 3)}" for _ in range(n))
 
 
-def _dpo(tmp_path, seed, cls=None, logitless_config=None, **opts):
+def _dpo(tmp_path, seed, cls=None, logitless_config=None, peft_config=None, **opts):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -30,6 +31,8 @@ def _dpo(tmp_path, seed, cls=None, logitless_config=None, **opts):
     args = DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
                      bf16=False, max_steps=1, logging_steps=1, **opts)
     extra = {} if logitless_config is None else {"logitless_config": logitless_config}
+    if peft_config is not None:
+        extra["peft_config"] = peft_config
     return (cls or DPOTrainer)(**extra, model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=word_tokenizer(V))
 
@@ -122,3 +125,89 @@ def test_trains(tmp_path):
     tr.train()
     logged = [h for h in tr.state.log_history if "loss" in h]
     assert logged and "rewards/accuracies" in logged[-1] and torch.isfinite(torch.tensor(logged[-1]["loss"]))
+    assert logged[-1]["logitless/active"] == 1.0  # logged with TRL's metrics
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_cache_matches_trls_reference_float64(tmp_path, seed):
+    """``ref_cache=``: the reference log-probs come from a cache built from the trainer's own
+    records (TRL's tokenization of the text rows) instead of the reference model; the loss,
+    gradients and metrics equal TRL's own trainer running its reference model, in float64."""
+    from logitless.integrations.trl_head import CachedReference
+    from logitless.refcache import RefCache, build
+
+    opts = dict(loss_type=["sigmoid", "ipo"][seed], beta=0.1, **({"ld_alpha": 0.6} if seed else {}))
+    tr = _float64_oracle_trainer(_dpo(tmp_path, seed, **opts))
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    theirs = _step(tr, batch)  # TRL's trainer, its reference model, float64 full-logits head
+    build(tr.ref_model, reference_records(tr), tmp_path / "cache", tokenizer=tr.processing_class)
+    ref = tr.ref_model
+    tr = patch_dpo_trainer(tr, ref_cache=RefCache.open(tmp_path / "cache"))
+    assert isinstance(tr.ref_model, CachedReference)
+    assert all(p.is_meta for p in ref.parameters())  # the reference model was freed
+    ours = _step(tr, batch)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0]))), opts
+    assert rel_err(ours[1], theirs[1]) <= 1e-10, opts
+    for k, v in theirs[2].items():
+        if k != "num_tokens":
+            assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), (k, opts)
+
+
+def test_reference_cache_refuses_a_moving_or_precomputed_reference(tmp_path):
+    from logitless.integrations.trl_head import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="precompute_ref_log_probs"):
+        _dpo(tmp_path, 4, cls=functools.partial(LogitlessDPOTrainer, ref_cache=tmp_path / "x"),
+             precompute_ref_log_probs=True)
+
+
+def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
+    """``peft_config`` with ``lm_head`` (refused by TRL: its head would ignore the adapter): the
+    loss, gradients and metrics equal TRL's own DPO code on the model's own full float64 logits
+    (the head's adapter included; the reference is the model with adapters disabled), and the
+    head's adapter gets a gradient."""
+    from trl import DPOTrainer
+
+    from logitless.integrations.trl_head import lora_head_admitted
+
+    peft = pytest.importorskip("peft")
+
+    def cfg():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+
+    with lora_head_admitted(DPOTrainer, (), {}):  # the oracle: TRL's trainer on the same PEFT model
+        tr = _dpo(tmp_path, 8, peft_config=cfg(), loss_type=["sigmoid"], beta=0.1)
+    assert tr.ref_model is None  # TRL's PEFT reference: the adapters disabled
+    tr.model.double()
+    install_plain_head(tr.model.get_base_model())
+    tr = patch_dpo_trainer(tr)
+    assert tr.logitless.fused_logprobs
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    ours = _step(tr, batch)
+    head_b = [p.grad for n, p in tr.model.named_parameters() if "lm_head.lora_B" in n]
+    assert head_b[0] is not None and head_b[0].abs().max() > 0
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0])))
+    assert rel_err(ours[1], theirs[1]) <= 1e-10
+    for k, v in theirs[2].items():
+        if k != "num_tokens":
+            assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), k
+    # Built directly, the drop-in takes the same peft_config (TRL's own DPOTrainer refuses it).
+    with pytest.raises(ValueError, match="Remove `'lm_head'`"):
+        _dpo(tmp_path / "trl", 8, peft_config=cfg())
+    direct = _dpo(tmp_path / "ours", 8, cls=LogitlessDPOTrainer, peft_config=cfg())
+    assert direct.logitless.fused_logprobs
+
+
+def test_logprobs_off_on_purpose_does_not_warn(tmp_path):
+    # DPO has no fused_loss path: fused_logprobs=False alone is a deliberate "all off", not a no-op
+    # to warn about.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        tr = _dpo(tmp_path, 2, cls=LogitlessDPOTrainer, logitless_config=LogitlessConfig(fused_logprobs=False))
+    assert not tr.logitless.active

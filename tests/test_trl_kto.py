@@ -9,7 +9,7 @@ import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
 from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
 
-from logitless.integrations.trl_kto import LogitlessKTOTrainer, patch_kto_trainer, trl_own_path
+from logitless.integrations.trl_kto import LogitlessKTOTrainer, patch_kto_trainer, reference_records, trl_own_path
 
 V = 64
 
@@ -18,7 +18,7 @@ def _words(rng, n):
     return " ".join(f"t{rng.randrange(V - 3)}" for _ in range(n))
 
 
-def _kto(tmp_path, seed, cls=None, **opts):
+def _kto(tmp_path, seed, cls=None, peft_config=None, **opts):
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
 
@@ -28,7 +28,8 @@ def _kto(tmp_path, seed, cls=None, **opts):
                  label=bool(i % 2)) for i in range(8)]
     args = KTOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
                      bf16=False, max_steps=1, logging_steps=1, **opts)
-    return (cls or KTOTrainer)(model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
+    extra = {} if peft_config is None else {"peft_config": peft_config}
+    return (cls or KTOTrainer)(**extra, model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
                                processing_class=word_tokenizer(V))
 
 
@@ -72,3 +73,41 @@ def test_trains(tmp_path):
     tr.train()
     logged = [h for h in tr.state.log_history if "loss" in h]
     assert logged and torch.isfinite(torch.tensor(logged[-1]["loss"]))
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_reference_cache_matches_trls_reference_float64(tmp_path, loss_type):
+    """``ref_cache=``: the reference log-probs, KL pairs included (``kto``), come from a cache built
+    from the trainer's own records; the step equals TRL's own with its reference model, float64."""
+    from logitless.integrations.trl_head import CachedReference
+    from logitless.refcache import RefCache, build
+
+    tr = _kto(tmp_path, 4, loss_type=loss_type, beta=0.3)
+    for m in (tr.model, tr.ref_model):
+        m.double()
+        install_plain_head(m)
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    theirs = _step(tr, batch)
+    records = list(reference_records(tr))
+    assert len(records) == (16 if loss_type == "kto" else 8)  # the KL pairs are scored only for "kto"
+    build(tr.ref_model, records, tmp_path / "cache", tokenizer=tr.processing_class)
+    tr = patch_kto_trainer(tr, ref_cache=RefCache.open(tmp_path / "cache"))
+    assert isinstance(tr.ref_model, CachedReference)
+    ours = _step(tr, batch)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0])))
+    assert rel_err(ours[1], theirs[1]) <= 1e-10
+    for k, v in theirs[2].items():
+        if k != "num_tokens":
+            assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10, nan_ok=True), k
+
+
+def test_peft_config_with_lm_head_is_accepted(tmp_path):
+    # TRL's own trainer refuses peft_config with lm_head ("Remove 'lm_head'"); the drop-in takes it,
+    # with logitless behind the head (the adapter's term computed; DPO / SFT check the numbers).
+    from logitless.integrations.hf import find_head
+
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    tr = _kto(tmp_path, 3, cls=LogitlessKTOTrainer, peft_config=cfg)
+    assert find_head(tr.model).lora is not None and tr.logitless.fused_logprobs

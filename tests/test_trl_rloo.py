@@ -15,7 +15,7 @@ from logitless.integrations.trl_rloo import LogitlessRLOOTrainer, patch_rloo_tra
 V = 64
 
 
-def _rloo(tmp_path, seed, cls=None, logitless_config=None, **opts):
+def _rloo(tmp_path, seed, cls=None, logitless_config=None, peft_config=None, **opts):
     from datasets import Dataset
     from trl import RLOOConfig, RLOOTrainer
 
@@ -24,6 +24,8 @@ def _rloo(tmp_path, seed, cls=None, logitless_config=None, **opts):
                       max_completion_length=6, report_to=[], use_cpu=True, bf16=False, max_steps=1, logging_steps=1,
                       **opts)
     extra = {} if logitless_config is None else {"logitless_config": logitless_config}
+    if peft_config is not None:
+        extra["peft_config"] = peft_config
     return (cls or RLOOTrainer)(**extra, model=str(tmp_path / "m"), args=args,
                                 reward_funcs=lambda completions, **k: [float(len(c)) for c in completions],
                                 train_dataset=Dataset.from_dict({"prompt": ["t1 t2", "t3 t4 t5"] * 8}),
@@ -95,3 +97,14 @@ def test_trains_and_falls_back_for_multimodal_inputs(tmp_path):
         b, _, _ = tr._get_per_token_logps_and_entropies(tr.model, ids, torch.ones_like(ids), 4,
                                                         token_type_ids=torch.zeros_like(ids))
     assert torch.equal(a, b)
+
+
+def test_peft_config_with_lm_head_is_accepted(tmp_path):
+    # TRL's own trainer refuses peft_config with lm_head ("Remove 'lm_head'"); the drop-in takes it,
+    # with logitless behind the head (the adapter's term computed; DPO / SFT check the numbers).
+    from logitless.integrations.hf import find_head
+
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    tr = _rloo(tmp_path, 3, cls=LogitlessRLOOTrainer, peft_config=cfg)
+    assert find_head(tr.model).lora is not None and tr.logitless.fused_logprobs

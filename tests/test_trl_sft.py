@@ -19,7 +19,7 @@ def _words(rng, n):
     return " ".join(f"t{rng.randrange(V - 3)}" for _ in range(n))
 
 
-def _sft(tmp_path, seed, cls=None, logitless_config=None, prompt_completion=False, **opts):
+def _sft(tmp_path, seed, cls=None, logitless_config=None, prompt_completion=False, peft_config=None, **opts):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -33,6 +33,8 @@ def _sft(tmp_path, seed, cls=None, logitless_config=None, prompt_completion=Fals
     extra = {} if logitless_config is None else {"logitless_config": logitless_config}
     if "compute_loss_func" in opts:
         extra["compute_loss_func"] = opts.pop("compute_loss_func")
+    if peft_config is not None:
+        extra["peft_config"] = peft_config
     args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
                      bf16=False, max_steps=1, logging_steps=1, **opts)
     return (cls or SFTTrainer)(**extra, model=str(tmp_path / "m"), args=args, train_dataset=Dataset.from_list(rows),
@@ -110,3 +112,33 @@ def test_trains(tmp_path):
     tr.train()
     logged = [h for h in tr.state.log_history if "loss" in h]
     assert logged and "mean_token_accuracy" in logged[-1] and torch.isfinite(torch.tensor(logged[-1]["loss"]))
+
+
+def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
+    """``peft_config`` with ``lm_head`` (refused by TRL): the fused loss runs the head's adapter
+    term; loss, gradients and metrics equal TRL's own SFT loss on the model's own float64 logits."""
+    from trl import SFTTrainer
+
+    from logitless.integrations.trl_head import lora_head_admitted
+
+    peft = pytest.importorskip("peft")
+
+    def cfg():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "lm_head"], init_lora_weights=False)
+
+    with lora_head_admitted(SFTTrainer, (), {}):  # the oracle: TRL's trainer on the same PEFT model
+        tr = _sft(tmp_path, 5, prompt_completion=True, peft_config=cfg())
+    tr.model.double()
+    install_plain_head(tr.model.get_base_model())
+    tr = patch_sft_trainer(tr)
+    assert tr.logitless.fused_loss
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    ours = _step(tr, batch, None)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch, None)
+    assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0])))
+    assert rel_err(ours[1], theirs[1]) <= 1e-10
+    assert ours[2] == pytest.approx(theirs[2], rel=1e-9, abs=1e-10)
+    direct = _sft(tmp_path / "ours", 5, cls=LogitlessSFTTrainer, peft_config=cfg())
+    assert direct.logitless.fused_loss

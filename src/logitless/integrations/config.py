@@ -23,6 +23,16 @@ class LogitlessConfig:
             differentiable log-probs it consumes (``vocab_stats``). Auto: on when the head is
             discoverable; per call, the trainer's own path for inputs logitless does not take
             (multimodal, MoE aux loss).
+        allow_unverified: take a model class ``find_head`` has not verified (e.g. BLOOM, or your
+            subclass of a verified class) after a check at construction: on a fixed probe batch
+            (2 × 8 random tokens, eval mode, no grad) the token log-probs logitless computes from
+            the backbone's final hidden states and the head (``get_output_embeddings()``, with the
+            scale / soft-cap of the nearest verified base class, else none) must equal the
+            log-softmax of the model's own logits to within 16 ulps of its dtype (relative to the
+            largest logit). A failed check resolves both switches off with a warning. Not checked:
+            behaviour that depends on inputs the probe does not have (``labels``, padding, a
+            training-mode-only branch of the forward). Default ``False``: unverified classes run
+            the trainer's own path.
         logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 before the softmax
             statistics (which accumulate in fp32 either way); ``"input"`` rounds it to the model
             dtype first, as the plain bf16 path does: the plain path's numbers, half the workspace
@@ -45,6 +55,7 @@ class LogitlessConfig:
 
     fused_loss: bool | None = None
     fused_logprobs: bool | None = None
+    allow_unverified: bool = False
     logits_precision: LogitsPrecision | None = None
     mode: Mode = "auto"
     impl: Impl = "auto"
@@ -59,6 +70,8 @@ class LogitlessConfig:
         if not isinstance(self.skip_zero_advantage, bool):
             raise TypeError(f"LogitlessConfig.skip_zero_advantage must be True or False, got "
                             f"{self.skip_zero_advantage!r}")
+        if not isinstance(self.allow_unverified, bool):
+            raise TypeError(f"LogitlessConfig.allow_unverified must be True or False, got {self.allow_unverified!r}")
         try:
             _ = self.options
         except ValueError as e:
@@ -74,14 +87,32 @@ class LogitlessConfig:
 @dataclass
 class Switches:
     """A :class:`LogitlessConfig` resolved for one trainer: what runs (``options``: how the
-    passes run), and why not where off."""
+    passes run; ``backend``: the backend ``options.impl`` resolves to for the model's device
+    and training dtype, e.g. ``"torch"`` on a CPU), and why not where off."""
 
     config: LogitlessConfig
     fused_loss: bool
     fused_logprobs: bool
     options: PassOptions
     why_not: dict[str, str] = field(default_factory=dict)
+    backend: str | None = None
     _warned: set[str] = field(default_factory=set, repr=False)
+
+    @property
+    def active(self) -> bool:
+        """Whether any logitless pass runs in this trainer (else it is the trainer's own code)."""
+        return self.fused_loss or self.fused_logprobs
+
+    def warn_if_inactive(self, trainer: str, switches: tuple[str, ...] = ("fused_loss", "fused_logprobs")) -> None:
+        """One warning when nothing runs through logitless, unless each of ``switches`` (those
+        that apply to the trainer) was set to ``False`` on purpose."""
+        if self.active or all(self.why_not.get(k) == "set to False" for k in switches):
+            return
+        reasons = "; ".join(dict.fromkeys(self.why_not[k] for k in switches if self.why_not[k] != "set to False"))
+        warnings.warn(f"logitless: {trainer} runs the trainer's own code throughout, no logitless pass ({reasons}). "
+                      "trainer.logitless.why_not has the details; LogitlessConfig(allow_unverified=True) takes a "
+                      "model class logitless has not verified, after a check (docs/trainers.md)",
+                      UserWarning, stacklevel=5)  # the caller of the drop-in's __init__ / patch_*
 
     @classmethod
     def resolve(cls, config: LogitlessConfig, head_problem: str | None, loss_problems: list[str]) -> Switches:

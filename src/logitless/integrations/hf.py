@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import Head, HeadLoRA, LogitTransform
+from ..ops import Head, HeadLoRA, LogitTransform, token_logprobs
 
 
 class UnsupportedModelError(ValueError):
@@ -113,6 +113,9 @@ def _base(model: nn.Module) -> nn.Module:
 def _family(base: nn.Module) -> _Family:
     """The verified family of ``base``, matched on the exact class (a subclass or a hub
     ``trust_remote_code`` class of the same name may have a different forward)."""
+    admitted = base.__dict__.get("_logitless_family")  # set by admit_unverified after its check
+    if admitted is not None:
+        return admitted
     name = _own_class(base).__name__
     family = _FAMILIES.get(name)
     if family is not None:
@@ -124,6 +127,79 @@ def _family(base: nn.Module) -> _Family:
         f"{name} ({type(base).__module__}) is not a causal LM class whose head logitless has verified; "
         f"its forward may apply something after the backbone that logitless would not reproduce. "
         f"Supported: {', '.join(supported_models())}")
+
+
+def _nearest_verified(cls: type) -> _Family:
+    """The family of the closest verified transformers class among ``cls``'s bases, else the
+    plain one (``logits = lm_head(hidden)``)."""
+    import transformers
+
+    for base_cls in cls.__mro__:
+        family = _FAMILIES.get(base_cls.__name__)
+        if family is not None and getattr(transformers, base_cls.__name__, None) is base_cls:
+            return family
+    return _PLAIN
+
+
+# The probe of admit_unverified: its shape, and its tolerance in ulps of the model's dtype.
+_PROBE_SHAPE = (2, 8)
+_PROBE_ULPS = 16
+
+
+def admit_unverified(model: nn.Module) -> None:
+    """Let :func:`find_head` and :func:`add_hidden_states_forward` take ``model`` although its
+    class is not verified (another architecture, or a subclass of a verified class), once a
+    probe agrees with the model's own logits. A verified model is left as it is.
+
+    The head is ``get_output_embeddings()`` with the logit scale / soft-cap of the nearest
+    verified base class (none for other classes). The probe: a fixed batch of random token ids
+    ``[2, 8]`` (eval mode, no grad, restored after); the token log-probs
+    :func:`logitless.token_logprobs` computes from ``backbone(model)``'s final hidden states and
+    that head, at random target ids, must equal the log-softmax of ``model(input_ids).logits``
+    there to within 16 ulps of the model's dtype times ``max(1, max |logit|)``. The decision is
+    stored on the model instance (not its class).
+
+    Raises:
+        UnsupportedModelError: no output head or backbone, a head :func:`find_head` refuses, or
+            a probe that disagrees (the message gives the difference).
+    """
+    base = _base(model)
+    try:
+        _family(base)
+        return
+    except UnsupportedModelError:
+        pass
+    base._logitless_family = _nearest_verified(_own_class(base))
+    try:
+        head = find_head(model)
+        backbone(base)
+        weight = head.weight
+        g = torch.Generator().manual_seed(0)
+        emb = base.get_input_embeddings()
+        vocab = weight.shape[0] if emb is None else min(weight.shape[0], emb.weight.shape[0])
+        ids = torch.randint(0, vocab, _PROBE_SHAPE, generator=g).to(weight.device)
+        targets = torch.randint(0, weight.shape[0], _PROBE_SHAPE, generator=g).to(weight.device)
+        training = base.training
+        base.eval()
+        try:
+            with torch.no_grad():
+                logits = base(input_ids=ids, use_cache=False).logits
+                hidden = backbone(base)(input_ids=ids, use_cache=False).last_hidden_state
+                h, ready = head_inputs(hidden, head)
+                ours = token_logprobs(h, ready, targets)
+        finally:
+            base.train(training)
+        theirs = torch.log_softmax(logits.to(ours.dtype), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        diff = float((ours - theirs).abs().max())
+        tol = _PROBE_ULPS * torch.finfo(logits.dtype).eps * max(1.0, float(logits.abs().max()))
+        if not diff <= tol:
+            raise UnsupportedModelError(
+                f"{type(base).__name__}: the probe's log-probs from the hidden states and the head differ from the "
+                f"model's own logits by {diff:.3g} nats (tolerance {tol:.3g}); its forward does something after the "
+                "backbone that logitless does not reproduce")
+    except Exception:
+        del base._logitless_family
+        raise
 
 
 def find_head(model: nn.Module) -> ModelHead:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,12 +26,12 @@ from trl import GRPOTrainer
 from ..objectives import PolicyConfig, policy_loss
 from ..ops import token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
+from .hf import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head, head_inputs
+from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, finish, lora_head_admitted
 from .trl_skip import loss_without_zero_advantage, skip_problem
 
-
-class UnsupportedConfigError(ValueError):
-    """A TRL option that cannot be combined with what was asked of logitless."""
+__all__ = ["FixedCompletions", "LogitlessGRPOTrainer", "UnsupportedConfigError", "patch_grpo_trainer",
+           "trl_own_path"]
 
 
 class _CachedReference(torch.nn.Module):
@@ -64,7 +65,65 @@ def _vespo_weight_reads_padding(trainer) -> bool:
     return (lo is not None and lo > 1) or (hi is not None and hi < 1)
 
 
-class LogitlessGRPOTrainer(GRPOTrainer):
+class FixedCompletions:
+    """GRPO on completions given in advance (offline / replayed rollouts), through TRL 1.16's
+    ``rollout_func`` (experimental in TRL): the trainer scores and trains on these completions
+    instead of sampling, so their reference log-probs can come from a cache built beforehand.
+
+        fixed = FixedCompletions({"t1 t2": ["t5 t6", "t7", ...], ...}, tokenizer)
+        build(ref_model, fixed.records(), "ref-cache", tokenizer=tokenizer)
+        LogitlessGRPOTrainer(..., rollout_func=fixed, ref_cache="ref-cache")
+
+    Args:
+        completions: prompt text → its completion texts (``num_generations`` of them, or any
+            number: group member ``i`` of a prompt gets completion ``i mod len``). Text prompts
+            only (conversational prompts need your own ``rollout_func``).
+        tokenizer: the trainer's tokenizer. Prompts are tokenized as TRL tokenizes text
+            prompts (``tokenizer(text=...)``); completions without special tokens, followed by
+            ``eos_token_id`` (as a sampled completion that stopped).
+
+    Raises:
+        TypeError: a prompt that is not a string.
+        ValueError: a prompt without completions, or that (or a completion) tokenizes to no
+            tokens; at call, a prompt not in ``completions``.
+    """
+
+    def __init__(self, completions: Mapping[str, Sequence[str]], tokenizer: Any) -> None:
+        for prompt, texts in completions.items():
+            if not isinstance(prompt, str):
+                raise TypeError(f"FixedCompletions takes text prompts, got {type(prompt).__name__}")
+            if isinstance(texts, str) or not texts:
+                raise ValueError(f"prompt {prompt!r}: completions must be a non-empty list of strings")
+        self.tokenizer = tokenizer
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self._ids = {p: (tokenizer(text=[p])["input_ids"][0],
+                         [tokenizer(text=t, add_special_tokens=False)["input_ids"] + eos for t in texts])
+                     for p, texts in completions.items()}
+        for p, (ids, outs) in self._ids.items():
+            if not ids or not all(outs):
+                raise ValueError(f"prompt {p!r} or one of its completions tokenizes to no tokens")
+
+    def __call__(self, prompts: list, trainer: Any = None) -> dict[str, Any]:
+        """TRL's ``rollout_func(prompts, trainer)``: ``prompt_ids``, ``completion_ids`` (lists of
+        token ids) and ``logprobs=None`` (no sampler: TRL computes the old log-probs itself)."""
+        seen: dict[str, int] = {}
+        prompt_ids, completion_ids = [], []
+        for p in prompts:
+            if not isinstance(p, str) or p not in self._ids:
+                raise ValueError(f"FixedCompletions has no completions for prompt {p!r}")
+            ids, outs = self._ids[p]
+            i = seen[p] = seen.get(p, -1) + 1
+            prompt_ids.append(list(ids))
+            completion_ids.append(list(outs[i % len(outs)]))
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+    def records(self) -> list[dict[str, list[int]]]:
+        """Every (prompt, completion) as a :func:`logitless.refcache.build` record
+        (``prompt_ids``, ``completion_ids``): the sequences the trainer will ask for."""
+        return [{"prompt_ids": list(ids), "completion_ids": list(c)} for ids, outs in self._ids.values() for c in outs]
+
+
+class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
     """``trl.GRPOTrainer`` with the head computed by logitless.
 
     Extra keyword arguments (all optional):
@@ -73,22 +132,29 @@ class LogitlessGRPOTrainer(GRPOTrainer):
             that can, in fp32; resolved at construction into ``trainer.logitless``
             (:class:`~logitless.integrations.config.Switches`).
         ref_cache: a :class:`logitless.refcache.RefCache` (or its directory) of the reference
-            model's log-probs over a fixed dataset (``beta > 0``): reference log-probs are
-            served from it and the reference model TRL loaded is freed. Opened against the
-            policy's initial weights, tokenizer and temperature (a mismatch is refused).
+            model's log-probs (``beta > 0``): reference log-probs are served from it and the
+            reference model TRL loaded is freed. Opened against the policy's initial weights,
+            tokenizer and temperature (a mismatch is refused). Only for completions fixed in
+            advance, i.e. a ``rollout_func`` that returns them (:class:`FixedCompletions`):
+            sampled completions are never in a cache built beforehand, so a trainer that
+            generates them refuses ``ref_cache`` at construction.
 
-    A PEFT model with a LoRA adapter on ``lm_head`` (which TRL's own trainer refuses: its head
-    would ignore the adapter) is accepted; the adapter's term is computed inside the pass.
+    A LoRA adapter on ``lm_head`` (``peft_config`` with ``lm_head`` in ``target_modules``, or a
+    PEFT model), which TRL's own trainer refuses (its head would ignore the adapter), is
+    accepted; the adapter's term is computed inside the pass.
 
     Raises:
-        UnsupportedConfigError: ``ref_cache`` with ``beta == 0`` or ``sync_ref_model``; a LoRA
-            adapter on the head with ``fused_loss`` or ``fused_logprobs`` off.
+        UnsupportedConfigError: ``ref_cache`` with ``beta == 0``, ``sync_ref_model``, or
+            completions the trainer generates (no ``rollout_func``, or tools / environments);
+            a LoRA adapter on the head with ``fused_loss`` or ``fused_logprobs`` off.
         TypeError, ValueError: an invalid :class:`LogitlessConfig`.
     """
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, ref_cache: Any = None,
                  **kwargs: Any) -> None:
-        with _lora_head_admitted(kwargs.get("model", args[0] if args else None)):
+        if ref_cache is not None:  # before TRL loads a reference model
+            _check_ref_cache_applies(inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs))
+        with lora_head_admitted(GRPOTrainer, args, kwargs):
             super().__init__(*args, **kwargs)
         _attach(self, logitless_config)
         self.logitless_ref_cache = None
@@ -98,10 +164,6 @@ class LogitlessGRPOTrainer(GRPOTrainer):
     def _use_ref_cache(self, ref_cache: Any) -> None:
         from ..refcache import RefCache, free_reference
 
-        if self.beta == 0.0:
-            raise UnsupportedConfigError("ref_cache is only used with beta != 0 (the KL to the reference)")
-        if getattr(self.args, "sync_ref_model", False):
-            raise UnsupportedConfigError("ref_cache holds a fixed reference; sync_ref_model=True moves it")
         if not isinstance(ref_cache, RefCache):
             ref_cache = RefCache.open(ref_cache, model=self.accelerator.unwrap_model(self.model),
                                       tokenizer=self.processing_class, temperature=self.temperature)
@@ -223,6 +285,29 @@ class LogitlessGRPOTrainer(GRPOTrainer):
         return loss
 
 
+def _check_ref_cache_applies(call: inspect.BoundArguments) -> None:
+    """Refuse ``ref_cache`` for a ``GRPOTrainer(...)`` call whose reference cannot come from a cache
+    built beforehand (see :class:`LogitlessGRPOTrainer`)."""
+    a = call.arguments
+    args = a.get("args")
+    if getattr(args, "beta", 0.0) == 0.0:
+        raise UnsupportedConfigError("ref_cache is only used with beta != 0 (the KL to the reference)")
+    if getattr(args, "sync_ref_model", False):
+        raise UnsupportedConfigError("ref_cache holds a fixed reference; sync_ref_model=True moves it")
+    generated = []
+    if a.get("rollout_func") is None:
+        generated.append("no rollout_func: TRL samples the completions")
+    if a.get("tools") or a.get("environment_factory") is not None:
+        generated.append("tools / environment_factory: the tool loop generates completion tokens")
+    if generated:
+        raise UnsupportedConfigError(
+            "ref_cache needs completions known before training, but this trainer generates them ("
+            + "; ".join(generated) + "), so no cache built beforehand holds them and the first step would stop "
+            "with RefCacheMissError. Without a ref_cache the reference model runs (through logitless). For a "
+            "fixed-completion dataset pass rollout_func=FixedCompletions(...) and build the cache from its "
+            "records() (docs/refcache.md, Recipes)")
+
+
 def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessGRPOTrainer:
     """Turn an existing ``GRPOTrainer`` into a :class:`LogitlessGRPOTrainer` in place (same
     state, logitless head), configured by ``logitless_config``."""
@@ -231,34 +316,14 @@ def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig |
     return trainer
 
 
-@contextlib.contextmanager
-def _lora_head_admitted(model: Any) -> Iterator[None]:
-    """While ``GRPOTrainer.__init__`` runs, answer its ``get_output_embeddings()`` check with the
-    base layer of a LoRA-adapted head. TRL refuses such models because its own head reads
-    ``lm_head.weight`` and would ignore the adapter; logitless adds the adapter's term in every
-    block (and :func:`_attach` refuses configurations where TRL's head would run instead). The
-    model itself is not changed."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    base = getattr(head, "base_layer", None)
-    if base is None or not hasattr(head, "lora_A"):
-        yield
-        return
-    model.get_output_embeddings = lambda: base
-    try:
-        yield
-    finally:
-        del model.get_output_embeddings
-
-
 def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
-    config = LogitlessConfig() if config is None else config
-    if not isinstance(config, LogitlessConfig):
-        raise TypeError(f"logitless_config must be a LogitlessConfig, got {type(config).__name__}")
+    config = check_config(config)
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None and not isinstance(m, _CachedReference)]
     head_problem, lora_head = None, False
     try:
         for m in models:
+            if config.allow_unverified:
+                admit_unverified(m)
             lora_head |= find_head(m).lora is not None  # decide now, not mid-training
     except UnsupportedModelError as e:
         head_problem = str(e)
@@ -272,6 +337,7 @@ def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
             add_hidden_states_forward(m)
     if config.skip_zero_advantage and (why := skip_problem(trainer)) is not None:
         trainer.logitless.warn_once("skip_zero_advantage", why + "; every completion runs")
+    finish(trainer, trainer.logitless)
 
 
 @contextlib.contextmanager

@@ -30,19 +30,23 @@ shared-vocabulary softmax).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
-from trl.experimental.gkd import GKDTrainer
 from trl.trainer.distillation_trainer import DistillationTrainer
 
 from ..objectives import DistillConfig, distill_loss
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, add_hidden_states_forward, find_head
-from .trl_head import head_pass, trl_own_path
+from .hf import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head
+from .trl_head import ActiveMetric, check_config, finish, head_pass, trl_own_path
 
-__all__ = ["LogitlessDistillationTrainer", "LogitlessGKDTrainer", "patch_distillation_trainer",
-           "patch_gkd_trainer", "trl_own_path"]
+if TYPE_CHECKING:
+    from trl.experimental.gkd import GKDTrainer
+
+# LogitlessGKDTrainer is importable too (module __getattr__, below); not listed so that `import *`
+# does not import trl.experimental.
+__all__ = ["LogitlessDistillationTrainer", "patch_distillation_trainer", "patch_gkd_trainer", "trl_own_path"]
 
 # DistillationTrainer's multimodal batch keys (its `_compute_loss`): such a batch runs TRL's path.
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -62,9 +66,7 @@ def _attach(trainer: Any, config: LogitlessConfig | None) -> Switches:
     Raises:
         TypeError: ``config`` is not a :class:`LogitlessConfig`.
     """
-    config = LogitlessConfig() if config is None else config
-    if not isinstance(config, LogitlessConfig):
-        raise TypeError(f"logitless_config must be a LogitlessConfig, got {type(config).__name__}")
+    config = check_config(config)
     teacher = getattr(trainer, "teacher_model", None)
     head_problem, problems, rows = None, [], []
     if teacher is None:
@@ -72,6 +74,8 @@ def _attach(trainer: Any, config: LogitlessConfig | None) -> Switches:
     else:
         try:
             for role, m in (("student", trainer.model), ("teacher", teacher)):
+                if config.allow_unverified:
+                    admit_unverified(trainer.accelerator.unwrap_model(m))
                 head = find_head(trainer.accelerator.unwrap_model(m))
                 rows.append(head.weight.shape[0])
                 if head.lora is not None or head.shard is not None:
@@ -90,10 +94,11 @@ def _attach(trainer: Any, config: LogitlessConfig | None) -> Switches:
         for m in (trainer.model, teacher):
             add_hidden_states_forward(trainer.accelerator.unwrap_model(m))
     trainer.logitless = sw
+    finish(trainer, sw, switches=("fused_loss",))
     return sw
 
 
-class LogitlessDistillationTrainer(DistillationTrainer):
+class LogitlessDistillationTrainer(ActiveMetric, DistillationTrainer):
     """``trl.DistillationTrainer`` whose divergence comes from one logitless pass over both heads.
 
     Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`), resolved into
@@ -136,36 +141,53 @@ class LogitlessDistillationTrainer(DistillationTrainer):
                            self.temperature, num_items_in_batch)
 
 
-class LogitlessGKDTrainer(GKDTrainer):
-    """``trl.experimental.gkd.GKDTrainer`` whose loss comes from one logitless pass over both heads.
+def __getattr__(name: str) -> Any:
+    # trl.experimental warns on import (TRLExperimentalWarning): imported only when GKD is asked for,
+    # so `import logitless.integrations.trl_distill` for the DistillationTrainer stays silent.
+    if name == "LogitlessGKDTrainer":
+        return _gkd_trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`), resolved into
-    ``trainer.logitless`` as for :class:`LogitlessDistillationTrainer`. ``return_outputs=True``
-    (evaluation asking for the student's logits) runs TRL's ``compute_loss`` for that call.
 
-    Raises:
-        TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``GKDTrainer`` raises.
-    """
+@functools.cache
+def _gkd_trainer_class() -> type:
+    """``LogitlessGKDTrainer``, built on first use (``trl.experimental.gkd`` imported then)."""
+    from trl.experimental.gkd import GKDTrainer
 
-    def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _attach(self, logitless_config)
+    class LogitlessGKDTrainer(ActiveMetric, GKDTrainer):
+        """``trl.experimental.gkd.GKDTrainer`` whose loss comes from one logitless pass over both heads.
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self.logitless.fused_loss or return_outputs:
-            return GKDTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
-                                           num_items_in_batch=num_items_in_batch)
-        kw = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
-                  logitless_hidden_states=True)
-        hidden = model(**kw)
-        self.teacher_model.eval()
-        with torch.no_grad():
-            teacher_hidden = self.teacher_model(**kw)
-        # GKD scores every position whose next-token label is not -100 (prompt and padding are).
-        mask = inputs["labels"][:, 1:] != -100
-        loss, _, _ = _divergence(self, (model, hidden[:, :-1]), (self.teacher_model, teacher_hidden[:, :-1]), mask,
-                                 1.0, num_items_in_batch)
-        return loss
+        Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`), resolved into
+        ``trainer.logitless`` as for :class:`LogitlessDistillationTrainer`. ``return_outputs=True``
+        (evaluation asking for the student's logits) runs TRL's ``compute_loss`` for that call.
+
+        Raises:
+            TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``GKDTrainer`` raises.
+        """
+
+        def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            _attach(self, logitless_config)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not self.logitless.fused_loss or return_outputs:
+                return GKDTrainer.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                               num_items_in_batch=num_items_in_batch)
+            kw = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
+                      logitless_hidden_states=True)
+            hidden = model(**kw)
+            self.teacher_model.eval()
+            with torch.no_grad():
+                teacher_hidden = self.teacher_model(**kw)
+            # GKD scores every position whose next-token label is not -100 (prompt and padding are).
+            mask = inputs["labels"][:, 1:] != -100
+            loss, _, _ = _divergence(self, (model, hidden[:, :-1]), (self.teacher_model, teacher_hidden[:, :-1]), mask,
+                                     1.0, num_items_in_batch)
+            return loss
+
+    LogitlessGKDTrainer.__module__ = __name__
+    LogitlessGKDTrainer.__qualname__ = "LogitlessGKDTrainer"  # pickled by name through __getattr__
+    return LogitlessGKDTrainer
 
 
 def _divergence(trainer, student, teacher, mask, temperature, num_items_in_batch):
@@ -191,8 +213,8 @@ def patch_distillation_trainer(trainer: DistillationTrainer,
     return trainer
 
 
-def patch_gkd_trainer(trainer: GKDTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessGKDTrainer:
+def patch_gkd_trainer(trainer: GKDTrainer, logitless_config: LogitlessConfig | None = None) -> Any:
     """Turn an existing ``GKDTrainer`` into a :class:`LogitlessGKDTrainer` in place."""
     _attach(trainer, logitless_config)
-    trainer.__class__ = LogitlessGKDTrainer
+    trainer.__class__ = _gkd_trainer_class()
     return trainer

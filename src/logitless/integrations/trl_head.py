@@ -11,23 +11,39 @@ the result unchanged — so every loss type, reference model, precomputed refere
 metric of the trainer is TRL's own code. A call logitless does not take (multimodal inputs, MoE
 router logits, an output it does not compute) goes to TRL's head, with one warning when
 ``fused_logprobs=True`` was asked for explicitly.
+
+Also shared by every drop-in: the TRL version guard, the ``logitless/active`` metric, a PEFT
+adapter on ``lm_head`` (``peft_config=`` or a wrapped model), and the DPO / KTO reference served
+from a :class:`logitless.refcache.RefCache`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
+import sys
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import trl
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..objectives import head_loss
-from ..ops import Head, vocab_stats
+from ..ops import Head, resolve_backend, vocab_stats
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, _base, add_hidden_states_forward, find_head, head_inputs
+from .hf import UnsupportedModelError, _base, add_hidden_states_forward, admit_unverified, find_head, head_inputs
+
+# The TRL release the drop-ins reproduce (tests/test_trl_*.py run against it).
+TESTED_TRL = "1.16"
+
+
+class UnsupportedConfigError(ValueError):
+    """A TRL option that cannot be combined with what was asked of logitless."""
 
 # Per-token fields of TRL's FusedCausalLMOutput that logitless computes (log Σ p², WPO's weight, is not).
 SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "mean_logits", "is_top1"})
@@ -38,7 +54,7 @@ BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use
 
 
 def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, ...], temperature: float = 1.0,
-           loss_problems: list[str] | None = None) -> Switches:
+           loss_problems: list[str] | None = None, logprobs_only: bool = False) -> Switches:
     """Resolve ``config`` for ``trainer`` into ``trainer.logitless`` and put logitless behind the
     fused LM head of ``trainer.model`` (computing ``outputs``) and ``trainer.ref_model`` (log-probs).
 
@@ -49,6 +65,43 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
         temperature: the temperature TRL's head divides the logits by.
         loss_problems: trainer options the ``fused_loss`` path does not reproduce (``fused_loss``
             resolves off, with their names, when any).
+        logprobs_only: the trainer has no ``fused_loss`` path (its loss is TRL's code on the
+            log-probs), so ``fused_logprobs=False`` alone is a deliberate "all off".
+
+    Raises:
+        TypeError: ``config`` is not a :class:`LogitlessConfig`.
+        UnsupportedConfigError: a LoRA adapter on the head with ``fused_logprobs`` resolved off.
+    """
+    config = check_config(config)
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None))
+              if m is not None and not isinstance(m, CachedReference)]
+    head_problem = None
+    missing = sorted(set(outputs) - SUPPORTED_OUTPUTS)
+    if missing:
+        head_problem = f"the trainer's head must also compute {missing}, which logitless does not"
+    lora_head = False
+    try:
+        for m in models:
+            if config.allow_unverified:
+                admit_unverified(m)
+            lora_head |= find_head(m).lora is not None
+    except UnsupportedModelError as e:
+        head_problem = str(e)
+    sw = Switches.resolve(config, head_problem, list(loss_problems or []))
+    trainer.logitless = sw
+    if lora_head and not sw.fused_logprobs:
+        raise UnsupportedConfigError(f"the model has a LoRA adapter on lm_head, which TRL's own head ignores; it needs "
+                                     f"fused_logprobs on ({sw.why_not['fused_logprobs']})")
+    if sw.fused_loss or sw.fused_logprobs:
+        for m, wanted in zip(models, (tuple(outputs), ("log_probs",)), strict=False):  # ref_model may be None
+            add_hidden_states_forward(m)
+            _put_behind_fused_head(trainer, m, wanted, temperature)
+    finish(trainer, sw, ("fused_logprobs",) if logprobs_only else ("fused_loss", "fused_logprobs"))
+    return sw
+
+
+def check_config(config: LogitlessConfig | None) -> LogitlessConfig:
+    """``config``, or the default :class:`LogitlessConfig` for ``None``.
 
     Raises:
         TypeError: ``config`` is not a :class:`LogitlessConfig`.
@@ -56,22 +109,98 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
     config = LogitlessConfig() if config is None else config
     if not isinstance(config, LogitlessConfig):
         raise TypeError(f"logitless_config must be a LogitlessConfig, got {type(config).__name__}")
-    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
-    head_problem = None
-    missing = sorted(set(outputs) - SUPPORTED_OUTPUTS)
-    if missing:
-        head_problem = f"the trainer's head must also compute {missing}, which logitless does not"
+    return config
+
+
+def finish(trainer: Any, sw: Switches, switches: tuple[str, ...] = ("fused_loss", "fused_logprobs")) -> None:
+    """What every drop-in does once its switches are resolved: record the backend the passes
+    resolve to, warn once when nothing runs through logitless (``switches``: those that apply),
+    check TRL's version."""
+    check_trl_version()
+    if sw.active:
+        sw.backend = _resolved_backend(trainer, sw)
+    sw.warn_if_inactive(type(trainer).__name__, switches)
+
+
+def _resolved_backend(trainer: Any, sw: Switches) -> str:
+    """The backend ``sw.options.impl`` resolves to for the policy's head: its device, and the
+    training dtype (TRL's ``bf16``/``fp16`` autocast, else the weight's)."""
     try:
-        for m in models:
-            find_head(m)
-    except UnsupportedModelError as e:
-        head_problem = str(e)
-    trainer.logitless = Switches.resolve(config, head_problem, list(loss_problems or []))
-    if trainer.logitless.fused_loss or trainer.logitless.fused_logprobs:
-        for m, wanted in zip(models, (tuple(outputs), ("log_probs",)), strict=False):  # ref_model may be None
-            add_hidden_states_forward(m)
-            _put_behind_fused_head(trainer, m, wanted, temperature)
-    return trainer.logitless
+        head = find_head(trainer.accelerator.unwrap_model(trainer.model))
+    except UnsupportedModelError as e:  # not expected once a switch resolved on; reported, not raised
+        return f"unresolved ({e})"
+    args = trainer.args
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        dtype = torch.float32
+    elif getattr(args, "bf16", False) and head.weight.dtype != torch.float64:
+        dtype = torch.bfloat16
+    elif getattr(args, "fp16", False) and head.weight.dtype != torch.float64:
+        dtype = torch.float16
+    else:
+        dtype = head.weight.dtype
+    probe = torch.empty(0, device=head.weight.device, dtype=dtype)
+    try:
+        return resolve_backend(sw.options.impl, probe, head.lora is not None).NAME
+    except ValueError as e:
+        return f"unresolved ({e})"
+
+
+@functools.cache
+def check_trl_version() -> None:
+    """Warn once per process when the installed TRL is not the release the drop-ins reproduce:
+    they override TRL's private methods, which another release may have changed."""
+    if not trl.__version__.startswith(TESTED_TRL + "."):
+        warnings.warn(f"logitless: the TRL drop-ins reproduce TRL {TESTED_TRL}.*, found trl {trl.__version__}: "
+                      f"check your losses against TRL's own path (trl_own_path) or install trl=={TESTED_TRL}.*",
+                      UserWarning, stacklevel=5)
+
+
+class ActiveMetric:
+    """Mixin of the drop-ins: logs ``logitless/active`` (1.0 when a logitless pass runs in the
+    trainer, 0.0 when it is the trainer's own code throughout) with TRL's metrics."""
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        sw = getattr(self, "logitless", None)
+        if sw is not None:
+            mode = "train" if self.model.training else "eval"
+            metrics = getattr(self, "_metrics", None)
+            if isinstance(metrics, dict) and mode in metrics:
+                if metrics[mode]:  # a logging step of TRL's metrics, not the end-of-training summary
+                    metrics[mode]["logitless/active"].append(float(sw.active))
+            elif "loss" in logs:
+                logs = {**logs, "logitless/active": float(sw.active)}
+        return super().log(logs, *args, **kwargs)
+
+
+class _NoTunerLayer:
+    """Nothing is an instance of it: stands in for PEFT's ``BaseTunerLayer`` in a TRL trainer's
+    ``lm_head`` check while :func:`lora_head_admitted` is active."""
+
+
+@contextlib.contextmanager
+def lora_head_admitted(trl_class: type, call_args: tuple, call_kwargs: dict) -> Iterator[None]:
+    """While ``trl_class.__init__(*call_args, **call_kwargs)`` runs, let it accept a model whose
+    ``lm_head`` carries a LoRA adapter, from ``peft_config=`` (TRL wraps the model inside
+    ``__init__``) or a wrapped model.
+
+    TRL 1.16 refuses such models (``isinstance(model.get_output_embeddings(), BaseTunerLayer)``
+    in each trainer's ``__init__``) because its own head reads ``lm_head.weight`` and would ignore
+    the adapter; logitless adds the adapter's term in every vocabulary block, and :func:`attach`
+    refuses a configuration where TRL's head would run instead. The check is the only use of the
+    name in those ``__init__``s except GRPO's ``cast_lm_head_to_fp32``, whose own refusal is kept
+    (nothing is admitted then).
+    """
+    module = sys.modules[trl_class.__module__]
+    args = inspect.signature(trl_class.__init__).bind_partial(None, *call_args, **call_kwargs).arguments.get("args")
+    if not hasattr(module, "BaseTunerLayer") or getattr(args, "cast_lm_head_to_fp32", False):
+        yield
+        return
+    saved = module.BaseTunerLayer
+    module.BaseTunerLayer = _NoTunerLayer
+    try:
+        yield
+    finally:
+        module.BaseTunerLayer = saved
 
 
 @contextlib.contextmanager
@@ -152,3 +281,90 @@ def _is_top1(hidden, head, labels, options) -> torch.Tensor:
     head_loss(hidden.detach(), frozen, labels, {"is_top1": record}, stats=("logp", "is_top1"),
               options=dataclasses.replace(options, mode="recompute"))
     return flat.view(labels.shape)
+
+
+# ---- the reference model's log-probs served from a RefCache (DPO, KTO) ---------------------
+
+class CachedReference(torch.nn.Module):
+    """Stands in for a TRL trainer's reference model: its fused-LM-head call
+    ``ref_model(input_ids=, attention_mask=, labels=, fused_lm_head=True)`` returns the
+    reference log-probs of ``labels`` (``[B, L-1]``, 0 where ``labels`` is -100, the cache's
+    dtype) looked up in a :class:`logitless.refcache.RefCache` instead of running a model.
+
+    Raises (at call):
+        RefCacheMissError: a sequence the cache does not hold.
+        ValueError: a call the cache cannot serve (no ``fused_lm_head``, pre-shifted labels,
+            multimodal or other non-text inputs).
+    """
+
+    def __init__(self, cache: Any) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, fused_lm_head=False, shift_labels=None,
+                num_items_in_batch=None, **kwargs) -> FusedCausalLMOutput:
+        other = sorted(k for k, v in kwargs.items() if v is not None and k not in BACKBONE_KWARGS)
+        if not fused_lm_head or labels is None or shift_labels is not None or other or input_ids is None:
+            raise ValueError("the reference is served from ref_cache, which answers only TRL's fused-head call on "
+                             f"text (input_ids, attention_mask, labels); got fused_lm_head={fused_lm_head}, "
+                             f"shift_labels={'set' if shift_labels is not None else None}, other inputs {other}")
+        wanted = labels != -100
+        values = self.cache.lookup(input_ids, attention_mask, loss_mask=wanted)  # [B, L], 0 where not wanted
+        return FusedCausalLMOutput(log_probs=values[:, 1:], label_mask=wanted[:, 1:])
+
+
+def use_ref_cache(trainer: Any, ref_cache: Any, temperature: float = 1.0) -> Any:
+    """Serve ``trainer``'s reference log-probs from ``ref_cache`` (a :class:`RefCache` or its
+    directory, opened against the policy's weights, the tokenizer and ``temperature``) and free
+    the reference model TRL loaded. Returns the opened cache.
+
+    Raises:
+        UnsupportedConfigError: ``sync_ref_model`` (the reference moves) or
+            ``precompute_ref_log_probs`` (TRL's own fixed reference; use one or the other).
+        RefCacheMismatchError: the cache was built from other weights, tokenizer or temperature.
+    """
+    from ..refcache import RefCache, free_reference
+
+    args = trainer.args
+    if getattr(args, "sync_ref_model", False):
+        raise UnsupportedConfigError("ref_cache holds a fixed reference; sync_ref_model=True moves it")
+    if getattr(args, "precompute_ref_log_probs", False):
+        raise UnsupportedConfigError("ref_cache and precompute_ref_log_probs=True both fix the reference log-probs; "
+                                     "pass one of them")
+    if not isinstance(ref_cache, RefCache):
+        ref_cache = RefCache.open(ref_cache, model=trainer.accelerator.unwrap_model(trainer.model),
+                                  tokenizer=trainer.processing_class, temperature=temperature)
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None and not isinstance(ref, CachedReference):
+        free_reference(trainer.accelerator.unwrap_model(ref))
+    # TRL's loss calls `self.ref_model(...)` whenever it is set (PEFT included: no adapter toggling).
+    trainer.ref_model = CachedReference(ref_cache)
+    trainer.logitless_ref_cache = ref_cache
+    return ref_cache
+
+
+def reference_records(trainer: Any, dataset: Any = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The sequences ``trainer`` (a TRL 1.16 DPO or KTO trainer) asks its reference model to
+    score, as :func:`logitless.refcache.build` records, made by the trainer's own tokenization
+    and collator (chat template, EOS, ``max_length`` truncation and KTO's mismatched KL pairs
+    included): ``{"input_ids", "attention_mask", "loss_mask"}`` per sequence.
+
+    Args:
+        trainer: the trainer, built from your text dataset (``prompt``/``chosen``/``rejected``
+            or ``prompt``/``completion``/``label`` rows).
+        dataset: its prepared dataset to read (default ``trainer.train_dataset``; pass
+            ``trainer.eval_dataset`` as well if you evaluate).
+    """
+    from torch.utils.data import DataLoader
+
+    data = trainer.train_dataset if dataset is None else dataset
+    loader = DataLoader(data, batch_size=trainer.args.per_device_train_batch_size, collate_fn=trainer.data_collator,
+                        shuffle=False)
+    for batch in loader:
+        for prefix in ("", "KL_"):  # KTO's KL estimate scores (prompt, other completion) pairs too
+            if prefix + "input_ids" not in batch:
+                continue
+            rows = zip(batch[prefix + "input_ids"], batch[prefix + "attention_mask"],
+                       batch[prefix + "completion_mask"], strict=True)
+            for ids, am, cm in rows:
+                yield {"input_ids": ids, "attention_mask": am, "loss_mask": cm}

@@ -15,7 +15,7 @@ from typing import Any
 from trl import RLOOTrainer
 
 from .config import LogitlessConfig
-from .trl_head import attach, trl_own_path
+from .trl_head import ActiveMetric, attach, lora_head_admitted, trl_own_path
 
 __all__ = ["LogitlessRLOOTrainer", "patch_rloo_trainer", "trl_own_path"]
 
@@ -23,23 +23,27 @@ _OUTPUTS = ("log_probs", "entropy")
 _SHARED_LOSS = ["the loss is TRL's own code on logitless log-probs (fused_logprobs)"]
 
 
-class LogitlessRLOOTrainer(RLOOTrainer):
+class LogitlessRLOOTrainer(ActiveMetric, RLOOTrainer):
     """``trl.RLOOTrainer`` whose log-probs (policy, old policy, reference) come from logitless.
 
     Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`), resolved into
     ``trainer.logitless``. Multimodal batches and MoE router logits go to TRL's head per call.
+    A LoRA adapter on ``lm_head`` (``peft_config`` or a PEFT model) is accepted.
 
     Raises:
         TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``RLOOTrainer`` raises.
     """
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        attach(self, logitless_config, outputs=_OUTPUTS, temperature=self.temperature, loss_problems=_SHARED_LOSS)
+        with lora_head_admitted(RLOOTrainer, args, kwargs):
+            super().__init__(*args, **kwargs)
+        attach(self, logitless_config, outputs=_OUTPUTS, temperature=self.temperature, loss_problems=_SHARED_LOSS,
+               logprobs_only=True)
 
 
 def patch_rloo_trainer(trainer: RLOOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessRLOOTrainer:
     """Turn an existing ``RLOOTrainer`` into a :class:`LogitlessRLOOTrainer` in place."""
-    attach(trainer, logitless_config, outputs=_OUTPUTS, temperature=trainer.temperature, loss_problems=_SHARED_LOSS)
+    attach(trainer, logitless_config, outputs=_OUTPUTS, temperature=trainer.temperature, loss_problems=_SHARED_LOSS,
+           logprobs_only=True)
     trainer.__class__ = LogitlessRLOOTrainer
     return trainer

@@ -21,7 +21,7 @@ from trl import SFTTrainer
 
 from ..objectives import TokenStats, head_loss
 from .config import LogitlessConfig
-from .trl_head import BACKBONE_KWARGS, attach, head_pass, trl_own_path
+from .trl_head import BACKBONE_KWARGS, ActiveMetric, attach, head_pass, lora_head_admitted, trl_own_path
 
 __all__ = ["LogitlessSFTTrainer", "patch_sft_trainer", "trl_own_path"]
 
@@ -40,7 +40,7 @@ def _unsupported(trainer: SFTTrainer) -> list[str]:
     return out
 
 
-class LogitlessSFTTrainer(SFTTrainer):
+class LogitlessSFTTrainer(ActiveMetric, SFTTrainer):
     """``trl.SFTTrainer`` whose loss and metrics come from one logitless pass.
 
     Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`), resolved into
@@ -48,14 +48,16 @@ class LogitlessSFTTrainer(SFTTrainer):
     logitless behind TRL's fused head for the calls that still use it (``fused_loss`` off).
     ``compute_loss_func``, MoE aux loss and DeepSpeed sequence parallelism resolve ``fused_loss``
     off (TRL's loss runs); a batch with multimodal inputs, or ``return_outputs=True`` (logits
-    asked for), runs TRL's ``compute_loss`` for that call.
+    asked for), runs TRL's ``compute_loss`` for that call. A LoRA adapter on ``lm_head``
+    (``peft_config`` or a PEFT model), which TRL's own trainer refuses, is accepted.
 
     Raises:
         TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``SFTTrainer`` raises.
     """
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        with lora_head_admitted(SFTTrainer, args, kwargs):
+            super().__init__(*args, **kwargs)
         attach(self, logitless_config, outputs=_OUTPUTS, loss_problems=_unsupported(self))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
