@@ -87,10 +87,12 @@ def package_modules(*names: str, stubs: tuple[str, ...] = ()) -> Iterator[list[t
         del sys.modules[k]
     root = next(iter(spec.submodule_search_locations))
     try:
-        for s in stubs:
-            if importlib.util.find_spec(s.split(".")[0]) is None:
-                for i in range(1, s.count(".") + 2):
-                    sys.modules.setdefault(".".join(s.split(".")[:i]), _Stub(".".join(s.split(".")[:i])))
+        missing = [
+            s for s in stubs if s.split(".")[0] not in sys.modules and not importlib.util.find_spec(s.split(".")[0])
+        ]
+        for s in missing:
+            for i in range(1, s.count(".") + 2):
+                sys.modules.setdefault(".".join(s.split(".")[:i]), _Stub(".".join(s.split(".")[:i])))
         for name in names:
             parts = name.split(".")
             for i in range(1, len(parts)):
