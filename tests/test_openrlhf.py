@@ -5,7 +5,8 @@
 OpenRLHF's ``openrlhf.models`` package imports DeepSpeed and flash-attn at its top; neither
 installs on a CPU-only machine. The test imports ``actor.py``, ``loss.py`` and ``utils.py`` with
 those two bound to stubs that raise if called (``framework_sources.package_modules``): the
-non-packed forward, ``PolicyLoss``, ``compute_approx_kl`` and ``aggregate_loss`` never call them.
+forward, ``PolicyLoss``, ``compute_approx_kl`` and ``aggregate_loss`` never call them (the packed
+forward's flash-attn padding helpers get stand-ins, ``_FlashAttnPadding``).
 OpenRLHF casts the logits and the KL's log-probs to fp32 even for a float64 model; the test widens
 those casts to float64 (the actor module's ``torch.float32``, ``Tensor.float()`` of float64
 tensors) so that OpenRLHF's formulas run in float64. The loss of one PPO training step as
@@ -164,6 +165,63 @@ def test_training_step_matches_openrlhfs_own_path_float64(openrlhf, widened, see
     if expected_vllm_kl is not None:
         assert torch.allclose(vllm_kl, expected_vllm_kl, rtol=1e-10, atol=1e-12)
     assert grads.keys() == expected_grads.keys() and grads
+    for name in grads:
+        assert torch.allclose(grads[name], expected_grads[name], rtol=1e-10, atol=1e-12), name
+
+
+class _FlashAttnPadding:
+    """Stand-ins for the four flash-attn padding helpers that OpenRLHF's packing code
+    (``ring_attn_utils.unpad_and_slice_tensor`` / ``gather_and_pad_tensor``) calls, with
+    flash-attn 2.8's semantics (``flash_attn/bert_padding.py``); flash-attn has no CPU build."""
+
+    @staticmethod
+    def rearrange(x, pattern):
+        assert pattern == "b s ... -> (b s) ..."
+        return x.reshape(-1, *x.shape[2:])
+
+    @staticmethod
+    def index_first_axis(x, indices):
+        return x[indices]
+
+    @staticmethod
+    def unpad_input(hidden, attention_mask):
+        seqlens = attention_mask.sum(dim=-1, dtype=torch.int32)
+        indices = torch.nonzero(attention_mask.flatten(), as_tuple=False).flatten()
+        cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+        flat = hidden.reshape(-1, *hidden.shape[2:])
+        return flat[indices], indices, cu_seqlens, int(seqlens.max()), seqlens
+
+    @staticmethod
+    def pad_input(hidden, indices, batch, seqlen):
+        out = hidden.new_zeros(batch * seqlen, *hidden.shape[1:])
+        out = out.index_put((indices,), hidden)
+        return out.reshape(batch, seqlen, *hidden.shape[1:])
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_packed_samples_match_openrlhfs_packing_path(openrlhf, widened, monkeypatch, seed, case):
+    """``packing_samples=True``: OpenRLHF's own unpad / gather code around both heads (with
+    stand-ins for flash-attn's padding helpers, the same on both sides)."""
+    import importlib
+
+    ring = importlib.import_module("openrlhf.models.ring_attn_utils")
+    for name in ("rearrange", "index_first_axis", "unpad_input", "pad_input"):
+        monkeypatch.setattr(ring, name, getattr(_FlashAttnPadding, name))
+    rng = random.Random(seed)
+    opts = _options(rng)
+    actor = _actor(openrlhf, seed, opts["temperature"], opts["lora_head"])
+    actor.packing_samples = True
+    seq, attn, action_mask, g = _batch(rng)
+    with torch.no_grad():
+        lp = actor(seq, action_mask, attention_mask=attn)
+    noise = lambda s: lp + s * torch.randn(lp.shape, generator=g, dtype=lp.dtype)  # noqa: E731
+    adv = torch.randn(lp.shape, generator=g, dtype=lp.dtype)
+    batch = (seq, attn, action_mask, noise(0.2), noise(0.4), noise(0.1), adv)
+    expected, expected_grads, _ = _step(openrlhf, actor, batch, opts)
+    use_logitless(actor)
+    got, grads, _ = _step(openrlhf, actor, batch, opts)
+    for name, x, y in zip(("loss", "action_log_probs", "clip_ratio", "ppo_kl"), got, expected, strict=True):
+        assert torch.allclose(x, y, rtol=1e-10, atol=1e-12), (name, x, y)
     for name in grads:
         assert torch.allclose(grads[name], expected_grads[name], rtol=1e-10, atol=1e-12), name
 
