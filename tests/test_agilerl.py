@@ -31,8 +31,9 @@ def agilerl():
     from agilerl.algorithms.cispo import CISPO
     from agilerl.algorithms.grpo import GRPO
     from agilerl.algorithms.gspo import GSPO
+    from agilerl.algorithms.reinforce_llm import REINFORCE
 
-    return {"grpo": GRPO, "cispo": CISPO, "gspo": GSPO}
+    return {"grpo": GRPO, "cispo": CISPO, "gspo": GSPO, "reinforce": REINFORCE}
 
 
 def _model(seed: int):
@@ -59,6 +60,8 @@ def _agent(classes, loss_type: str, seed: int, **kwargs):
     kwargs.setdefault("lora_config", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # AgileRL's notices (default LoRA config, CISPO with beta != 0, ...)
+        if loss_type != "reinforce":
+            kwargs.setdefault("group_size", 2)
         agent = classes[loss_type](
             pad_token_id=0,
             pad_token="<pad>",
@@ -66,7 +69,6 @@ def _agent(classes, loss_type: str, seed: int, **kwargs):
             device="cpu",
             gradient_checkpointing=False,
             batch_size=4,
-            group_size=2,
             wrap=False,
             use_liger_loss=False,
             cast_logprobs_to_fp32=False,
@@ -155,12 +157,34 @@ def test_loss_and_gradients_match_agilerls_own_path_float64(agilerl, seed, case)
     agent.cast_logprobs_to_fp32 = rng.random() < 0.5  # logitless keeps fp64 either way
     got = _loss_and_grads(agent, batch)
     assert type(agent).__name__.startswith("Logitless__") and got[0].dtype == got[3].dtype == torch.float64
+    assert agent._fused_logprob_fn_and_head()[0].func.__module__ == "logitless.integrations.agilerl"
     for name, x, y in zip(("loss", "kl", "clipfrac", "logp"), got[:4], expected[:4], strict=True):
         assert x.dtype == y.dtype, name
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12, equal_nan=True), (name, x, y)
     assert got[4].keys() == expected[4].keys() and len(got[4]) > 0
     for name in expected[4]:
         assert torch.allclose(got[4][name], expected[4][name], rtol=1e-10, atol=1e-12), name
+
+
+def test_llm_reinforce_log_probs_and_gradients(agilerl, seed):
+    """LLMREINFORCE scores through the same seam (its loss is GRPO's code path's sibling)."""
+    agent = _agent(agilerl, "reinforce", seed, temperature=0.9)
+    ids = torch.randint(1, V, (3, 9))
+    weights = torch.randn(3, 8, dtype=torch.float64)
+    results = []
+    for switch in (False, True):
+        if switch:
+            use_logitless(agent)
+        for p in agent.actor.parameters():
+            p.grad = None
+        lp = agent._get_logprobs(ids, batch_size=3)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in agent.actor.named_parameters() if p.requires_grad}))
+    (expected, expected_grads), (got, grads) = results
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
+    assert grads.keys() == expected_grads.keys() and grads
+    for n in grads:
+        assert torch.allclose(grads[n], expected_grads[n], rtol=1e-10, atol=1e-12), n
 
 
 def test_lora_on_lm_head_is_kept(agilerl, seed):
