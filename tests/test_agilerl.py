@@ -57,6 +57,7 @@ def _agent(classes, loss_type: str, seed: int, **kwargs):
     from peft import LoraConfig
 
     # AgileRL's default adapter has lora_dropout=0.05, which would make two forwards differ.
+    kwargs.setdefault("cast_logprobs_to_fp32", False)  # AgileRL's path in the float64 of the model
     kwargs.setdefault("lora_config", LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # AgileRL's notices (default LoRA config, CISPO with beta != 0, ...)
@@ -71,7 +72,6 @@ def _agent(classes, loss_type: str, seed: int, **kwargs):
             batch_size=4,
             wrap=False,
             use_liger_loss=False,
-            cast_logprobs_to_fp32=False,
             **kwargs,
         )
     # PEFT starts lora_B at zero; random adapters make every trainable parameter's gradient count.
@@ -185,6 +185,24 @@ def test_llm_reinforce_log_probs_and_gradients(agilerl, seed):
     assert grads.keys() == expected_grads.keys() and grads
     for n in grads:
         assert torch.allclose(grads[n], expected_grads[n], rtol=1e-10, atol=1e-12), n
+
+
+def test_bf16_log_probs_keep_fp32_statistics(agilerl, seed):
+    """On bf16 operands AgileRL's own path computes in fp32 and rounds the log-probs to bf16
+    (``cast_logprobs_to_fp32``); logitless returns them in fp32. Both against float64."""
+    agent = _agent(agilerl, "grpo", seed, cast_logprobs_to_fp32=True)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 9, H, generator=g).bfloat16()
+    weight = torch.randn(V, H, generator=g).bfloat16()
+    targets = torch.randint(0, V, (2, 9), generator=g)
+    exact = (hidden.double() @ weight.double().T).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    kwargs = {"temperature": 1.0, "cast_to_fp32": True, "chunk_rows": 4}
+    theirs = agent._fused_logprob_fn_and_head()[0](hidden, weight, None, targets, **kwargs)
+    use_logitless(agent)
+    ours = agent._fused_logprob_fn_and_head()[0](hidden, weight, None, targets, **kwargs)
+    assert theirs.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    err_ours, err_theirs = (ours.double() - exact).abs().max(), (theirs.double() - exact).abs().max()
+    assert err_ours < 1e-5 < err_theirs, (err_ours, err_theirs)
 
 
 def test_lora_on_lm_head_is_kept(agilerl, seed):
