@@ -75,8 +75,9 @@ def package_modules(*names: str, stubs: tuple[str, ...] = ()) -> Iterator[list[t
     """Import the dotted module ``names`` of an installed framework with their parent packages
     registered bare (``__path__`` only, their ``__init__`` not run), so that relative imports
     inside the framework resolve; ``stubs`` are modules imported at a file's top but unused by
-    the code under test, bound to :class:`_Stub` modules when not installed. Everything added
-    to ``sys.modules`` is removed on exit. Skips the test when the framework is not installed."""
+    the code under test, bound to :class:`_Stub` modules when not installed. The framework's
+    modules and the stubs are removed from ``sys.modules`` on exit. Skips the test when the
+    framework is not installed."""
     top = names[0].split(".")[0]
     spec = importlib.util.find_spec(top)
     if spec is None or not spec.submodule_search_locations:
@@ -103,6 +104,12 @@ def package_modules(*names: str, stubs: tuple[str, ...] = ()) -> Iterator[list[t
                     sys.modules[pkg] = mod
         yield [importlib.import_module(name) for name in names]
     finally:
-        for k in set(sys.modules) - before:
+        # Only the framework's own modules and the stubs go: anything else imported meanwhile
+        # (torch's compiler, transformers' lazy modules) registers global state on import and
+        # must stay imported.
+        stubbed = {k for k, v in sys.modules.items() if isinstance(v, _Stub)}
+        for k in (set(sys.modules) - before) & (
+            {k for k in sys.modules if k == top or k.startswith(top + ".")} | stubbed
+        ):
             del sys.modules[k]
         sys.modules.update(saved)
