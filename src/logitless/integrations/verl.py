@@ -15,6 +15,7 @@ swaps both for the versions below; the recipe is in ``docs/verl.md``.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 
@@ -54,8 +55,10 @@ def linear_cross_entropy(
             raises (shapes, dtypes, out-of-range ids, temperature).
     """
     if reduction != "none":
-        raise ValueError(f"reduction must be 'none' (per-token log-probs and entropy, as verl's actor asks), "
-                         f"got {reduction!r}; reduce the returned tensors yourself")
+        raise ValueError(
+            f"reduction must be 'none' (per-token log-probs and entropy, as verl's actor asks), "
+            f"got {reduction!r}; reduce the returned tensors yourself"
+        )
     shard = None if dist_process_group is None else VocabShard(group=dist_process_group)
     head = Head(weight, transform=LogitTransform(temperature=float(temperature)), shard=shard)
     st = vocab_stats(hidden, head, labels, entropy=True, ignore_index=-(2**62), options=options)
@@ -66,41 +69,70 @@ class FusedLinearForPPO(torch.nn.Module):
     """verl's ``FusedLinearForPPO`` module on logitless (same constructor and ``forward``).
 
     ``chunk_size`` (tokens per chunk in verl) is accepted and ignored: logitless sizes its blocks
-    by a byte budget. ``process_group`` (extra) makes the head vocabulary-parallel, as
-    :func:`linear_cross_entropy`'s ``dist_process_group``.
+    by a byte budget. ``impl_backend`` (verl's choice between its torch and Liger kernels) is
+    checked as verl checks it and otherwise ignored: both compute the same statistics, which
+    logitless computes in one pass. ``process_group`` (extra, keyword-only) makes the head
+    vocabulary-parallel, as :func:`linear_cross_entropy`'s ``dist_process_group``.
+
+    Raises:
+        ValueError: ``impl_backend`` other than ``"torch"`` or ``"liger"`` (verl's message).
     """
 
-    def __init__(self, chunk_size: int = 512, process_group: torch.distributed.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        chunk_size: int = 512,
+        impl_backend: str = "torch",
+        *,
+        process_group: torch.distributed.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
         self.chunk_size = chunk_size
+        self.impl_backend = impl_backend
         self.process_group = process_group
 
-    def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
-                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log_probs, entropy)`` of ``input_ids`` (already the targets), shaped like them; see
-        :func:`linear_cross_entropy`."""
-        return linear_cross_entropy(hidden_states, vocab_weights, input_ids, temperature, "none", self.process_group)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        vocab_weights: torch.Tensor,
+        input_ids: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log_probs, entropy)`` of ``input_ids`` (already the targets, any integer dtype, as
+        verl casts them to int64), shaped like them; see :func:`linear_cross_entropy`."""
+        return linear_cross_entropy(
+            hidden_states, vocab_weights, input_ids.to(torch.int64), temperature, "none", self.process_group
+        )
 
 
 def patch_verl() -> list[str]:
     """Point verl's fused-kernel entry points at logitless, in this process: the
     ``FusedLinearForPPO`` of ``verl.utils.experimental.torch_functional`` and the
-    ``linear_cross_entropy`` of ``verl.utils.kernel.linear_cross_entropy``. verl's model patches
-    import them inside the forward, so a swap before the first step takes effect. Returns the
-    patched names; a verl module that does not import (its Triton kernels missing) is skipped.
+    ``linear_cross_entropy`` of ``verl.utils.kernel.linear_cross_entropy`` (and of
+    ``verl.models.mcore.model_forward_fused``, which binds it at import, when that module is
+    already imported). verl's FSDP model patches import them inside the forward, so a swap before
+    the first step takes effect. Returns the patched names; a verl module that does not import
+    (its Triton kernels missing) is skipped.
 
     Raises:
         ImportError: verl is not installed.
     """
     importlib.import_module("verl")
     done = []
-    for module, name, ours in (("verl.utils.experimental.torch_functional", "FusedLinearForPPO", FusedLinearForPPO),
-                               ("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy",
-                                linear_cross_entropy)):
+    for module, name, ours in (
+        ("verl.utils.experimental.torch_functional", "FusedLinearForPPO", FusedLinearForPPO),
+        ("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy", linear_cross_entropy),
+    ):
         try:
             mod = importlib.import_module(module)
         except ImportError:
             continue
         setattr(mod, name, ours)
         done.append(f"{module}.{name}")
+    # Megatron's fused forward did ``from ... import linear_cross_entropy`` at its own import.
+    mcore = sys.modules.get("verl.models.mcore.model_forward_fused")
+    if mcore is not None and hasattr(mcore, "linear_cross_entropy"):
+        mcore.linear_cross_entropy = linear_cross_entropy
+        done.append("verl.models.mcore.model_forward_fused.linear_cross_entropy")
     return done
