@@ -135,17 +135,19 @@ def _options(mode: str, impl: str, fp32_logits: bool, skip_zero_rows: bool = Tru
 
 
 def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True, cfg: PolicyConfig = GRPO_CONFIG,
-                   skip_zero_rows: bool = True) -> Prepared:
+                   skip_zero_rows: bool = True, frozen_head: bool = False) -> Prepared:
     """logitless ``policy_loss`` (dapo, beta, all metrics, entropy) in one vocabulary pass;
     ``fused``: gradients computed inside the forward (3 GEMMs), ``recompute``: logits
     recomputed in the backward (4 GEMMs), O(N) saved state. ``fp32_logits=False``: the GEMM's
     output rounded to bf16 as the plain path's (statistics still fp32). Rows whose gradient is
-    exactly zero (``beta = 0``: zero advantages, clipped tokens) are left out of the gradient
-    GEMMs unless ``skip_zero_rows=False``."""
+    known to be exactly zero (``beta = 0``: the tokens of zero advantage) are left out of the
+    gradient GEMMs unless ``skip_zero_rows=False``. ``frozen_head``: no ``d weight`` (a head that
+    is not trained, e.g. tied or LoRA elsewhere): 2 GEMMs of work."""
     options = _options(mode, impl, fp32_logits, skip_zero_rows)
+    weight = x.weight.detach() if frozen_head else x.weight
 
     def step() -> Outputs:
-        loss, metrics = logitless.policy_loss(x.hidden, x.weight, x.targets, x.mask, x.advantages, x.old_logp,
+        loss, metrics = logitless.policy_loss(x.hidden, weight, x.targets, x.mask, x.advantages, x.old_logp,
                                               x.ref_logp, config=cfg, options=options)
         return _train_outputs(loss, metrics)
 
@@ -666,6 +668,7 @@ def _group_rows(objective: str) -> tuple[Row, ...]:
         Row("logitless-fused", objective, partial(grpo_logitless, mode="fused", cfg=cfg), role="reference"),
         Row("logitless-dense", objective, partial(grpo_logitless, mode="fused", cfg=cfg, skip_zero_rows=False)),
         Row("logitless-recompute", objective, partial(grpo_logitless, mode="recompute", cfg=cfg)),
+        Row("logitless-frozen-head", objective, partial(grpo_logitless, mode="fused", cfg=cfg, frozen_head=True)),
         Row("trl-chunked", objective, partial(grpo_trl_chunked, cfg=cfg)),
         Row("liger", objective, partial(grpo_liger, cfg=cfg)),
         Row("torch-compile", objective, partial(grpo_torch_compile, cfg=cfg), logit_bytes=_BYTES["grpo-compile"]),
