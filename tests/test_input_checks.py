@@ -183,7 +183,7 @@ def test_valid_masks_of_every_dtype_agree(seed):
 def test_cross_entropy_without_counted_token_same_in_every_mode(seed, reduction, eps, z):
     """The loss and its ``ce``/``z_loss`` parts are PyTorch's for the empty batch (mean: NaN, sum:
     0) and ``accuracy`` is TRL's ``mean_token_accuracy`` of it (0), in fused and recompute mode."""
-    hidden, weight, ids, _ = _inputs()
+    hidden, weight, _, _ = _inputs()
     targets = torch.full((B, T), -100)
     ref = F.cross_entropy(hidden.reshape(-1, H) @ weight.T, targets.reshape(-1), reduction=reduction,
                           label_smoothing=eps)
