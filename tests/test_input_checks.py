@@ -338,3 +338,20 @@ def test_large_but_representable_logits_pass_and_a_softcap_bounds_them(seed):
     z = 30.0 * torch.tanh(h.double() @ w.double().T / 30.0)
     torch.testing.assert_close(got.double(), torch.log_softmax(z, -1).gather(-1, ids[..., None])[..., 0],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_writes_through_data_are_not_rechecked(seed):
+    """The documented limit of the weight's cached check (docs/reliability.md): a NaN written
+    through ``.data`` (no version bump) after a first call reaches the pass and shows as NaN, never
+    as a wrong finite number; the same write done in place is seen and named."""
+    hidden, weight, ids, _ = _inputs()
+    weight = weight.float()
+    hidden = hidden.float().reshape(-1, H)
+    ids = ids.reshape(-1)
+    assert torch.isfinite(token_logprobs(hidden, weight, ids)).all()
+    weight.data[:, 2] = math.nan
+    assert torch.isnan(token_logprobs(hidden, weight, ids)).all()
+    with torch.no_grad():
+        weight[:, 2] = math.nan
+    with pytest.raises(ValueError, match="weight contains NaN or inf"):
+        token_logprobs(hidden, weight, ids)

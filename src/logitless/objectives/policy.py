@@ -85,13 +85,16 @@ def policy_loss(
             vocabulary shard), or a bare ``[V, H]`` weight.
         completion_ids: sampled tokens ``[B, T]`` / ``[N]``; only counted ones are read.
         completion_mask: ``[B, T]`` / ``[N]``, 1 for counted tokens (multiplied by
-            ``tool_mask``); masked tokens never reach the vocabulary pass.
+            ``tool_mask``); masked tokens never reach the vocabulary pass. Bool, integer or
+            floating; values finite and >= 0 (a value is the token's weight).
         advantages: ``[B]`` (per sequence; ``[S]`` packed) or per token.
         old_logp, ref_logp, sampling_logp: per-token log-probs of the old policy, the
             reference (needed iff ``beta != 0``) and the sampler (off-policy mask).
         config: :class:`PolicyConfig` (TRL names; default TRL's defaults, ``dapo``).
         num_items_in_batch: TRL's token count of the whole generation batch (dapo, cispo,
-            vespo, reinforce); ``None`` → this call's counted tokens.
+            vespo, reinforce): a number or a one-element tensor, finite and > 0 (0 only when this
+            call counts no token: TRL clamps it to 1), read with the other value checks;
+            ``None`` → this call's counted tokens.
         importance_sampling_ratio: sampler correction ``ρ`` (see
             :func:`logitless.sampling_correction`), multiplied into the per-token loss.
         segment_ids: packed layout: non-decreasing ``[N]`` sequence index per token.
@@ -120,9 +123,11 @@ def policy_loss(
         and reduces it at the optimizer step.
 
     Raises:
-        TypeError, ValueError: shapes, dtypes, devices, token ids out of range, NaN/inf in
-            inputs that reach the loss, missing ``ref_logp`` with ``beta``,
-            invalid option combinations.
+        TypeError, ValueError: shapes, dtypes (integer log-probs or ratios), devices (meta
+            included, each input named), token ids out of range, NaN/inf in inputs that reach
+            the loss, a mask value that is negative or not finite (any dtype), a bad
+            ``num_items_in_batch``, logits beyond what the statistics hold, missing ``ref_logp``
+            with ``beta``, invalid option combinations.
     """
     cfg = _as_config(config)
     head, options = as_head(head), as_options(options)
