@@ -355,3 +355,16 @@ def test_writes_through_data_are_not_rechecked(seed):
         weight[:, 2] = math.nan
     with pytest.raises(ValueError, match="weight contains NaN or inf"):
         token_logprobs(hidden, weight, ids)
+
+
+@pytest.mark.parametrize("case", list(MASKS))
+def test_sampling_correction_mask_has_the_policy_rule(seed, case):
+    """``sampling_correction``'s mask multiplies the log-ratio as ``policy_loss``'s weights the
+    loss: the same rule (an integer -1 used to flip that token's log-ratio)."""
+    from logitless import sampling_correction
+
+    old, samp = -torch.rand(B, T), -torch.rand(B, T)
+    with pytest.raises(ValueError, match="mask"):
+        sampling_correction(old, samp, MASKS[case])
+    ratio, _ = sampling_correction(old, samp, torch.ones(B, T, dtype=torch.long), mode="token_truncate")
+    torch.testing.assert_close(ratio, torch.exp(old - samp).clamp(max=3.0))
