@@ -347,7 +347,8 @@ class ValueChecks:
 
 
 class _FiniteTensors:
-    """Tensors already checked finite, each at the version it had then. A head's weight is
+    """Tensors already checked finite, each at the version it had then, with the inf-norm
+    read then (the logits bound of :func:`_add_logit_bound` reuses it). A head's weight is
     read whole (``V x H``, ~0.2 ms on an H100 for a 1 GiB weight) on every call otherwise,
     although it only changes at an optimizer step, which bumps its version counter: rollout
     and reference passes, and gradient-accumulation micro-batches, check it once.
@@ -356,7 +357,8 @@ class _FiniteTensors:
     ``weight.detach()`` made per call, which share the version counter too) and held through
     a weak reference to it, so a freed weight's entry never matches a new tensor. Writes
     through ``.data`` do not bump the counter; NaN written that way reaches the pass and shows
-    as NaN statistics, not as this named error."""
+    as NaN statistics, not as this named error (kept so, docs/reliability.md says why; in-place
+    writes under ``torch.no_grad()`` bump it and are re-checked)."""
 
     def __init__(self) -> None:
         # (id(storage), view) -> (weak reference to the storage, version when checked, inf-norm).
