@@ -9,6 +9,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter import round_bf16_like_the_gpu
+
+    round_bf16_like_the_gpu()
 
 
 @pytest.fixture

@@ -187,11 +187,10 @@ def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size,
             _assert_bounded(results["flash"][i], results["torch"][i], oracle_grads[i], _rtol(dtype, "grads"), name)
 
 
-def _to_bf16_toward_zero(y):
-    """fp64 -> the bf16 value the interpreter's fp32 -> bf16 cast gives (it truncates the mantissa;
-    compiled kernels round to nearest even, as torch does)."""
-    bits = y.float().view(torch.int32) & ~0xFFFF
-    return bits.view(torch.float32).double()
+def _to_bf16(y):
+    """fp64 -> the bf16 value a kernel's fp32 -> bf16 cast gives: round to nearest even, as torch
+    (compiled kernels do; the interpreter's truncation is patched to match, tests/interpreter.py)."""
+    return y.float().bfloat16().double()
 
 
 @interpreted
@@ -207,7 +206,7 @@ def test_fp32_logits_false_rounds_the_matmul_output():
     g_logp, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
     leaves = [x.double().requires_grad_() for x in (h, w, b)]
     y = leaves[0] @ leaves[1].t()
-    y = y + (_to_bf16_toward_zero(y) - y).detach() + leaves[2]
+    y = y + (_to_bf16(y) - y).detach() + leaves[2]
     z = tr.apply(y)
     lse = torch.logsumexp(z, 1)
     ent = lse - (torch.softmax(z, 1) * z).sum(1)

@@ -9,8 +9,8 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import Head, PassOptions, as_head, vocab_stats
-from .head_loss import TokenStats, head_loss
+from ..ops import Head, PassOptions, ValueChecks, as_head, check_count, vocab_stats
+from .head_loss import TokenStats, _head_loss
 
 Reduction = Literal["mean", "sum", "none"]
 
@@ -53,11 +53,15 @@ def cross_entropy(
         ``(loss, metrics)``; metrics (detached, over counted tokens): ``ce`` (the smoothed CE
         without z-loss, reduced like the loss), ``z_loss`` (the added term, reduced like the
         loss), ``accuracy`` (top-1 rate; ties count as correct).
-        With ``reduction="mean"`` and no counted token the loss is NaN, as in PyTorch, in every
-        mode.
+        With no counted token, in every mode: with ``reduction="mean"`` (and no
+        ``num_items_in_batch``) the loss, ``ce`` and ``z_loss`` are NaN (0/0, as in PyTorch and
+        transformers' loss), else 0; ``accuracy`` is 0 (TRL's ``mean_token_accuracy`` of such a
+        batch).
 
     Raises:
-        ValueError: bad ``reduction``/``label_smoothing``/``z_loss``, and everything
+        TypeError: ``num_items_in_batch`` not a number or a one-element tensor.
+        ValueError: bad ``reduction``/``label_smoothing``/``z_loss``, a ``num_items_in_batch``
+            that is not a finite count > 0 (whatever its type), and everything
             :func:`logitless.vocab_stats` raises.
     """
     if reduction not in ("mean", "sum", "none"):
@@ -66,13 +70,16 @@ def cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if not (math.isfinite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
-    if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) \
-            and not num_items_in_batch > 0:
-        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch!r}")
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    checks = ValueChecks()  # read in the head checks' synchronization
+    if num_items_in_batch is not None:
+        num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device)
     head = as_head(head)
     eps = float(label_smoothing)
 
     if reduction == "none":
+        checks.run()  # no count in this reduction: nothing pending
         st = vocab_stats(hidden, head, targets, ignore_index=ignore_index, entropy=False, mean_logit=eps > 0,
                          options=options)
         ce = -st.logp if eps == 0 else (1 - eps) * -st.logp + eps * (st.lse - st.mean_logit)
@@ -98,14 +105,17 @@ def cross_entropy(
     terms = {"ce": ce_term}
     if z_loss:
         terms["z_loss"] = lambda s: z_loss * (s.lse**2).sum() / denominator(s)
-    metrics = {"accuracy": lambda s: s.is_top1.to(s.logp.dtype).sum() / (s.count or float("nan"))}
+    # TRL's mean_token_accuracy of a batch without a counted token is 0.
+    metrics = {"accuracy": lambda s: s.is_top1.to(s.logp.dtype).sum() / max(s.count, 1)}
     stats = ("logp", "lse", "is_top1", *(("mean_logit",) if eps else ()))
-    loss, values = head_loss(hidden, head, targets, terms, metrics=metrics, ignore_index=ignore_index, stats=stats,
-                             options=options)
+    loss, values = _head_loss(hidden, head, targets, terms, metrics, ignore_index, stats, options, pending=checks)
     if "z_loss" not in values:
         values["z_loss"] = torch.zeros_like(values["ce"])
     if reduction == "mean" and num_items_in_batch is None:
-        # No counted token: the fused pass ran no chunk, so its sum is 0; the mean is 0/0. A
-        # factor rather than a branch: reading the flag would make the host wait for the pass.
-        loss = loss * torch.where((targets != ignore_index).any(), 1.0, float("nan")).to(loss.dtype)
+        # No counted token: the fused pass ran no chunk, so its sums are 0; the mean is 0/0, NaN
+        # in every mode, for the loss and the `ce`/`z_loss` parts reported beside it. A factor
+        # rather than a branch: reading the flag would make the host wait for the pass.
+        empty = torch.where((targets != ignore_index).any(), 1.0, float("nan")).to(loss.dtype)
+        loss = loss * empty
+        values["ce"], values["z_loss"] = values["ce"] * empty, values["z_loss"] * empty
     return loss, values

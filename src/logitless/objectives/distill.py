@@ -27,7 +27,10 @@ from ..ops import (
     ValueChecks,
     as_head,
     as_options,
+    check_count,
+    check_device,
     check_head_inputs,
+    check_mask,
     check_shards,
     run_distill,
 )
@@ -136,13 +139,14 @@ def distill_loss(
             a bare weight.
         teacher_hidden, teacher: the teacher's hidden states (same leading shape as ``hidden``;
             its hidden size may differ) and head (:class:`logitless.Head` or a bare weight).
-        mask: counted tokens (completion mask); ``None``: all.
+        mask: counted tokens (completion mask: 0/1 or bool, any dtype); ``None``: all.
         labels: hard labels, TRL's convention: ``-100`` marks a token not counted. Needed for
             ``config.ce_weight > 0``; the cross-entropy is a column of the same pass.
         teacher_topk_ids, teacher_topk_logprobs: sparse teacher, ``[..., k]``.
         config: :class:`DistillConfig`.
-        num_items_in_batch: global count of counted tokens (gradient accumulation); ``None``:
-            this call's count (clamped to >= 1).
+        num_items_in_batch: global count of counted tokens (gradient accumulation), a number or
+            a one-element tensor, finite and > 0 (read with the other value checks); ``None``:
+            this call's count (clamped to >= 1). Only ``reduction="mean"`` reads it.
         options: :class:`logitless.PassOptions`: workspace budget and ``mode`` (``"auto"``:
             fused, or recompute for ``reduction="none"``, whose per-token loss fused mode cannot
             give). The pass runs torch GEMMs whatever ``impl``.
@@ -155,7 +159,9 @@ def distill_loss(
         (when computed); sparse teacher: ``topk_mass/teacher``, ``topk_mass/student``.
 
     Raises:
-        TypeError, ValueError: shapes, dtypes, devices, ids out of range, NaN/inf in the heads,
+        TypeError, ValueError: shapes, dtypes, devices (meta included, each input named), ids
+            out of range, NaN/inf in the heads, a ``mask`` value other than 0/1 (NaN, -1, 0.5), a
+            ``num_items_in_batch`` that is not a finite count > 0,
             both or neither teacher kinds, heads of different vocabularies without
             ``config.vocab_size``, ``ce_weight > 0`` without labels; a sparse teacher with
             ``k = 0``, an id repeated within a token's top-k, or a top-k mass above ``1 + 1e-4``;
@@ -197,15 +203,29 @@ def distill_loss(
     # Labels and top-k ids are global: checked against the whole vocabulary, padding excluded.
     id_bound = head.vocab_size() if head.shard is not None else vocab
     shape = hidden.shape[:-1]
-    checks = ValueChecks()  # the student's and the teacher's value checks in one synchronization
-    check_head_inputs(hidden, Head(weight, bias), None, None, checks=checks)
+    # One synchronization for the student's and the teacher's value checks, the mask's and the count's.
+    checks = ValueChecks()
+    check_head_inputs(hidden, Head(weight, bias, head.transform), None, None, checks=checks)
     if dense:
+        if not isinstance(teacher_hidden, torch.Tensor):
+            raise TypeError(f"teacher_hidden must be a torch.Tensor, got {type(teacher_hidden).__name__}")
+        check_device("teacher_hidden", teacher_hidden, hidden.device)
+        check_device("the teacher's weight", teacher_weight, hidden.device)
         teacher_weight = teacher_weight[:vocab]
         teacher_bias = None if teacher_bias is None else teacher_bias[:vocab]
         if teacher_hidden.shape[:-1] != shape:
             raise ValueError(f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} differs from "
                              f"hidden's {tuple(shape)}")
-        check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias), None, None, checks=checks)
+        check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias, teacher.transform), None, None,
+                          checks=checks)
+    for name, x in (("mask", mask), ("labels", labels), ("teacher_topk_ids", teacher_topk_ids),
+                    ("teacher_topk_logprobs", teacher_topk_logprobs)):
+        if x is not None and isinstance(x, torch.Tensor):
+            check_device(name, x, hidden.device)
+    if mask is not None:
+        check_mask(mask, "mask", checks, hidden.device, binary=True)
+    if num_items_in_batch is not None and cfg.reduction == "mean":
+        num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device)
     checks.run()
 
     counted = _counted(shape, mask, labels, hidden.device)
@@ -237,9 +257,7 @@ def distill_loss(
                          cfg.beta if dense and cfg.kind == "jsd" else None, options)
     count = max(n, 1)
     if cfg.reduction == "mean":
-        denom = count if num_items_in_batch is None else (
-            num_items_in_batch.to(hidden.device) if isinstance(num_items_in_batch, torch.Tensor)
-            else num_items_in_batch)
+        denom = count if num_items_in_batch is None else num_items_in_batch
     k = topk_ids.shape[1] if sparse else 0
 
     def divergence(sl: slice, st: DistillStats) -> torch.Tensor:
@@ -342,7 +360,7 @@ def _counted(shape: torch.Size, mask: torch.Tensor | None, labels: torch.Tensor 
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must be a tensor of shape {tuple(shape)}, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        counted = counted & ((x != 0) if name == "mask" else (x != _IGNORE)).to(device)
+        counted = counted & ((x != 0) if name == "mask" else (x != _IGNORE))
     return counted
 
 

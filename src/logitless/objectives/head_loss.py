@@ -16,6 +16,7 @@ from ..ops import (
     ObjectiveSpec,
     PassOptions,
     StatRequest,
+    ValueChecks,
     as_head,
     as_options,
     check_head_inputs,
@@ -87,13 +88,19 @@ def head_loss(
     Raises:
         TypeError, ValueError: invalid inputs (as :func:`vocab_stats`), unknown stats, no terms.
     """
+    return _head_loss(hidden, head, targets, terms, metrics, ignore_index, stats, options)
+
+
+def _head_loss(hidden, head, targets, terms, metrics, ignore_index, stats, options,
+               pending: ValueChecks | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`head_loss`, with the caller's ``pending`` value checks read in its synchronization."""
     if not terms:
         raise ValueError("head_loss needs at least one term")
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
     head, options = as_head(head), as_options(options)
-    ignored = check_head_inputs(hidden, head, targets, ignore_index)
+    ignored = check_head_inputs(hidden, head, targets, ignore_index, pending=pending)
     vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
     h = hidden.reshape(-1, hidden.shape[-1])

@@ -20,7 +20,10 @@ from ..ops import (
     ZeroRows,
     as_head,
     as_options,
+    check_count,
+    check_device,
     check_head_inputs,
+    check_mask,
     run_objective,
     stat_dtype_for,
 )
@@ -83,13 +86,16 @@ def policy_loss(
             vocabulary shard), or a bare ``[V, H]`` weight.
         completion_ids: sampled tokens ``[B, T]`` / ``[N]``; only counted ones are read.
         completion_mask: ``[B, T]`` / ``[N]``, 1 for counted tokens (multiplied by
-            ``tool_mask``); masked tokens never reach the vocabulary pass.
+            ``tool_mask``); masked tokens never reach the vocabulary pass. Bool, integer or
+            floating; values finite and >= 0 (a value is the token's weight).
         advantages: ``[B]`` (per sequence; ``[S]`` packed) or per token.
         old_logp, ref_logp, sampling_logp: per-token log-probs of the old policy, the
             reference (needed iff ``beta != 0``) and the sampler (off-policy mask).
         config: :class:`PolicyConfig` (TRL names; default TRL's defaults, ``dapo``).
         num_items_in_batch: TRL's token count of the whole generation batch (dapo, cispo,
-            vespo, reinforce); ``None`` → this call's counted tokens.
+            vespo, reinforce): a number or a one-element tensor, finite and > 0 (0 only when this
+            call counts no token: TRL clamps it to 1), read with the other value checks;
+            ``None`` → this call's counted tokens.
         importance_sampling_ratio: sampler correction ``ρ`` (see
             :func:`logitless.sampling_correction`), multiplied into the per-token loss.
         segment_ids: packed layout: non-decreasing ``[N]`` sequence index per token.
@@ -118,9 +124,11 @@ def policy_loss(
         and reduces it at the optimizer step.
 
     Raises:
-        TypeError, ValueError: shapes, dtypes, devices, token ids out of range, NaN/inf in
-            inputs that reach the loss, missing ``ref_logp`` with ``beta``,
-            invalid option combinations.
+        TypeError, ValueError: shapes, dtypes (integer log-probs or ratios), devices (meta
+            included, each input named), token ids out of range, NaN/inf in inputs that reach
+            the loss, a mask value that is negative or not finite (any dtype), a bad
+            ``num_items_in_batch``, logits beyond what the statistics hold, missing ``ref_logp``
+            with ``beta``, invalid option combinations.
     """
     cfg = _as_config(config)
     head, options = as_head(head), as_options(options)
@@ -242,30 +250,40 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         raise ValueError(f"hidden must be {'[N, H] with segment_ids' if packed else '[B, T, H]'}, got shape "
                          f"{tuple(hidden.shape)}")
     lead = hidden.shape[:-1]
+    check_device("hidden", hidden, hidden.device)
     for name, x in (("completion_ids", completion_ids), ("completion_mask", completion_mask),
                     ("tool_mask", tool_mask), ("old_logp", old_logp), ("ref_logp", ref_logp),
                     ("sampling_logp", sampling_logp), ("segment_ids", segment_ids)):
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape != lead):
             raise ValueError(f"{name} must have shape {tuple(lead)}, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x is not None and x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+        if x is not None:
+            check_device(name, x, hidden.device)
     if cfg.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's per-token log-probs)")
-    if not isinstance(advantages, torch.Tensor):
-        raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
-    if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor) \
-            and not num_items_in_batch >= 0:
-        raise ValueError(f"num_items_in_batch must be >= 0 (the generation batch's counted tokens), got "
-                         f"{num_items_in_batch!r}")
+    for name, x in (("advantages", advantages), ("importance_sampling_ratio", importance_sampling_ratio)):
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x is not None:
+            check_device(name, x, hidden.device)
+    if advantages.dtype == torch.bool or advantages.is_complex():
+        raise TypeError(f"advantages must be a real (floating or integer) tensor, got {advantages.dtype}")
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp),
+                    ("importance_sampling_ratio", importance_sampling_ratio)):
+        if x is not None and not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating tensor (log-probs in nats, ratios), got {x.dtype}")
     if importance_sampling_ratio is not None and cfg.loss_type == "vespo" \
             and importance_sampling_ratio.shape != lead:
         raise ValueError("vespo needs a per-token importance_sampling_ratio (token_truncate / token_mask "
                          "modes), as TRL requires")
 
+    # One host synchronization for the masks', the head's, the per-token inputs' and the
+    # count's value checks.
+    checks = ValueChecks()
+    check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=False)
+    if tool_mask is not None:
+        check_mask(tool_mask, "tool_mask", checks, hidden.device, binary=False)
     mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-    if mask.is_floating_point() and bool((~torch.isfinite(mask) | (mask < 0)).any()):
-        raise ValueError("completion_mask (times tool_mask) holds NaN, inf or negative values: pass 0/1 masks")
     if mask.dtype == torch.bool:
         mask = mask.to(torch.int64)
     lay = TokenLayout.from_segments(mask, segment_ids, sequence_group) if packed else TokenLayout.from_padded(mask)
@@ -274,8 +292,6 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     lay.seg_len = lay.seg_len.to(sdt)
     h_flat = lay.rows(hidden)
     t_flat = lay.gather(completion_ids).long()
-    # One host synchronization for the head's value checks and the per-token inputs' below.
-    checks = ValueChecks()
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
 
     def bad_values(name: str):
@@ -299,6 +315,9 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         if cfg.loss_type == "vespo":
             log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
 
+    if num_items_in_batch is not None:
+        # TRL clamps the count to 1: 0 is its count of a generation batch with no counted token.
+        num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device, zero_ok=lay.n == 0)
     m = lay.weight
     n_seq = lay.num_segments
     m_total = all_reduce(m.sum(), "sum", sequence_group)

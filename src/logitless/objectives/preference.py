@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import Head, PassOptions, vocab_stats
+from ..ops import Head, PassOptions, ValueChecks, check_device, check_mask, vocab_stats
 
 DPOLossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                       "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
@@ -99,13 +99,24 @@ def sequence_logps(
         :class:`SequenceLogps`.
 
     Raises:
-        TypeError, ValueError: see :func:`logitless.vocab_stats`; masks of another shape.
+        TypeError, ValueError: see :func:`logitless.vocab_stats`; masks of another shape or
+            device, or holding a value other than 0/1 (bool, integer or floating alike).
     """
     if labels.dim() != 2 or tuple(completion_mask.shape) != tuple(labels.shape):
         raise ValueError(f"labels and completion_mask must both be [S, T], got {tuple(labels.shape)} and "
                          f"{tuple(completion_mask.shape)}")
     if nll_mask is not None and tuple(nll_mask.shape) != tuple(labels.shape):
         raise ValueError(f"nll_mask must be {tuple(labels.shape)}, got {tuple(nll_mask.shape)}")
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    check_device("hidden", hidden, hidden.device)
+    check_device("labels", labels, hidden.device)
+    # The masks select tokens (a 0.5 would count as 1): 0/1 only, read in one synchronization.
+    checks = ValueChecks()
+    check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=True)
+    if nll_mask is not None:
+        check_mask(nll_mask, "nll_mask", checks, hidden.device, binary=True)
+    checks.run()
     cm = completion_mask != 0
     used = cm if nll_mask is None else cm | (nll_mask != 0)
     targets = torch.where(used, labels.long(), -100)

@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..distributed import all_reduce, is_active
+from ..ops import ValueChecks, check_device, check_mask
 from .config import SamplingCorrectionMode
 
 
@@ -44,13 +45,18 @@ def sampling_correction(
         ``[clip_min, clip_max]`` (truncated, or masked to 0).
 
     Raises:
-        ValueError: unknown mode or mismatched shapes.
+        ValueError: unknown mode, mismatched shapes or devices, a mask value that is negative or
+            not finite (any dtype).
     """
     if mode not in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
         raise ValueError(f"unknown sampling correction mode {mode!r}")
     if old_logp.shape != sampling_logp.shape or old_logp.shape != mask.shape or old_logp.dim() != 2:
         raise ValueError(f"old_logp, sampling_logp and mask must share one [B, T] shape, got "
                          f"{tuple(old_logp.shape)}, {tuple(sampling_logp.shape)}, {tuple(mask.shape)}")
+    checks = ValueChecks()  # the mask rule of policy_loss's completion_mask, for every dtype
+    check_device("sampling_logp", sampling_logp, old_logp.device)
+    check_mask(mask, "mask", checks, old_logp.device, binary=False)
+    checks.run()
     d = torch.nan_to_num((old_logp - sampling_logp) * mask, nan=0.0)
     sequence = mode.startswith("sequence")
     ratio = torch.exp(d.sum(-1, keepdim=True) if sequence else d)

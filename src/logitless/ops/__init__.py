@@ -13,7 +13,7 @@ from .plan import stat_dtype_for
 from .settings import LogitsPrecision
 from .shard import VocabShard
 from .transform import LogitTransform
-from .validate import ValueChecks, check_head_inputs
+from .validate import ValueChecks, check_count, check_device, check_head_inputs, check_mask
 from .vocab_stats import VocabStats, token_logprobs, vocab_stats
 
 __all__ = [
@@ -38,7 +38,10 @@ __all__ = [
     "ZeroRows",
     "as_head",
     "as_options",
+    "check_count",
+    "check_device",
     "check_head_inputs",
+    "check_mask",
     "check_shards",
     "compute_stats",
     "resolve_backend",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,13 +39,15 @@ class PassOptions:
             ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
             first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
             still accumulate in fp32). ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``.
-        skip_zero_rows: where the objective says rows may have an exactly zero gradient (a policy
-            loss without KL or entropy bonus: zero advantages, clipped tokens), run the gradient
-            GEMMs on the other rows only, after one host synchronization per chunk (exact: those
-            rows add nothing). ``False`` runs them on every row.
+        skip_zero_rows: where the objective knows rows whose gradient is exactly zero (a policy
+            loss without KL or entropy bonus: the tokens of zero advantage), run the gradient
+            GEMMs on the other rows only (exact: those rows add nothing; their statistics are
+            still computed). ``False`` runs them on every row.
 
     Raises:
-        ValueError: a value outside its choices, or ``chunk_bytes <= 0``.
+        TypeError: ``chunk_bytes`` not a number (a string, a bool, ...); ``skip_zero_rows`` not a bool.
+        ValueError: a value outside its choices, or a ``chunk_bytes`` that is not a positive whole
+            number (``0``, ``-5``, ``1.5``, ``inf``, ``nan``); a float such as ``1e9`` is stored as an int.
     """
 
     mode: Mode = "auto"
@@ -57,8 +61,8 @@ class PassOptions:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
-        if self.chunk_bytes is not None and (isinstance(self.chunk_bytes, bool) or int(self.chunk_bytes) <= 0):
-            raise ValueError(f"chunk_bytes must be a positive number of bytes or None, got {self.chunk_bytes!r}")
+        if self.chunk_bytes is not None:
+            object.__setattr__(self, "chunk_bytes", _byte_count(self.chunk_bytes))
         if not isinstance(self.skip_zero_rows, bool):
             raise TypeError(f"skip_zero_rows must be True or False, got {self.skip_zero_rows!r}")
         if self.logits_precision not in (None, "fp32", "input"):
@@ -73,6 +77,16 @@ class PassOptions:
     def fp32_logits(self) -> bool:
         """Whether the matmul output stays fp32 (``logits_precision`` with its default applied)."""
         return (self.logits_precision or settings().logits_precision) == "fp32"
+
+
+def _byte_count(value: object) -> int:
+    """``chunk_bytes`` as a positive int (ints, NumPy integers and integral floats such as ``1e9``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"chunk_bytes must be a positive whole number of bytes or None, got {value!r} "
+                        f"({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0 and value == int(value)):
+        raise ValueError(f"chunk_bytes must be a positive whole number of bytes or None, got {value!r}")
+    return int(value)
 
 
 def as_options(options: PassOptions | None) -> PassOptions:

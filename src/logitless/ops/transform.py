@@ -9,9 +9,22 @@ sampling temperature TRL divides by (``trl.kernels.chunked_logprob._transform``)
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+
+def _as_float(name: str, value: object) -> float:
+    """A number given as a Python/NumPy scalar or a one-element tensor, as a ``float``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or value.is_meta:
+            raise TypeError(f"{name} must be a number (or a one-element real tensor), got a {value.dtype} tensor of "
+                            f"shape {tuple(value.shape)} on {value.device}")
+        return float(value.detach())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,10 @@ class LogitTransform:
             Granite ``1 / logits_scaling``).
         softcap: soft-capping value ``c`` (Gemma ``final_logit_softcapping``) or ``None``.
 
+    Each is a Python number, a NumPy scalar or a one-element tensor, stored as a ``float``.
+
     Raises:
+        TypeError: a value that is not a number (a string, a bool, a tensor of several elements).
         ValueError: on a non-positive or non-finite ``temperature``/``softcap`` or a
             non-finite ``logit_scale``.
     """
@@ -34,6 +50,12 @@ class LogitTransform:
     softcap: float | None = None
 
     def __post_init__(self) -> None:
+        # Stored as Python floats: NumPy scalars and one-element tensors (a temperature read
+        # from a config or a schedule) are numbers too; strings and bools are not.
+        for name in ("temperature", "logit_scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None or name != "softcap":
+                object.__setattr__(self, name, _as_float(name, value))
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         if not math.isfinite(self.logit_scale):

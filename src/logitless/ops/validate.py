@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | None, ignore_index: int | None,
-                      checks: ValueChecks | None = None) -> bool:
+                      checks: ValueChecks | None = None, *, pending: ValueChecks | None = None) -> bool:
     """Validate ``hidden [..., H]``, the head (``weight [V, H]``, ``bias [V]``, its shard and
     adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
     ``targets [...]`` (global ids; ``None``: a pass without target ids, e.g. distillation's).
@@ -25,7 +26,9 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     as the value checks (a second one only when ``ignore_index`` lies outside ``[0, V)`` and so
     does some target: the targets' range alone answers otherwise). With ``checks``, the value
     checks are added to it instead (the caller runs them with its own, in one synchronization)
-    and the return value is ``False``; pass ``ignore_index=None`` then.
+    and the return value is ``False``; pass ``ignore_index=None`` then. ``pending``: checks the
+    caller has already added (e.g. :func:`check_count`'s), run here in this function's
+    synchronization.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
@@ -33,7 +36,8 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         ValueError: wrong ranks or shapes (logits passed as ``hidden`` are named as such), an
             empty hidden size or vocabulary, device mismatch, a bad shard, a target outside
             ``[0, V)`` other than ``ignore_index``, NaN/inf in hidden, weight, bias or the
-            adapter's factors.
+            adapter's factors, logits that may exceed :func:`logit_limit`, and whatever
+            ``pending`` raises.
     """
     weight, bias, lora = head.weight, head.bias, head.lora
     for name, value, kind in (("transform", head.transform, LogitTransform), ("lora", lora, HeadLoRA),
@@ -45,6 +49,7 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if hidden.dtype not in _FLOAT:
         raise TypeError(f"hidden must be float16/bfloat16/float32/float64, got {hidden.dtype}")
+    check_device("hidden", hidden, hidden.device)  # a meta hidden: every other input must share its device
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}; cast one")
     if hidden.dim() not in (2, 3):
@@ -61,8 +66,7 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
                              f"final hidden states [..., H = {weight.shape[1]}], not the logits")
         raise ValueError(f"hidden's last dimension ({hidden.shape[-1]}) must equal the head's hidden size H = "
                          f"{weight.shape[1]} (weight is [V, H] = {tuple(weight.shape)})")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    check_device("weight", weight, hidden.device)
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
@@ -70,10 +74,11 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype:
             raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
-        if bias.device != hidden.device:
-            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}")
+        check_device("bias", bias, hidden.device)
     vocab = head.vocab_size()  # raises on a bad shard
-    own = ValueChecks() if checks is None else checks
+    if checks is not None and pending is not None:
+        raise ValueError("check_head_inputs: give checks (deferred) or pending (run here), not both")
+    own = checks if checks is not None else pending if pending is not None else ValueChecks()
     t = None
     if targets is not None:
         _check_target_tensor(targets, hidden)
@@ -88,15 +93,18 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         ignored = _add_target_range(own, t, vocab, ignore_index)
     if lora is not None:
         lora.check(hidden, weight)
-    own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))
-    if not _FINITE_WEIGHTS.known(weight):
-        own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
-                       on_pass=lambda: _FINITE_WEIGHTS.add(weight))
-    if bias is not None:
-        own.add_finite(bias, lambda: ValueError("bias contains NaN or inf"))
+    norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))]
+    known = _FINITE_WEIGHTS.known(weight)
+    if known is None:
+        norms.append(own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
+                                    on_pass=lambda norm: _FINITE_WEIGHTS.add(weight, norm)))
+    else:
+        norms.append(known)
+    norms.append(None if bias is None else own.add_finite(bias, lambda: ValueError("bias contains NaN or inf")))
     if lora is not None:
         for factor in (lora.a, lora.b):
-            own.add_finite(factor, lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf"))
+            norms.append(own.add_finite(factor, lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")))
+    _add_logit_bound(own, head, hidden, norms)
     if checks is not None:
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
@@ -129,8 +137,132 @@ def _check_target_tensor(targets: torch.Tensor, hidden: torch.Tensor) -> None:
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
-    if targets.device != hidden.device:
-        raise ValueError(f"targets is on {targets.device} but hidden is on {hidden.device}")
+    check_device("targets", targets, hidden.device)
+
+
+def check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
+    """``x`` holds data (not the ``meta`` device) and lies on ``device`` (the hidden states').
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if x.is_meta:
+        raise ValueError(f"{name} is on the meta device (a shape without data): materialize it first, e.g. load the "
+                         "checkpoint after model.to_empty(device=...)")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but hidden is on {device}: move it with .to(hidden.device)")
+
+
+def check_count(value: object, checks: ValueChecks, device: torch.device, *,
+                zero_ok: bool = False) -> float | torch.Tensor:
+    """``num_items_in_batch``, a token count given as an int, a float or a one-element tensor (TRL
+    passes a tensor on the accelerator), checked finite and > 0 (``>= 0`` where ``zero_ok``). A
+    tensor's value is read with ``checks`` (no synchronization of its own) and returned on
+    ``device``; a number is checked at once and returned as a float.
+
+    Raises:
+        TypeError: not a number or a one-element real tensor (a bool, a string, a complex tensor).
+        ValueError: NaN, inf, negative, or zero where not ``zero_ok``; a tensor on the meta device.
+    """
+    need = ">= 0" if zero_ok else "> 0"
+
+    def bad(v: float) -> bool:
+        return not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0))
+
+    def error(v: object) -> ValueError:
+        return ValueError(f"num_items_in_batch must be a finite count {need} (the counted tokens of the whole "
+                          f"batch, over processes and accumulation steps), got {v}")
+
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"num_items_in_batch must be a number or a one-element real tensor, got a {value.dtype} "
+                            f"tensor of shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise ValueError("num_items_in_batch is on the meta device (a shape without data)")
+        value = value.detach().to(device).reshape(())
+        checks.add((value,), bad, lambda: error(value.item()))
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"num_items_in_batch must be a number or a one-element tensor, got {value!r} "
+                        f"({type(value).__name__})")
+    if bad(float(value)):
+        raise error(value)
+    return float(value)
+
+
+def check_mask(mask: object, name: str, checks: ValueChecks, device: torch.device, *, binary: bool) -> None:
+    """A token mask of any dtype (bool, integer, floating), the same rule for each: values finite
+    and ``>= 0`` (a weight per token), or exactly 0/1 where ``binary`` (a mask that only selects
+    tokens: a 0.5 there would silently count as 1). Values are read with ``checks``.
+
+    Raises:
+        TypeError: not a tensor, or a complex one.
+        ValueError: a value that breaks the rule (an integer -1 as much as a float -1 or NaN),
+            naming ``name``; the device (see :func:`check_device`).
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be a bool, integer or floating tensor, got {mask.dtype}")
+    check_device(name, mask, device)
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return
+    rule = "0 or 1 (or bool)" if binary else "finite and >= 0 (0/1, bool, or a weight per token)"
+
+    def error() -> ValueError:
+        flat = mask.reshape(-1)
+        wrong = (flat != 0) & (flat != 1) if binary else ~torch.isfinite(flat.double()) | (flat < 0)
+        return ValueError(f"{name} values must be {rule}; found {flat[wrong][:5].tolist()}")
+
+    if binary:
+        with torch.no_grad():
+            wrong = ((mask != 0) & (mask != 1)).any()
+        checks.add((wrong,), bool, error)
+    else:
+        checks.add_range(mask, 0, math.inf, error)
+
+
+# Beyond this bound on |logits| the objectives' fp32 arithmetic (z-loss's lse², KL and
+# entropy terms) overflows; no trained head comes within many orders of magnitude of it.
+_LOGIT_LIMIT = {torch.float32: 1e18, torch.float64: 1e150}
+
+
+def logit_limit(stat_dtype: torch.dtype) -> float:
+    """The largest ``|logit|`` the statistics of ``stat_dtype`` (fp32 or fp64) are computed for."""
+    return _LOGIT_LIMIT[torch.float64 if stat_dtype == torch.float64 else torch.float32]
+
+
+def _add_logit_bound(checks: ValueChecks, head: Head, hidden: torch.Tensor,
+                     norms: list[torch.Tensor | float | None]) -> None:
+    """Refuse inputs whose logits may exceed :func:`logit_limit`, from the inf-norms the NaN/inf
+    checks already read (no extra pass over the data): ``|y| <= H·max|h|·max|W| + max|b|``
+    (+ the adapter's ``scaling·r·H·max|h|·max|a|·max|b_lora|``), then the transform
+    (``|z| <= softcap / T`` under a soft-cap, else ``|scale|·|y| / T``)."""
+    tensors = [n for n in norms if isinstance(n, torch.Tensor)]
+    if not tensors:
+        return
+    width, lora, transform = hidden.shape[-1], head.lora, head.transform or LogitTransform()
+    limit = logit_limit(hidden.dtype)
+    scale, cap, temperature = abs(transform.logit_scale), transform.softcap, transform.temperature
+    if cap is not None and cap / temperature < limit:
+        return  # the cap bounds the logits whatever the inputs
+
+    def bound(*read: float) -> float:
+        it = iter(read)
+        h, w, b, *factors = (next(it) if isinstance(n, torch.Tensor) else (n or 0.0) for n in norms)
+        y = width * h * w + b
+        if lora is not None:
+            y += abs(lora.scaling) * lora.a.shape[0] * width * h * factors[0] * factors[1]
+        y = scale * y
+        return (y if cap is None else min(y, cap)) / temperature
+
+    def error() -> Exception:
+        return ValueError(f"the logits may reach {bound(*(float(t) for t in tensors)):.3g} (bound from max|hidden|, "
+                          f"max|weight|, the bias, adapter and transform), beyond {limit:.0e}, where the loss's "
+                          f"{'fp64' if limit > 1e20 else 'fp32'} statistics overflow to inf/NaN: hidden or the head "
+                          "holds values far outside a trained model's range (a missing final norm? unscaled inputs?)")
+
+    checks.add(tuple(tensors), lambda *read: not bound(*read) < limit, error)
 
 
 def _bad_targets(t: torch.Tensor, vocab: int, ignore_index: int | None) -> ValueError:
@@ -156,32 +288,38 @@ class ValueChecks:
         self._values: list[torch.Tensor] = []
         self._then: list[Callable[[list[float]], None]] = []
 
-    def _add(self, values: tuple[torch.Tensor, ...], failed: Callable[..., bool], error: Callable[[], Exception],
-             on_pass: Callable[[], None] | None) -> None:
+    def add(self, values: tuple[torch.Tensor, ...], failed: Callable[..., bool], error: Callable[[], Exception],
+            on_pass: Callable[..., None] | None = None) -> None:
+        """A check of one-element ``values`` (already reduced on the device): ``failed(*floats)``
+        decides on the host; ``on_pass(*floats)`` runs when it passes."""
         first, count = len(self._values), len(values)
 
         def then(read: list[float]) -> None:
-            if failed(*read[first:first + count]):
+            mine = read[first:first + count]
+            if failed(*mine):
                 raise error()
             if on_pass is not None:
-                on_pass()
+                on_pass(*mine)
 
         self._values.extend(v.reshape(()) for v in values)
         self._then.append(then)
 
     def add_finite(self, x: torch.Tensor, error: Callable[[], Exception],
-                   on_pass: Callable[[], None] | None = None) -> None:
+                   on_pass: Callable[[float], None] | None = None) -> torch.Tensor | None:
         """Fails when ``x`` holds NaN or inf (the inf-norm, max |x|, propagates both; unlike
-        ``isfinite(x).all()`` it reads ``x`` once and writes nothing its size)."""
+        ``isfinite(x).all()`` it reads ``x`` once and writes nothing its size). Returns that
+        inf-norm (a 0-dim device tensor; ``None`` for an empty ``x``, whose norm is 0), which
+        ``on_pass`` receives as a float."""
         if x.numel() == 0:
             if on_pass is not None:
-                on_pass()
-            return
+                on_pass(0.0)
+            return None
         # A float32 (fp64 for fp64) norm: the stack below then keeps every value exact.
         with torch.no_grad():
             norm = torch.linalg.vector_norm(x.reshape(-1), float("inf"),
                                             dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        self._add((norm,), lambda v: not math.isfinite(v), error, on_pass)
+        self.add((norm,), lambda v: not math.isfinite(v), error, on_pass)
+        return norm
 
     def add_range(self, x: torch.Tensor, low: float, high: float, error: Callable[[], Exception]) -> None:
         """Fails when a value of ``x`` lies outside ``[low, high)`` (NaN and inf fail too)."""
@@ -189,7 +327,7 @@ class ValueChecks:
             return
         with torch.no_grad():
             lo, hi = torch.aminmax(x.reshape(-1))
-        self._add((lo, hi), lambda a, b: not (low <= a and b < high), error, None)
+        self.add((lo, hi), lambda a, b: not (low <= a and b < high), error)
 
     def run(self, *reads: torch.Tensor) -> list[float]:
         """Read every check's values and the one-element tensors ``reads`` in one
@@ -209,7 +347,8 @@ class ValueChecks:
 
 
 class _FiniteTensors:
-    """Tensors already checked finite, each at the version it had then. A head's weight is
+    """Tensors already checked finite, each at the version it had then, with the inf-norm
+    read then (the logits bound of :func:`_add_logit_bound` reuses it). A head's weight is
     read whole (``V x H``, ~0.2 ms on an H100 for a 1 GiB weight) on every call otherwise,
     although it only changes at an optimizer step, which bumps its version counter: rollout
     and reference passes, and gradient-accumulation micro-batches, check it once.
@@ -218,11 +357,12 @@ class _FiniteTensors:
     ``weight.detach()`` made per call, which share the version counter too) and held through
     a weak reference to it, so a freed weight's entry never matches a new tensor. Writes
     through ``.data`` do not bump the counter; NaN written that way reaches the pass and shows
-    as NaN statistics, not as this named error."""
+    as NaN statistics, not as this named error (kept so, docs/reliability.md says why; in-place
+    writes under ``torch.no_grad()`` bump it and are re-checked)."""
 
     def __init__(self) -> None:
-        # (id(storage), view) -> (weak reference to the storage, version when checked).
-        self._seen: dict[tuple, tuple[weakref.ref, int]] = {}
+        # (id(storage), view) -> (weak reference to the storage, version when checked, inf-norm).
+        self._seen: dict[tuple, tuple[weakref.ref, int, float]] = {}
 
     @staticmethod
     def _key(x: torch.Tensor) -> tuple[object, tuple, int] | None:
@@ -233,15 +373,16 @@ class _FiniteTensors:
         except (RuntimeError, NotImplementedError):  # e.g. inference tensors: no version counter
             return None
 
-    def known(self, x: torch.Tensor) -> bool:
+    def known(self, x: torch.Tensor) -> float | None:
+        """``x``'s inf-norm when it was checked finite at its current version, else ``None``."""
         got = self._key(x)
         if got is None:
-            return False
+            return None
         storage, view, version = got
         entry = self._seen.get(view)
-        return entry is not None and entry[0]() is storage and entry[1] == version
+        return entry[2] if entry is not None and entry[0]() is storage and entry[1] == version else None
 
-    def add(self, x: torch.Tensor) -> None:
+    def add(self, x: torch.Tensor, norm: float) -> None:
         got = self._key(x)
         if got is None:
             return
@@ -251,7 +392,7 @@ class _FiniteTensors:
         except TypeError:
             return
         self._seen = {k: e for k, e in self._seen.items() if e[0]() is not None}
-        self._seen[view] = (ref, version)
+        self._seen[view] = (ref, version, norm)
 
 
 _FINITE_WEIGHTS = _FiniteTensors()
