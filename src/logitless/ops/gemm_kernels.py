@@ -262,21 +262,8 @@ def _centred_grad_rows_kernel(
         both = ok[:, None] & col_ok[None, :]
         mx = tl.load(m_ptr + tile_of[None, :] + src[:, None], mask=both, other=0.0)
         z = tl.load(z_ptr + src[:, None] * stride_zn + cols[None, :], mask=both, other=0.0).to(tl.float32) + mx
-        lse = tl.load(lse_ptr + out, mask=ok, other=0.0)
-        coef = tl.load(coef_ptr + out, mask=ok, other=0.0)
-        p = tl.exp(z - lse[:, None])
-        if HAS_ENTROPY:
-            g_ent = tl.load(g_ent_ptr + out, mask=ok, other=0.0)
-            c = tl.load(sum_pz_ptr + out, mask=ok, other=0.0)
-            dz = p * (coef[:, None] - g_ent[:, None] * (z - c[:, None]))
-        else:
-            dz = p * coef[:, None]
-        if HAS_SUM_Z:
-            dz += tl.load(g_sz_ptr + out, mask=ok, other=0.0)[:, None]
-        if HAS_LOGP:
-            g_logp = tl.load(g_logp_ptr + out, mask=ok, other=0.0)
-            t = tl.load(tgt_ptr + out, mask=ok, other=-1) - v_start
-            dz += tl.where(cols[None, :] == t[:, None], g_logp[:, None], 0.0)
+        dz = tile_dz(z, out, ok, cols + v_start, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr,
+                     g_sz_ptr, HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
         dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
         tl.store(dy_ptr + out[:, None].to(tl.int64) * stride_zn + cols[None, :], dy.to(dy_ptr.dtype.element_ty),
                  mask=both)
