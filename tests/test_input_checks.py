@@ -368,3 +368,16 @@ def test_sampling_correction_mask_has_the_policy_rule(seed, case):
         sampling_correction(old, samp, MASKS[case])
     ratio, _ = sampling_correction(old, samp, torch.ones(B, T, dtype=torch.long), mode="token_truncate")
     torch.testing.assert_close(ratio, torch.exp(old - samp).clamp(max=3.0))
+
+
+def test_refcache_build_takes_numpy_and_tensor_temperatures():
+    """The reference cache's temperature is the head's: NumPy scalars and one-element tensors are
+    numbers, strings are not (the error names it)."""
+    from logitless.refcache.build import BuildOptions
+
+    assert BuildOptions(temperature=np.float64(0.7)).temperature == 0.7
+    assert BuildOptions(temperature=torch.tensor(0.5)).temperature == 0.5
+    with pytest.raises(TypeError, match="temperature"):
+        BuildOptions(temperature="0.7")
+    with pytest.raises(ValueError, match="temperature"):
+        BuildOptions(temperature=np.float32("nan"))

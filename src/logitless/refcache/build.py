@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..ops import LogitTransform
 from .dataset import Example, to_examples
 from .errors import RefCacheCorruptError, RefCacheMismatchError
 from .files import check_real_dirs, exclusive_lock, make_dir, read_bounded
@@ -69,9 +69,8 @@ class BuildOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+        # The head's own check: a finite number > 0, NumPy scalars and one-element tensors included.
+        object.__setattr__(self, "temperature", LogitTransform(temperature=self.temperature).temperature)
         if self.hash_mode not in get_args(HashMode):
             raise ValueError(f"hash_mode must be one of {get_args(HashMode)}, got {self.hash_mode!r}")
         if not isinstance(self.entropy, bool):

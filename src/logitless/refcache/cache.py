@@ -15,7 +15,6 @@ floating-point rounding of the attention kernels.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -23,6 +22,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 
+from ..ops import LogitTransform
 from .errors import RefCacheMismatchError, RefCacheMissError
 from .fingerprint import Manifest, dtype_name, sequence_key, tokenizer_fingerprint
 from .mac import load_key
@@ -108,9 +108,8 @@ class RefCache:
             TypeError: ``dtype`` is not a ``torch.dtype``; ``tokenizer`` has no ``get_vocab()``.
         """
         _choice(verify, "verify", VerifyMode)
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                        or not math.isfinite(temperature) or temperature <= 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        if temperature is not None:  # the head's own check (NumPy scalars and one-element tensors are numbers)
+            temperature = LogitTransform(temperature=temperature).temperature
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         theirs_tok = None if tokenizer is None else tokenizer_fingerprint(tokenizer)
