@@ -1,7 +1,8 @@
 """The one-call fused preference losses against the two-call path they replace.
 
-``dpo_loss_fused`` / ``cpo_loss_fused`` / ``simpo_loss_fused`` / ``kto_loss_fused`` must give
-what ``sequence_logps`` + ``dpo_loss`` / ``cpo_loss`` / ``simpo_loss`` / ``kto_loss`` give (those
+``dpo_loss_fused`` / ``cpo_loss_fused`` / ``simpo_loss_fused`` / ``kto_loss_fused`` /
+``orpo_loss_fused`` must give what ``sequence_logps`` + ``dpo_loss`` / ``cpo_loss`` /
+``simpo_loss`` / ``kto_loss`` / ``orpo_loss`` give (those
 are checked against TRL's own code in test_preference.py; one DPO case here is checked against
 TRL directly too): loss, d hidden, d weight (and d bias) and every metric, in float64 to 1e-12.
 A small ``chunk_bytes`` makes the fused pass run several chunks (each holding whole pairs), the
@@ -19,6 +20,7 @@ from logitless import (
     CPOLossConfig,
     DPOLossConfig,
     Head,
+    HeadLoRA,
     KTOLossConfig,
     PassOptions,
     cpo_loss,
@@ -27,6 +29,8 @@ from logitless import (
     dpo_loss_fused,
     kto_loss,
     kto_loss_fused,
+    orpo_loss,
+    orpo_loss_fused,
     sequence_logps,
     simpo_loss,
     simpo_loss_fused,
@@ -34,8 +38,10 @@ from logitless import (
 from logitless.ops.plan import ChunkPlan
 
 B, T, V, H = 4, 16, 37, 8  # 2B sequences of T predictions
-# fp64 torch plan: 32 bytes a logit, so 32-token chunks (the torch floor): 1 to 2 pairs a chunk.
-CHUNK = 4_000
+# fp64 torch plan: 32 bytes a logit, so 32-token chunks (the torch floor) of 1 to 2 pairs, whose
+# logits (32 x V) just fit: the fused chunks keep them. BLOCKED cuts the vocabulary into 2 blocks.
+CHUNK = 32 * V * 32
+BLOCKED = 20_000
 TOL = 1e-12
 
 pytestmark = pytest.mark.usefixtures("seed")  # a fresh seed per test (conftest)
@@ -139,6 +145,35 @@ def test_dpo_fused_equals_two_call(case, chunk_counts):
         assert len(chunk_counts[0][1]) > 1, chunk_counts
 
 
+def test_fused_computes_the_logits_once(monkeypatch):
+    """The point of the fused path: each chunk's logits serve its statistics and its gradient
+    (one logits GEMM a chunk), where the two-call path's backward recomputes them (two)."""
+    from logitless.ops import torch_backend
+
+    hidden, weight, _, labels, mask = _batch()
+    ref = torch.randn(2 * B, dtype=torch.float64) - 15
+    opts = PassOptions(chunk_bytes=CHUNK)
+    rows = []
+    original = torch_backend.logits_block
+
+    def counted(h, *args, **kwargs):  # logit rows computed
+        rows.append(h.shape[0])
+        return original(h, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "logits_block", counted)
+    counts = []
+    for fused in (True, False):
+        rows.clear()
+        h, w = _leaves(hidden, weight)
+        if fused:
+            loss, _ = dpo_loss_fused(h, w, labels, mask, ref[:B], ref[B:], options=opts)
+        else:
+            loss, _ = dpo_loss(sequence_logps(h, w, labels, mask, options=opts), ref[:B], ref[B:])
+        loss.backward()
+        counts.append(sum(rows))
+    assert counts[1] == 2 * counts[0] == 2 * int(mask.sum()), counts
+
+
 def test_dpo_fused_matches_trl():
     """One case straight against TRL's ``DPOTrainer._compute_loss`` (test_preference's stub)."""
     from test_preference import DPOTrainer, _fake_model, _trl_stub
@@ -224,13 +259,58 @@ def test_kto_fused_equals_two_call(loss_type, kl_gap, chunk_counts):
     ref_kl = torch.randn(rows, dtype=torch.float64) - 15
     kl = ref_kl + kl_gap + 0.3 * torch.randn(rows, dtype=torch.float64)
     cfg = KTOLossConfig(beta=0.2, loss_type=loss_type, desirable_weight=1.3, undesirable_weight=0.7)
-    opts = PassOptions(chunk_bytes=CHUNK)
+    opts = PassOptions(chunk_bytes=BLOCKED)
     _compare(lambda h, head: kto_loss_fused(h, head, labels, mask, label, ref, (kl, ref_kl), config=cfg,
                                             options=opts),
              lambda h, head: kto_loss(sequence_logps(h, head, labels, mask, options=opts), label, ref, kl, ref_kl,
                                       config=cfg),
              hidden, weight, bias)
     assert len(chunk_counts[0][1]) > 1, chunk_counts
+
+
+def _nll_mask(mask):
+    """ORPO's NLL tokens: the chosen rows' prompt and response (every position up to the last
+    completion token), none of the rejected rows'."""
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).amax(1, keepdim=True)
+    nll = (torch.arange(mask.shape[1])[None] < last).long()
+    nll[B:] = 0
+    return nll
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_orpo_fused_equals_two_call(beta, chunk_counts):
+    hidden, weight, bias, labels, mask = _batch(empty=False)
+    nll = _nll_mask(mask)
+    opts = PassOptions(chunk_bytes=CHUNK)
+    _compare(lambda h, head: orpo_loss_fused(h, head, labels, mask, nll_mask=nll, beta=beta, options=opts),
+             lambda h, head: orpo_loss(sequence_logps(h, head, labels, mask, nll_mask=nll, options=opts), beta=beta),
+             hidden, weight, bias)
+    assert len(chunk_counts[0][1]) > 1, chunk_counts
+
+
+def test_cpo_nll_mask_and_lora_head():
+    """CPO with a separate NLL mask, on a head with a LoRA adapter (its factors get gradients too)."""
+    hidden, weight, _, labels, mask = _batch(empty=False)
+    nll = _nll_mask(mask)
+    a, b = torch.randn(3, H, dtype=torch.float64) / 3, torch.randn(V, 3, dtype=torch.float64) / 3
+    cfg = CPOLossConfig(cpo_alpha=0.7)
+    opts = PassOptions(chunk_bytes=CHUNK)
+    outs = []
+    for fused in (True, False):
+        h, w, la, lb = _leaves(hidden, weight, a, b)
+        head = Head(w, lora=HeadLoRA(la, lb, scaling=0.5))
+        if fused:
+            loss, metrics = cpo_loss_fused(h, head, labels, mask, config=cfg, nll_mask=nll, options=opts)
+        else:
+            loss, metrics = cpo_loss(sequence_logps(h, head, labels, mask, nll_mask=nll, options=opts), config=cfg)
+        outs.append((loss.detach(), torch.autograd.grad(loss, [h, w, la, lb]), metrics))
+    (loss, grads, metrics), (ref_loss, ref_grads, ref_metrics) = outs
+    _close(loss, ref_loss, "loss")
+    for name, g, r in zip(("d hidden", "d weight", "d a", "d b"), grads, ref_grads, strict=True):
+        _close(g, r, name)
+    assert metrics.keys() == ref_metrics.keys()
+    for k in ref_metrics:
+        _close(metrics[k], ref_metrics[k], k)
 
 
 def test_no_completion_token():

@@ -472,9 +472,7 @@ def orpo_loss(policy: SequenceLogps, *, beta: float = 0.1) -> tuple[torch.Tensor
         (TRL's name for ``mean(log σ(log odds))``), ``log_odds_chosen`` (``mean(log odds)``),
         plus ``entropy``.
     """
-    chosen, rejected = policy.halves(policy.mean_logps)
-    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-    ratio = F.logsigmoid(log_odds)
+    chosen, rejected, log_odds, ratio = _orpo_log_odds(policy)
     nll = _chosen_nll(policy)
     loss = nll - (beta * ratio).mean()
     metrics = _reward_metrics(beta * chosen.detach(), beta * rejected.detach(), chosen, rejected)
@@ -492,12 +490,24 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+def _orpo_log_odds(policy: SequenceLogps) -> tuple[torch.Tensor, ...]:
+    """ORPO's per-pair ``(chosen, rejected)`` mean log-probs, log odds ratio and ``log σ`` of it ``[k]``."""
+    chosen, rejected = policy.halves(policy.mean_logps)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    return chosen, rejected, log_odds, F.logsigmoid(log_odds)
+
+
+def _chosen_nll_parts(policy: SequenceLogps) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ -logp, token count)`` per chosen sequence ``[k]`` over its NLL tokens (``nll_*`` when
+    given, else the completion tokens)."""
+    if policy.nll_sum is not None:
+        return policy.halves(policy.nll_sum)[0], policy.halves(policy.nll_count)[0]
+    return -policy.halves(policy.logps)[0], policy.halves(policy.lengths)[0]
+
+
 def _chosen_nll(policy: SequenceLogps) -> torch.Tensor:
     """Token mean of ``-logp`` over the chosen sequences' NLL tokens (``nn.CrossEntropyLoss()``)."""
-    if policy.nll_sum is not None:
-        s, c = policy.halves(policy.nll_sum)[0], policy.halves(policy.nll_count)[0]
-    else:
-        s, c = -policy.halves(policy.logps)[0], policy.halves(policy.lengths)[0]
+    s, c = _chosen_nll_parts(policy)
     return s.sum() / c.sum()
 
 

@@ -49,12 +49,15 @@ from .preference import (
     KTOLossConfig,
     SequenceLogps,
     _check_pairs,
+    _chosen_nll_parts,
     _cpo_pair_losses,
     _dpo_pair_losses,
     _kto_losses,
+    _orpo_log_odds,
     cpo_loss,
     dpo_loss,
     kto_loss,
+    orpo_loss,
     sequence_logps,
 )
 
@@ -70,14 +73,19 @@ class _Units:
     Attributes:
         order: ``[S]`` the caller's sequence index at each position of the pass's sequence order.
         seq: ``[n]`` each token's sequence position in the pass's order (non-decreasing).
-        lengths: ``[S]`` counted tokens per sequence, in the pass's order (statistics dtype).
+        completion: ``[n]`` 1 for completion tokens, 0 for NLL-only ones (statistics dtype).
+        nll: ``[n]`` 1 for NLL tokens (statistics dtype), or ``None`` without an ``nll_mask``.
+        lengths, nll_count: ``[S]`` completion / NLL tokens per sequence, in the pass's order.
         ends: token count at each unit's end (host ints, non-decreasing).
         size: sequences per unit.
     """
 
     order: torch.Tensor
     seq: torch.Tensor
+    completion: torch.Tensor
+    nll: torch.Tensor | None
     lengths: torch.Tensor
+    nll_count: torch.Tensor | None
     ends: list[int]
     size: int
 
@@ -87,26 +95,53 @@ class _Units:
         lo = 0 if sl.start == 0 else bisect.bisect_right(self.ends, sl.start)
         return lo, bisect.bisect_right(self.ends, sl.stop)
 
-    def sums(self, sl: slice, logp: torch.Tensor) -> torch.Tensor:
-        """``Σ logp`` per sequence of the units a chunk owns: ``[(u1 - u0) · size]``, pass order."""
+    def part(self, sl: slice, logp: torch.Tensor) -> SequenceLogps:
+        """The sums of the units a chunk ``sl`` owns, from its tokens' ``logp``, as a
+        :class:`SequenceLogps` of ``[(u1 - u0) · size]`` in the caller's convention (for pairs:
+        chosen first), as the two-call path's loss functions take it (``entropy_sum`` is zeros)."""
         u0, u1 = self.span(sl)
-        s0 = u0 * self.size
-        return logp.new_zeros((u1 - u0) * self.size).index_add(0, self.seq[sl] - s0, logp)
+        s0, k = u0 * self.size, u1 - u0
+        local = self.seq[sl] - s0
+
+        def per_sequence(x: torch.Tensor) -> torch.Tensor:  # pass order -> caller's convention
+            return x.view(k, self.size).t().reshape(-1)
+
+        def sums(w: torch.Tensor) -> torch.Tensor:
+            return per_sequence(logp.new_zeros(k * self.size).index_add(0, local, logp * w[sl]))
+
+        nll = self.nll is not None
+        return SequenceLogps(logps=sums(self.completion), lengths=per_sequence(self.lengths[s0:s0 + k * self.size]),
+                             nll_sum=-sums(self.nll) if nll else None,
+                             nll_count=per_sequence(self.nll_count[s0:s0 + k * self.size]) if nll else None,
+                             entropy_sum=logp.new_zeros(k * self.size))
 
     def caller_sums(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token ``x [n]`` summed per sequence, in the caller's order ``[S]``."""
         return x.new_zeros(self.order.shape[0]).index_add(0, self.order[self.seq], x)
 
+    def caller_order(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-sequence ``[S]`` tensor in the pass's order → the caller's."""
+        return torch.empty_like(x).index_copy_(0, self.order, x)
 
-# loss_of_units(units [u0, u1), their sequences' log-prob sums (pass order)) -> the chunk's loss term
-UnitLoss = Callable[[int, int, torch.Tensor], torch.Tensor]
+
+# loss_of_units(u0, u1, the units' sums) -> the chunk's loss term
+UnitLoss = Callable[[int, int, SequenceLogps], torch.Tensor]
 
 
-def _prepare(hidden: torch.Tensor, head: Head, labels: torch.Tensor, completion_mask: torch.Tensor, size: int,
-             per_sequence: dict[str, torch.Tensor]) -> tuple[_Units, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class _Batch:
+    """The caller's per-token inputs of a fused preference call."""
+
+    labels: torch.Tensor  # [S, T]
+    completion_mask: torch.Tensor  # [S, T]
+    nll_mask: torch.Tensor | None = None  # [S, T]
+
+
+def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
+             per_unit: dict[str, torch.Tensor]) -> tuple[_Units, torch.Tensor, torch.Tensor]:
     """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
-    token ids [n])``. ``per_sequence``: ``[S // size]`` inputs that must be finite (the
-    reference log-probs), checked in the same host synchronization as the head's values.
+    token ids [n])``. ``per_unit``: ``[S // size]`` inputs that must be finite (the reference
+    log-probs), checked in the same host synchronization as the head's values.
 
     Raises:
         TypeError, ValueError: as :func:`sequence_logps`; a per-unit input of another shape or
@@ -115,39 +150,46 @@ def _prepare(hidden: torch.Tensor, head: Head, labels: torch.Tensor, completion_
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be a [S, T, H] tensor, got "
                          f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
-    for name, x in (("labels", labels), ("completion_mask", completion_mask)):
+    for name, x in (("labels", batch.labels), ("completion_mask", batch.completion_mask),
+                    ("nll_mask", batch.nll_mask)):
+        if name == "nll_mask" and x is None:
+            continue
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(hidden.shape[:2]):
             raise ValueError(f"{name} must be a tensor of shape {tuple(hidden.shape[:2])} (hidden's [S, T]), got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
-    s, t = labels.shape
+    s, t = batch.labels.shape
     if s % size:
         raise ValueError(f"expected chosen and rejected sequences concatenated ([2B, T]), got {s} sequences")
     units = s // size
-    for name, x in per_sequence.items():
+    for name, x in per_unit.items():
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != (units,):
             raise ValueError(f"{name} must be a tensor of shape ({units},), got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     dev = hidden.device
+    sdt = stat_dtype_for(hidden.dtype)
     # Pass order: pair i's chosen (row i) then its rejected (row B + i); one sequence a unit otherwise.
     order = torch.arange(s, device=dev).view(size, units).t().reshape(-1)
-    mask = completion_mask[order] != 0  # [S, T] in pass order
-    pos = mask.reshape(-1).nonzero().squeeze(1)
+    cm = batch.completion_mask[order] != 0  # [S, T] in pass order
+    nm = None if batch.nll_mask is None else batch.nll_mask[order] != 0
+    used = cm if nm is None else cm | nm
+    pos = used.reshape(-1).nonzero().squeeze(1)
     seq = pos // max(t, 1)
     flat = order[seq] * t + pos % t
     complete = pos.shape[0] == s * t and (size == 1 or units == 1)
     h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
-    t_flat = labels.reshape(-1)[flat].long()
-    sdt = stat_dtype_for(hidden.dtype)
-    lengths = mask.sum(1)
-    ends = torch.cumsum(lengths.view(units, size).sum(1), 0)
+    t_flat = batch.labels.reshape(-1)[flat].long()
+    ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
     checks = ValueChecks()
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
-    for name, x in per_sequence.items():
+    for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
     host = checks.run(*ends.unbind()) if units else []  # the one synchronization of the checks
-    return _Units(order, seq, lengths.to(sdt), [int(e) for e in host], size), h_flat, t_flat
+    return _Units(order=order, seq=seq, completion=cm.reshape(-1)[pos].to(sdt),
+                  nll=None if nm is None else nm.reshape(-1)[pos].to(sdt), lengths=cm.sum(1).to(sdt),
+                  nll_count=None if nm is None else nm.sum(1).to(sdt), ends=[int(e) for e in host],
+                  size=size), h_flat, t_flat
 
 
 def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units, loss_of_units: UnitLoss,
@@ -155,31 +197,26 @@ def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units,
     """The pass: ``(loss, every sequence's detached sums in the caller's order)``."""
 
     def objective(sl: slice, stats: ChunkStats):
-        u0, u1 = units.span(sl)
-        return loss_of_units(u0, u1, units.sums(sl, stats.logp)), None
+        return loss_of_units(*units.span(sl), units.part(sl, stats.logp)), None
 
     cuts = sorted({e for e in units.ends if e > 0})
     spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=cuts)
     loss, stats, collected = run_objective(hidden, head, targets, objective, spec, options)
     if not collected:  # no token, so no chunk: every unit's loss is a constant
-        loss = loss + loss_of_units(0, len(units.ends), loss.new_zeros(units.order.shape[0]))
-    lengths = torch.empty_like(units.lengths).index_copy_(0, units.order, units.lengths)
-    policy = SequenceLogps(logps=units.caller_sums(stats.logp), lengths=lengths, nll_sum=None, nll_count=None,
-                           entropy_sum=units.caller_sums(stats.entropy))
+        loss = loss + loss_of_units(0, len(units.ends), units.part(slice(0, 0), loss.new_zeros(0)))
+    nll = units.nll is not None
+    policy = SequenceLogps(logps=units.caller_sums(stats.logp * units.completion),
+                           lengths=units.caller_order(units.lengths),
+                           nll_sum=-units.caller_sums(stats.logp * units.nll) if nll else None,
+                           nll_count=units.caller_order(units.nll_count) if nll else None,
+                           entropy_sum=units.caller_sums(stats.entropy * units.completion))
     return loss, policy
 
 
-def _pairs_of(units: _Units, u0: int, sums: torch.Tensor) -> SequenceLogps:
-    """The pairs ``[u0, u1)``'s sums (pass order: chosen, rejected per pair) as a
-    :class:`SequenceLogps` of ``[2k]``, chosen first, as the two-call path's loss functions take it."""
-    k = sums.shape[0] // 2
-    lengths = units.lengths[2 * u0:2 * (u0 + k)]
-    return SequenceLogps(logps=sums.view(k, 2).t().reshape(-1), lengths=lengths.view(k, 2).t().reshape(-1),
-                         nll_sum=None, nll_count=None, entropy_sum=sums.new_zeros(2 * k))
-
-
 def _chosen_tokens(units: _Units) -> torch.Tensor:
-    return units.lengths.view(-1, 2)[:, 0].sum()
+    """The batch's chosen NLL tokens (the completion tokens without an ``nll_mask``)."""
+    count = units.lengths if units.nll_count is None else units.nll_count
+    return count.view(-1, 2)[:, 0].sum()
 
 
 @graph_break
@@ -222,15 +259,14 @@ def dpo_loss_fused(
     if BATCH_COUPLED_DPO_LOSS_TYPES & set(cfg.loss_type):
         policy = sequence_logps(hidden, head, labels, completion_mask, options=options)
         return dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
-    units, h_flat, t_flat = _prepare(hidden, head, labels, completion_mask, 2, {
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 2, {
         "ref_chosen_logps": ref_chosen_logps, "ref_rejected_logps": ref_rejected_logps})
     sdt = stat_dtype_for(hidden.dtype)
     ref_c, ref_r = ref_chosen_logps.to(sdt), ref_rejected_logps.to(sdt)
     pairs = ref_c.shape[0]
     sft_scale = pairs / _chosen_tokens(units) if "sft" in cfg.loss_type else None
 
-    def loss_of_pairs(u0: int, u1: int, sums: torch.Tensor) -> torch.Tensor:
-        part = _pairs_of(units, u0, sums)
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
         (c, r), (c_len, r_len) = part.halves(part.logps), part.halves(part.lengths)
         terms = _dpo_pair_losses(c, r, c_len, r_len, ref_c[u0:u1], ref_r[u0:u1], cfg, sft_scale)
         return sum(per.sum() * w for per, w in terms) / pairs
@@ -250,14 +286,17 @@ def cpo_loss_fused(
     completion_mask: torch.Tensor,  # [2B, T]
     *,
     config: CPOLossConfig | None = None,
+    nll_mask: torch.Tensor | None = None,  # [2B, T]
     options: PassOptions | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CPO / SimPO loss and TRL's metrics from one fused vocabulary pass: :func:`sequence_logps`
-    + :func:`~logitless.cpo_loss` in one call (the NLL term over the chosen completion tokens).
+    + :func:`~logitless.cpo_loss` in one call.
 
     Args:
         hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
         config: :class:`CPOLossConfig`.
+        nll_mask: ``[2B, T]`` the NLL term's tokens when they differ from the completion tokens
+            (as :func:`sequence_logps`); ``None``: the chosen completion tokens (TRL's CPO).
 
     Returns:
         ``(loss, metrics)`` as :func:`~logitless.cpo_loss`.
@@ -267,16 +306,14 @@ def cpo_loss_fused(
     """
     cfg = CPOLossConfig() if config is None else config
     head, options = as_head(head), as_options(options)
-    units, h_flat, t_flat = _prepare(hidden, head, labels, completion_mask, 2, {})
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 
-    def loss_of_pairs(u0: int, u1: int, sums: torch.Tensor) -> torch.Tensor:
-        part = _pairs_of(units, u0, sums)
-        losses = _cpo_pair_losses(part, cfg)[0]
-        term = losses.sum() / pairs
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        term = _cpo_pair_losses(part, cfg)[0].sum() / pairs
         if cfg.cpo_alpha != 0:  # the token mean of the chosen -logp, a sum over pairs too
-            term = term + cfg.cpo_alpha * (-part.halves(part.logps)[0].sum() / chosen_tokens)
+            term = term + cfg.cpo_alpha * (_chosen_nll_parts(part)[0].sum() / chosen_tokens)
         return term
 
     loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
@@ -339,7 +376,7 @@ def kto_loss_fused(
     named = {"ref_logps": ref_logps}
     if kl_logps is not None:
         named.update(kl_logps=kl_logps[0], ref_kl_logps=kl_logps[1])
-    units, h_flat, t_flat = _prepare(hidden, head, labels, completion_mask, 1, named)
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 1, named)
     _check_pairs(ref_logps, label=label)
     sdt = stat_dtype_for(hidden.dtype)
     label, ref = label.to(torch.bool), ref_logps.to(sdt)
@@ -349,8 +386,8 @@ def kto_loss_fused(
         kl = ref.new_zeros(())
     count = hidden.shape[0]
 
-    def loss_of_sequences(u0: int, u1: int, sums: torch.Tensor) -> torch.Tensor:
-        logratios = sums - ref[u0:u1]
+    def loss_of_sequences(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        logratios = part.logps - ref[u0:u1]
         chosen, rejected = _kto_losses(logratios, logratios, kl, cfg)
         desirable = label[u0:u1]
         losses = torch.where(desirable, cfg.desirable_weight * chosen, cfg.undesirable_weight * rejected)
@@ -359,4 +396,48 @@ def kto_loss_fused(
     loss, policy = _run(h_flat, head, t_flat, units, loss_of_sequences, options)
     with torch.no_grad():
         _, metrics = kto_loss(policy, label, ref, *(kl_logps or (None, None)), config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def orpo_loss_fused(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    nll_mask: torch.Tensor | None = None,  # [2B, T]
+    beta: float = 0.1,
+    options: PassOptions | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO loss and TRL's metrics from one fused vocabulary pass: :func:`sequence_logps` (with
+    ``nll_mask``) + :func:`~logitless.orpo_loss` in one call. The pass covers the completion
+    and NLL tokens once; the NLL is the token mean over the whole batch's chosen NLL tokens,
+    which each chunk adds its share of.
+
+    Args:
+        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        nll_mask: ``[2B, T]`` the NLL term's tokens (ORPO: the chosen rows' prompt and response,
+            zeros for rejected rows); ``None``: the completion tokens.
+        beta: ORPO's ``β``.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.orpo_loss`.
+
+    Raises:
+        TypeError, ValueError: as :func:`sequence_logps`.
+    """
+    head, options = as_head(head), as_options(options)
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    pairs = hidden.shape[0] // 2
+    chosen_tokens = _chosen_tokens(units)
+
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        ratio = _orpo_log_odds(part)[3]
+        return _chosen_nll_parts(part)[0].sum() / chosen_tokens - (beta * ratio).sum() / pairs
+
+    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
+    with torch.no_grad():
+        _, metrics = orpo_loss(policy, beta=beta)
     return loss, metrics
