@@ -338,6 +338,29 @@ def test_bad_inputs_are_named():
     assert logitless.dpo_loss_fused is dpo_loss_fused
 
 
+def test_vocab_shards():
+    """Two vocabulary-parallel ranks (gloo; 19 rows each, so 32-token chunks: several per pass,
+    each reducing its statistics over the ranks): each rank's loss, d hidden and metrics equal
+    the single-process two-call path's, and its d weight rows are those rows of it."""
+    from test_distributed import _spawn
+
+    hidden, weight, _, labels, mask = _batch()
+    weight = torch.cat([weight, torch.randn(1, H, dtype=torch.float64)])  # V + 1 = 38: an even split
+    ref = torch.randn(2 * B, dtype=torch.float64) - 15
+    case = dict(hidden=hidden, weight=weight, labels=labels, mask=mask, ref=ref, chunk=CHUNK // 2)
+    outs = _spawn("preference_vocab_parallel", 2, case)
+    h, w = _leaves(hidden, weight)
+    loss, metrics = dpo_loss(sequence_logps(h, w, labels, mask), ref[:B], ref[B:])
+    gh, gw = torch.autograd.grad(loss, [h, w])
+    for o in outs:
+        _close(o["loss"], loss.detach(), "loss")
+        _close(o["grad_hidden"], gh, "d hidden")
+        _close(o["grad_weight"], gw[o["start"] : o["start"] + o["rows"]], "d weight")
+        assert o["metrics"].keys() == metrics.keys()
+        for k, v in metrics.items():
+            _close(o["metrics"][k], v, k)
+
+
 @pytest.mark.parametrize("impl", ["triton", "gemm"])
 def test_kernel_backends(seed, impl):
     """The interpreter's kernels (bf16; CPU CI runs them under TRITON_INTERPRET) against the same
