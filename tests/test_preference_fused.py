@@ -361,7 +361,7 @@ def test_vocab_shards():
             _close(o["metrics"][k], v, k)
 
 
-@pytest.mark.parametrize("impl", ["triton", "gemm"])
+@pytest.mark.parametrize("impl", ["triton", "gemm", "flash"])
 def test_kernel_backends(seed, impl):
     """The interpreter's kernels (bf16; CPU CI runs them under TRITON_INTERPRET) against the same
     backend's two-call path: the same logits, summed in other orders, hence bf16 tolerances."""
