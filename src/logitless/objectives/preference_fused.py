@@ -145,7 +145,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
 
     Raises:
         TypeError, ValueError: as :func:`sequence_logps`; a per-unit input of another shape or
-            with NaN/inf.
+            device, or with NaN/inf.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be a [S, T, H] tensor, got "
@@ -167,6 +167,8 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != (units,):
             raise ValueError(f"{name} must be a tensor of shape ({units},), got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
     dev = hidden.device
     sdt = stat_dtype_for(hidden.dtype)
     # Pass order: pair i's chosen (row i) then its rejected (row B + i); one sequence a unit otherwise.
