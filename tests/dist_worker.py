@@ -290,3 +290,20 @@ def trl_dropins(rank: int, world: int, case: dict) -> dict:
             theirs = trainer_step(tr, loss_of)
         out[name] = (ours, theirs)
     return out
+
+
+def preference_vocab_parallel(rank: int, world: int, case: dict) -> dict:
+    """``dpo_loss_fused`` with this rank's rows of the head (test_preference_fused.py)."""
+    from logitless import dpo_loss_fused
+
+    hidden = case["hidden"].clone().requires_grad_()
+    vocab = case["weight"].shape[0]
+    start, rows = _shard_rows(vocab, world, rank, None)
+    weight = case["weight"][start : start + rows].clone().requires_grad_()
+    head = Head(weight, shard=VocabShard(group=dist.group.WORLD, vocab_start=start, vocab_size=vocab))
+    b = case["ref"].shape[0] // 2
+    loss, metrics = dpo_loss_fused(hidden, head, case["labels"], case["mask"], case["ref"][:b], case["ref"][b:],
+                                   options=PassOptions(impl="torch", chunk_bytes=case["chunk"]))
+    loss.backward()
+    return dict(loss=loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad, start=start, rows=rows,
+                metrics={k: v.detach() for k, v in metrics.items()})

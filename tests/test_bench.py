@@ -48,7 +48,7 @@ def test_json_has_every_row_and_timings(quick_run):
             "rollout": ["floor", "logitless", "torch-plain"],
             "distill": ["floor", "logitless", "torch-plain"],
             "jsd": ["floor", "logitless", "torch-plain"],
-            "dpo": ["floor", "logitless", "logitless-bf16", "torch-plain"]}
+            "dpo": ["floor", "logitless-fused", "logitless-recompute", "logitless-fused-bf16", "torch-plain"]}
     if importlib.util.find_spec("trl") is not None:
         for rows in must.values():
             rows.append("trl-chunked")
@@ -158,7 +158,7 @@ def dpo_case() -> tuple[Inputs, tuple[float, torch.Tensor, torch.Tensor]]:
     return x, _dpo_oracle(x)
 
 
-@pytest.mark.parametrize("row", ["logitless", "torch-plain"])
+@pytest.mark.parametrize("row", ["logitless-fused", "logitless-recompute", "torch-plain"])
 def test_dpo_rows_match_float64_oracle(dpo_case, row):
     x, (loss64, gh64, gw64) = dpo_case
     loss, gh, gw = _run_dpo_row(row, x)

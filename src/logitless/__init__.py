@@ -9,7 +9,10 @@ The public surface:
 * :func:`distill_loss` - distillation (forward/reverse KL, generalized JSD, top-k teacher) from
   a student and a teacher head, neither's logits materialized.
 * :func:`sequence_logps` + :func:`dpo_loss` / :func:`kto_loss` / :func:`cpo_loss` /
-  :func:`simpo_loss` / :func:`orpo_loss` - preference objectives on sequence log-prob sums.
+  :func:`simpo_loss` / :func:`orpo_loss` - preference objectives on sequence log-prob sums;
+  :func:`dpo_loss_fused` / :func:`kto_loss_fused` / :func:`cpo_loss_fused` /
+  :func:`simpo_loss_fused` / :func:`orpo_loss_fused` - the same losses in one fused pass
+  (3 GEMMs of work).
 * :func:`cross_entropy` - CE with label smoothing and z-loss; :func:`head_loss` - any sum of
   terms on the head's softmax in one pass.
 """
@@ -23,16 +26,21 @@ from .objectives import (
     SequenceLogps,
     TokenStats,
     cpo_loss,
+    cpo_loss_fused,
     cross_entropy,
     distill_loss,
     dpo_loss,
+    dpo_loss_fused,
     head_loss,
     kto_loss,
+    kto_loss_fused,
     orpo_loss,
+    orpo_loss_fused,
     policy_loss,
     sampling_correction,
     sequence_logps,
     simpo_loss,
+    simpo_loss_fused,
 )
 from .ops import (
     Head,
@@ -60,3 +68,4 @@ __all__ = [
 from .integrations.hf_patch import LogitlessPatch, apply_logitless
 
 __all__ += ["LogitlessPatch", "apply_logitless"]
+__all__ += ["cpo_loss_fused", "dpo_loss_fused", "kto_loss_fused", "orpo_loss_fused", "simpo_loss_fused"]

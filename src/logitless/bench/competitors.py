@@ -17,7 +17,8 @@ Objectives:
   ``GKDTrainer.generalized_jsd_loss``), token mean, forward + backward.
 * ``dpo``: DPO (``sigmoid``, ``beta=0.1``, mean over pairs) with precomputed reference
   log-probs: per-sequence log-prob sums of the chosen (first half of the batch rows) and
-  rejected (second half) completions + the loss, forward + backward.
+  rejected (second half) completions + the loss, forward + backward; logitless fused
+  (``dpo_loss_fused``, the reference row) and recompute (``sequence_logps`` + ``dpo_loss``).
 """
 
 from __future__ import annotations
@@ -505,17 +506,23 @@ def _dpo_reference(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return ref_logps.chunk(2, dim=0)
 
 
-def dpo_logitless(x: Inputs, impl: str, fp32_logits: bool = True) -> Prepared:
-    """logitless ``sequence_logps`` over the whole ``[B, T]`` batch (chosen + rejected) in one
-    fused vocabulary pass, then ``dpo_loss`` (sigmoid, beta 0.1, TRL's metrics and entropy);
+def dpo_logitless(x: Inputs, impl: str, mode: str = "fused", fp32_logits: bool = True) -> Prepared:
+    """logitless DPO (sigmoid, beta 0.1, TRL's metrics and entropy) over the whole ``[B, T]``
+    batch (chosen + rejected). ``fused``: ``dpo_loss_fused``, one call whose chunks hold whole
+    pairs, gradients computed inside the forward (3 GEMMs); ``recompute``: ``sequence_logps``
+    then ``dpo_loss`` (the two-call path: the backward recomputes the logits, 4 GEMMs).
     ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
     ref_chosen_logps, ref_rejected_logps = _dpo_reference(x)
     cfg = logitless.DPOLossConfig(beta=DPO_BETA, loss_type="sigmoid")
-    options = _options("fused", impl, fp32_logits)
+    options = _options(mode, impl, fp32_logits)
 
     def step() -> Outputs:
-        policy = logitless.sequence_logps(x.hidden, x.weight, x.targets, x.mask, options=options)
-        loss, metrics = logitless.dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
+        if mode == "fused":
+            loss, metrics = logitless.dpo_loss_fused(x.hidden, x.weight, x.targets, x.mask, ref_chosen_logps,
+                                                     ref_rejected_logps, config=cfg, options=options)
+        else:
+            policy = logitless.sequence_logps(x.hidden, x.weight, x.targets, x.mask, options=options)
+            loss, metrics = logitless.dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
         return _train_outputs(loss, metrics)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -652,8 +659,9 @@ ROWS: tuple[Row, ...] = (
     Row("trl-chunked", "jsd", partial(distill_trl_chunked, beta=JSD_BETA)),
     Row("torch-plain", "jsd", partial(distill_torch_plain, beta=JSD_BETA), logit_bytes=_BYTES["jsd-plain"]),
     Row("floor", "dpo", floor_three_gemms, role="floor"),
-    Row("logitless", "dpo", dpo_logitless, role="reference"),
-    Row("logitless-bf16", "dpo", partial(dpo_logitless, fp32_logits=False)),
+    Row("logitless-fused", "dpo", partial(dpo_logitless, mode="fused"), role="reference"),
+    Row("logitless-recompute", "dpo", partial(dpo_logitless, mode="recompute")),
+    Row("logitless-fused-bf16", "dpo", partial(dpo_logitless, mode="fused", fp32_logits=False)),
     Row("trl-chunked", "dpo", dpo_trl_chunked),
     Row("liger", "dpo", dpo_liger),
     Row("torch-plain", "dpo", dpo_torch_plain, logit_bytes=_BYTES["dpo-plain"]),

@@ -220,13 +220,33 @@ def dpo_loss(
     _check_pairs(chosen_logps, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
     ref_chosen_logps = ref_chosen_logps.to(chosen_logps.dtype)
     ref_rejected_logps = ref_rejected_logps.to(chosen_logps.dtype)
+    loss = chosen_logps.new_zeros(())
+    for per, loss_weight in _dpo_pair_losses(chosen_logps, rejected_logps, chosen_len, rejected_len, ref_chosen_logps,
+                                             ref_rejected_logps, cfg):
+        loss = loss + per.mean() * loss_weight
+    beta = cfg.beta
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    metrics = _reward_metrics(beta * chosen_logratios.detach(), beta * rejected_logratios.detach(),
+                              chosen_logps, rejected_logps)
+    metrics["entropy"] = _entropy_metric(policy)
+    return loss, metrics
+
+
+def _dpo_pair_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_len: torch.Tensor,
+                     rejected_len: torch.Tensor, ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor,
+                     cfg: DPOLossConfig, sft_scale: torch.Tensor | None = None) -> list[tuple[torch.Tensor, float]]:
+    """``[(per-pair loss [k], weight)]``, one per loss type of ``cfg``: the loss is
+    ``Σ weight · mean(per)`` over the batch's pairs. ``sft`` is a token mean over the batch's chosen
+    tokens, expanded to every pair; ``sft_scale`` (``B / Σ chosen tokens`` of the whole batch) makes it a
+    per-pair term instead, so a subset of the pairs gives its share of the batch's loss."""
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
     chosen_scores, rejected_scores = _f_scores(chosen_logratios, cfg), _f_scores(rejected_logratios, cfg)
     delta_score = chosen_scores - rejected_scores
     beta, ls = cfg.beta, cfg.label_smoothing
     weights = cfg.loss_weights or [1.0] * len(cfg.loss_type)
-    loss = delta_score.new_zeros(())
+    out = []
     for loss_type, loss_weight in zip(cfg.loss_type, weights, strict=True):
         if loss_type == "sigmoid":
             per = -F.logsigmoid(beta * delta_score)
@@ -266,15 +286,15 @@ def dpo_loss(
             mod = torch.sigmoid(x / cfg.discopop_tau)
             per = -F.logsigmoid(x) * (1 - mod) + torch.exp(-x) * mod
         elif loss_type == "sft":
-            per = (-chosen_logps.sum() / chosen_len.sum()).expand(chosen_logps.shape[0])
+            if sft_scale is None:
+                per = (-chosen_logps.sum() / chosen_len.sum()).expand(chosen_logps.shape[0])
+            else:
+                per = -chosen_logps * sft_scale
         else:  # sigmoid_norm
             d = chosen_scores / chosen_len.clamp(min=1.0) - rejected_scores / rejected_len.clamp(min=1.0)
             per = -F.logsigmoid(beta * d)
-        loss = loss + per.mean() * loss_weight
-    metrics = _reward_metrics(beta * chosen_logratios.detach(), beta * rejected_logratios.detach(),
-                              chosen_logps, rejected_logps)
-    metrics["entropy"] = _entropy_metric(policy)
-    return loss, metrics
+        out.append((per, loss_weight))
+    return out
 
 
 # ---------------------------------------------------------------- KTO
@@ -337,12 +357,7 @@ def kto_loss(
     chosen_logps, rejected_logps = logps[label], logps[~label]
     chosen_logratios = chosen_logps - ref_logps[label]
     rejected_logratios = rejected_logps - ref_logps[~label]
-    if cfg.loss_type == "kto":
-        chosen_losses = 1 - torch.sigmoid(cfg.beta * (chosen_logratios - kl))
-        rejected_losses = 1 - torch.sigmoid(cfg.beta * (kl - rejected_logratios))
-    else:
-        chosen_losses = 1 - torch.sigmoid(cfg.beta * chosen_logratios)
-        rejected_losses = torch.sigmoid(cfg.beta * rejected_logratios)
+    chosen_losses, rejected_losses = _kto_losses(chosen_logratios, rejected_logratios, kl, cfg)
     losses = torch.cat((cfg.desirable_weight * chosen_losses, cfg.undesirable_weight * rejected_losses), 0)
     loss = losses.nanmean()
     chosen_rewards, rejected_rewards = cfg.beta * chosen_logratios.detach(), cfg.beta * rejected_logratios.detach()
@@ -358,6 +373,15 @@ def kto_loss(
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     metrics["entropy"] = _entropy_metric(policy)
     return loss, metrics
+
+
+def _kto_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, kl: torch.Tensor,
+                cfg: KTOLossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO's per-sequence losses of desirable and undesirable sequences (elementwise, unweighted)."""
+    if cfg.loss_type == "kto":
+        return (1 - torch.sigmoid(cfg.beta * (chosen_logratios - kl)),
+                1 - torch.sigmoid(cfg.beta * (kl - rejected_logratios)))
+    return 1 - torch.sigmoid(cfg.beta * chosen_logratios), torch.sigmoid(cfg.beta * rejected_logratios)
 
 
 # ---------------------------------------------------------------- CPO / SimPO
@@ -400,6 +424,22 @@ def cpo_loss(policy: SequenceLogps, *,
         ``nll_loss``, plus ``entropy``.
     """
     cfg = CPOLossConfig() if config is None else config
+    losses, (chosen, rejected), (chosen_r, rejected_r) = _cpo_pair_losses(policy, cfg)
+    beta = cfg.beta
+    nll = _chosen_nll(policy) if cfg.cpo_alpha != 0 else losses.new_zeros(())
+    loss = losses.mean() + cfg.cpo_alpha * nll
+    metrics = _reward_metrics(beta * chosen_r.detach(), beta * rejected_r.detach(), chosen, rejected)
+    metrics["nll_loss"] = nll.detach()
+    metrics["entropy"] = _entropy_metric(policy)
+    return loss, metrics
+
+
+_Halves = tuple[torch.Tensor, torch.Tensor]
+
+
+def _cpo_pair_losses(policy: SequenceLogps, cfg: CPOLossConfig) -> tuple[torch.Tensor, _Halves, _Halves]:
+    """CPO's per-pair losses ``[k]`` (before the mean and the NLL term), the sequence scores
+    ``(chosen, rejected)`` and the rewards' bases ``(chosen, rejected)`` (AlphaPO's transform)."""
     scores = policy.mean_logps if cfg.loss_type in ("ipo", "simpo") else policy.logps
     chosen, rejected = policy.halves(scores)
     if cfg.alpha != 0.0:
@@ -418,12 +458,7 @@ def cpo_loss(policy: SequenceLogps, *,
         losses = torch.relu(1 - beta * logits)
     else:  # ipo
         losses = (logits - 1 / (2 * beta)) ** 2
-    nll = _chosen_nll(policy) if cfg.cpo_alpha != 0 else losses.new_zeros(())
-    loss = losses.mean() + cfg.cpo_alpha * nll
-    metrics = _reward_metrics(beta * chosen_r.detach(), beta * rejected_r.detach(), chosen, rejected)
-    metrics["nll_loss"] = nll.detach()
-    metrics["entropy"] = _entropy_metric(policy)
-    return loss, metrics
+    return losses, (chosen, rejected), (chosen_r, rejected_r)
 
 
 def simpo_loss(policy: SequenceLogps, *, beta: float = 2.0, simpo_gamma: float = 0.5,
@@ -448,9 +483,7 @@ def orpo_loss(policy: SequenceLogps, *, beta: float = 0.1) -> tuple[torch.Tensor
         (TRL's name for ``mean(log σ(log odds))``), ``log_odds_chosen`` (``mean(log odds)``),
         plus ``entropy``.
     """
-    chosen, rejected = policy.halves(policy.mean_logps)
-    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-    ratio = F.logsigmoid(log_odds)
+    chosen, rejected, log_odds, ratio = _orpo_log_odds(policy)
     nll = _chosen_nll(policy)
     loss = nll - (beta * ratio).mean()
     metrics = _reward_metrics(beta * chosen.detach(), beta * rejected.detach(), chosen, rejected)
@@ -468,12 +501,24 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+def _orpo_log_odds(policy: SequenceLogps) -> tuple[torch.Tensor, ...]:
+    """ORPO's per-pair ``(chosen, rejected)`` mean log-probs, log odds ratio and ``log σ`` of it ``[k]``."""
+    chosen, rejected = policy.halves(policy.mean_logps)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    return chosen, rejected, log_odds, F.logsigmoid(log_odds)
+
+
+def _chosen_nll_parts(policy: SequenceLogps) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ -logp, token count)`` per chosen sequence ``[k]`` over its NLL tokens (``nll_*`` when
+    given, else the completion tokens)."""
+    if policy.nll_sum is not None:
+        return policy.halves(policy.nll_sum)[0], policy.halves(policy.nll_count)[0]
+    return -policy.halves(policy.logps)[0], policy.halves(policy.lengths)[0]
+
+
 def _chosen_nll(policy: SequenceLogps) -> torch.Tensor:
     """Token mean of ``-logp`` over the chosen sequences' NLL tokens (``nn.CrossEntropyLoss()``)."""
-    if policy.nll_sum is not None:
-        s, c = policy.halves(policy.nll_sum)[0], policy.halves(policy.nll_count)[0]
-    else:
-        s, c = -policy.halves(policy.logps)[0], policy.halves(policy.lengths)[0]
+    s, c = _chosen_nll_parts(policy)
     return s.sum() / c.sum()
 
 

@@ -1,0 +1,447 @@
+"""Preference losses in one fused vocabulary pass (3 GEMMs of work instead of 4).
+
+:func:`sequence_logps` followed by :func:`~logitless.dpo_loss` runs the pass in recompute mode:
+the loss needs every sequence's sum first, so the backward recomputes the logits. But a pair's
+loss depends only on that pair's tokens (a KTO sequence's only on its own, given the batch's
+KL estimate, which is an input). So the counted tokens are laid out pair by pair (chosen, then
+rejected, then the next pair), the engine's chunks end only at pair ends, and each chunk's
+objective sums its own pairs' log-probs (``index_add`` over the chunk's sequences) and applies
+the existing per-pair formula to them, scaled by ``1 / B`` so that the chunks' terms add up to
+the batch mean: every token's gradient is known at the end of its chunk's forward, and the
+engine's fused mode runs the gradient GEMMs on the logits it still holds.
+
+* A pair longer than a chunk becomes a chunk of its own (``ChunkPlan.chunks``); its vocabulary
+  blocks shrink to stay within the workspace budget (``ChunkPlan.fit``), so its logits are not
+  kept and its gradient recomputes them: 4 GEMMs for that chunk only, as recompute mode.
+* Loss types that couple the pairs of a batch (DPO's ``aot`` and ``aot_unpaired`` sort over the
+  batch) cannot be split into per-chunk terms: :func:`dpo_loss_fused` runs them as
+  :func:`sequence_logps` + :func:`~logitless.dpo_loss` (recompute), with the same results.
+* The metrics are taken once after the pass from every token's detached statistics, by the
+  two-call path's own code, so they are those of :func:`~logitless.dpo_loss` & co.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..amp import autocast_head_inputs
+from ..compile import graph_break
+from ..ops import (
+    ChunkStats,
+    Head,
+    ObjectiveSpec,
+    PassOptions,
+    StatRequest,
+    ValueChecks,
+    as_head,
+    as_options,
+    check_head_inputs,
+    run_objective,
+    stat_dtype_for,
+)
+from .preference import (
+    CPOLossConfig,
+    DPOLossConfig,
+    KTOLossConfig,
+    SequenceLogps,
+    _check_pairs,
+    _chosen_nll_parts,
+    _cpo_pair_losses,
+    _dpo_pair_losses,
+    _kto_losses,
+    _orpo_log_odds,
+    cpo_loss,
+    dpo_loss,
+    kto_loss,
+    orpo_loss,
+    sequence_logps,
+)
+
+# DPO loss types whose loss is not a mean of per-pair terms: they sort over the batch.
+BATCH_COUPLED_DPO_LOSS_TYPES = frozenset({"aot", "aot_unpaired"})
+
+
+@dataclass(frozen=True)
+class _Units:
+    """The counted tokens of ``S`` sequences grouped into units of ``size`` sequences (a pair:
+    chosen then rejected; or one sequence), laid out unit by unit for the pass.
+
+    Attributes:
+        order: ``[S]`` the caller's sequence index at each position of the pass's sequence order.
+        seq: ``[n]`` each token's sequence position in the pass's order (non-decreasing).
+        completion: ``[n]`` 1 for completion tokens, 0 for NLL-only ones (statistics dtype).
+        nll: ``[n]`` 1 for NLL tokens (statistics dtype), or ``None`` without an ``nll_mask``.
+        lengths, nll_count: ``[S]`` completion / NLL tokens per sequence, in the pass's order.
+        ends: token count at each unit's end (host ints, non-decreasing).
+        size: sequences per unit.
+    """
+
+    order: torch.Tensor
+    seq: torch.Tensor
+    completion: torch.Tensor
+    nll: torch.Tensor | None
+    lengths: torch.Tensor
+    nll_count: torch.Tensor | None
+    ends: list[int]
+    size: int
+
+    def span(self, sl: slice) -> tuple[int, int]:
+        """The units ``[u0, u1)`` a chunk ``sl`` of the pass owns: those ending inside it (and,
+        for the first chunk, those without tokens before it); chunks end only at unit ends."""
+        lo = 0 if sl.start == 0 else bisect.bisect_right(self.ends, sl.start)
+        return lo, bisect.bisect_right(self.ends, sl.stop)
+
+    def part(self, sl: slice, logp: torch.Tensor) -> SequenceLogps:
+        """The sums of the units a chunk ``sl`` owns, from its tokens' ``logp``, as a
+        :class:`SequenceLogps` of ``[(u1 - u0) · size]`` in the caller's convention (for pairs:
+        chosen first), as the two-call path's loss functions take it (``entropy_sum`` is zeros)."""
+        u0, u1 = self.span(sl)
+        s0, k = u0 * self.size, u1 - u0
+        local = self.seq[sl] - s0
+
+        def per_sequence(x: torch.Tensor) -> torch.Tensor:  # pass order -> caller's convention
+            return x.view(k, self.size).t().reshape(-1)
+
+        def sums(w: torch.Tensor) -> torch.Tensor:
+            return per_sequence(logp.new_zeros(k * self.size).index_add(0, local, logp * w[sl]))
+
+        nll = self.nll is not None
+        return SequenceLogps(logps=sums(self.completion), lengths=per_sequence(self.lengths[s0:s0 + k * self.size]),
+                             nll_sum=-sums(self.nll) if nll else None,
+                             nll_count=per_sequence(self.nll_count[s0:s0 + k * self.size]) if nll else None,
+                             entropy_sum=logp.new_zeros(k * self.size))
+
+    def caller_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token ``x [n]`` summed per sequence, in the caller's order ``[S]``."""
+        return x.new_zeros(self.order.shape[0]).index_add(0, self.order[self.seq], x)
+
+    def caller_order(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-sequence ``[S]`` tensor in the pass's order → the caller's."""
+        return torch.empty_like(x).index_copy_(0, self.order, x)
+
+
+# loss_of_units(u0, u1, the units' sums) -> the chunk's loss term
+UnitLoss = Callable[[int, int, SequenceLogps], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The caller's per-token inputs of a fused preference call."""
+
+    labels: torch.Tensor  # [S, T]
+    completion_mask: torch.Tensor  # [S, T]
+    nll_mask: torch.Tensor | None = None  # [S, T]
+
+
+def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
+             per_unit: dict[str, torch.Tensor]) -> tuple[_Units, torch.Tensor, torch.Tensor]:
+    """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
+    token ids [n])``. ``per_unit``: ``[S // size]`` inputs that must be finite (the reference
+    log-probs), checked in the same host synchronization as the head's values.
+
+    Raises:
+        TypeError, ValueError: as :func:`sequence_logps`; a per-unit input of another shape or
+            device, or with NaN/inf.
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise ValueError(f"hidden must be a [S, T, H] tensor, got "
+                         f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
+    for name, x in (("labels", batch.labels), ("completion_mask", batch.completion_mask),
+                    ("nll_mask", batch.nll_mask)):
+        if name == "nll_mask" and x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"{name} must be a tensor of shape {tuple(hidden.shape[:2])} (hidden's [S, T]), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+    s, t = batch.labels.shape
+    if s % size:
+        raise ValueError(f"expected chosen and rejected sequences concatenated ([2B, T]), got {s} sequences")
+    units = s // size
+    for name, x in per_unit.items():
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (units,):
+            raise ValueError(f"{name} must be a tensor of shape ({units},), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.device != hidden.device:
+            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+    dev = hidden.device
+    sdt = stat_dtype_for(hidden.dtype)
+    # Pass order: pair i's chosen (row i) then its rejected (row B + i); one sequence a unit otherwise.
+    order = torch.arange(s, device=dev).view(size, units).t().reshape(-1)
+    cm = batch.completion_mask[order] != 0  # [S, T] in pass order
+    nm = None if batch.nll_mask is None else batch.nll_mask[order] != 0
+    used = cm if nm is None else cm | nm
+    pos = used.reshape(-1).nonzero().squeeze(1)
+    seq = pos // max(t, 1)
+    flat = order[seq] * t + pos % t
+    complete = pos.shape[0] == s * t and (size == 1 or units == 1)
+    h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
+    t_flat = batch.labels.reshape(-1)[flat].long()
+    ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
+    checks = ValueChecks()
+    check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
+    for name, x in per_unit.items():
+        checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
+    host = checks.run(*ends.unbind()) if units else []  # the one synchronization of the checks
+    return _Units(order=order, seq=seq, completion=cm.reshape(-1)[pos].to(sdt),
+                  nll=None if nm is None else nm.reshape(-1)[pos].to(sdt), lengths=cm.sum(1).to(sdt),
+                  nll_count=None if nm is None else nm.sum(1).to(sdt), ends=[int(e) for e in host],
+                  size=size), h_flat, t_flat
+
+
+def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units, loss_of_units: UnitLoss,
+         options: PassOptions) -> tuple[torch.Tensor, SequenceLogps]:
+    """The pass: ``(loss, every sequence's detached sums in the caller's order)``."""
+
+    def objective(sl: slice, stats: ChunkStats):
+        return loss_of_units(*units.span(sl), units.part(sl, stats.logp)), None
+
+    cuts = sorted({e for e in units.ends if e > 0})
+    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=cuts)
+    loss, stats, collected = run_objective(hidden, head, targets, objective, spec, options)
+    if not collected:  # no token, so no chunk: every unit's loss is a constant
+        loss = loss + loss_of_units(0, len(units.ends), units.part(slice(0, 0), loss.new_zeros(0)))
+    nll = units.nll is not None
+    policy = SequenceLogps(logps=units.caller_sums(stats.logp * units.completion),
+                           lengths=units.caller_order(units.lengths),
+                           nll_sum=-units.caller_sums(stats.logp * units.nll) if nll else None,
+                           nll_count=units.caller_order(units.nll_count) if nll else None,
+                           entropy_sum=units.caller_sums(stats.entropy * units.completion))
+    return loss, policy
+
+
+def _chosen_tokens(units: _Units) -> torch.Tensor:
+    """The batch's chosen NLL tokens (the completion tokens without an ``nll_mask``)."""
+    count = units.lengths if units.nll_count is None else units.nll_count
+    return count.view(-1, 2)[:, 0].sum()
+
+
+@graph_break
+@autocast_head_inputs
+def dpo_loss_fused(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    ref_chosen_logps: torch.Tensor,  # [B]
+    ref_rejected_logps: torch.Tensor,  # [B]
+    *,
+    config: DPOLossConfig | None = None,
+    options: PassOptions | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO-family loss and TRL's metrics from one fused vocabulary pass (3 GEMMs of work):
+    :func:`sequence_logps` + :func:`~logitless.dpo_loss` in one call, with their results.
+
+    Args:
+        hidden: ``[2B, T, H]``, chosen sequences first; ``hidden[s, t]`` predicts ``labels[s, t]``.
+        head: the :class:`logitless.Head` or a bare ``[V, H]`` weight.
+        labels: ``[2B, T]`` token ids (read at completion positions only).
+        completion_mask: ``[2B, T]`` tokens whose log-probs are summed.
+        ref_chosen_logps, ref_rejected_logps: ``[B]`` reference log-prob sums (nats).
+        config: :class:`DPOLossConfig`; ``aot`` / ``aot_unpaired`` (which sort over the batch) run
+            as the two-call path in recompute mode.
+        options: :class:`logitless.PassOptions` (``mode="recompute"`` runs the same objective
+            after one forward over every token).
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.dpo_loss`; the loss is differentiable w.r.t.
+        ``hidden`` and the head's weight, bias and adapter.
+
+    Raises:
+        TypeError, ValueError: as :func:`sequence_logps` and :func:`~logitless.dpo_loss`; NaN or
+            inf in the reference log-probs.
+    """
+    cfg = DPOLossConfig() if config is None else config
+    head, options = as_head(head), as_options(options)
+    if BATCH_COUPLED_DPO_LOSS_TYPES & set(cfg.loss_type):
+        policy = sequence_logps(hidden, head, labels, completion_mask, options=options)
+        return dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 2, {
+        "ref_chosen_logps": ref_chosen_logps, "ref_rejected_logps": ref_rejected_logps})
+    sdt = stat_dtype_for(hidden.dtype)
+    ref_c, ref_r = ref_chosen_logps.to(sdt), ref_rejected_logps.to(sdt)
+    pairs = ref_c.shape[0]
+    sft_scale = pairs / _chosen_tokens(units) if "sft" in cfg.loss_type else None
+
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        (c, r), (c_len, r_len) = part.halves(part.logps), part.halves(part.lengths)
+        terms = _dpo_pair_losses(c, r, c_len, r_len, ref_c[u0:u1], ref_r[u0:u1], cfg, sft_scale)
+        return sum(per.sum() * w for per, w in terms) / pairs
+
+    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
+    with torch.no_grad():
+        _, metrics = dpo_loss(policy, ref_c, ref_r, config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def cpo_loss_fused(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    config: CPOLossConfig | None = None,
+    nll_mask: torch.Tensor | None = None,  # [2B, T]
+    options: PassOptions | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CPO / SimPO loss and TRL's metrics from one fused vocabulary pass: :func:`sequence_logps`
+    + :func:`~logitless.cpo_loss` in one call.
+
+    Args:
+        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        config: :class:`CPOLossConfig`.
+        nll_mask: ``[2B, T]`` the NLL term's tokens when they differ from the completion tokens
+            (as :func:`sequence_logps`); ``None``: the chosen completion tokens (TRL's CPO).
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.cpo_loss`.
+
+    Raises:
+        TypeError, ValueError: as :func:`sequence_logps`.
+    """
+    cfg = CPOLossConfig() if config is None else config
+    head, options = as_head(head), as_options(options)
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    pairs = hidden.shape[0] // 2
+    chosen_tokens = _chosen_tokens(units)
+
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        term = _cpo_pair_losses(part, cfg)[0].sum() / pairs
+        if cfg.cpo_alpha != 0:  # the token mean of the chosen -logp, a sum over pairs too
+            term = term + cfg.cpo_alpha * (_chosen_nll_parts(part)[0].sum() / chosen_tokens)
+        return term
+
+    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
+    with torch.no_grad():
+        _, metrics = cpo_loss(policy, config=cfg)
+    return loss, metrics
+
+
+def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: torch.Tensor,
+                     completion_mask: torch.Tensor, *, beta: float = 2.0, simpo_gamma: float = 0.5,
+                     label_smoothing: float = 0.0,
+                     options: PassOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SimPO in one fused pass: :func:`cpo_loss_fused` with ``loss_type="simpo"`` and
+    ``cpo_alpha=0`` (as :func:`~logitless.simpo_loss`)."""
+    cfg = CPOLossConfig(beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing, loss_type="simpo",
+                        cpo_alpha=0.0)
+    return cpo_loss_fused(hidden, head, labels, completion_mask, config=cfg, options=options)
+
+
+@graph_break
+@autocast_head_inputs
+def kto_loss_fused(
+    hidden: torch.Tensor,  # [B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [B, T]
+    completion_mask: torch.Tensor,  # [B, T]
+    label: torch.Tensor,  # [B] bool, True = desirable
+    ref_logps: torch.Tensor,  # [B]
+    kl_logps: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([B] policy, [B] reference) on KL completions
+    *,
+    config: KTOLossConfig | None = None,
+    options: PassOptions | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KTO loss and TRL's metrics from one fused vocabulary pass: :func:`sequence_logps` +
+    :func:`~logitless.kto_loss` in one call. The unit is one sequence: each chunk holds whole
+    sequences, and the batch's KL estimate (an input, detached) couples nothing.
+
+    Args:
+        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`, for ``B``
+            unpaired completions.
+        label: ``[B]`` desirable (True) / undesirable (False).
+        ref_logps: ``[B]`` reference log-prob sums.
+        kl_logps: ``(kl_logps, ref_kl_logps)``, the policy's (no gradient) and the reference's
+            ``[B]`` sums on the mismatched KL completions, as :func:`~logitless.kto_loss` takes
+            them; needed by ``kto``.
+        config: :class:`KTOLossConfig`.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.kto_loss` (the loss is its mean over the
+        ``B`` sequences: the inputs are checked finite, so TRL's ``nanmean`` is the mean).
+
+    Raises:
+        TypeError, ValueError: as :func:`sequence_logps` and :func:`~logitless.kto_loss`; NaN or
+            inf in ``ref_logps`` or the KL sums.
+    """
+    cfg = KTOLossConfig() if config is None else config
+    head, options = as_head(head), as_options(options)
+    if cfg.loss_type == "kto" and kl_logps is None:
+        raise ValueError("loss_type='kto' needs kl_logps=(kl_logps, ref_kl_logps) (the KL completions' sums)")
+    named = {"ref_logps": ref_logps}
+    if kl_logps is not None:
+        named.update(kl_logps=kl_logps[0], ref_kl_logps=kl_logps[1])
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 1, named)
+    _check_pairs(ref_logps, label=label)
+    if label.device != hidden.device:
+        raise ValueError(f"label is on {label.device} but hidden is on {hidden.device}")
+    sdt = stat_dtype_for(hidden.dtype)
+    label, ref = label.to(torch.bool), ref_logps.to(sdt)
+    if cfg.loss_type == "kto":
+        kl = (kl_logps[0].detach().to(sdt) - kl_logps[1].to(sdt)).mean().detach().clamp(min=0)
+    else:
+        kl = ref.new_zeros(())
+    count = hidden.shape[0]
+
+    def loss_of_sequences(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        logratios = part.logps - ref[u0:u1]
+        chosen, rejected = _kto_losses(logratios, logratios, kl, cfg)
+        desirable = label[u0:u1]
+        losses = torch.where(desirable, cfg.desirable_weight * chosen, cfg.undesirable_weight * rejected)
+        return losses.sum() / count
+
+    loss, policy = _run(h_flat, head, t_flat, units, loss_of_sequences, options)
+    with torch.no_grad():
+        _, metrics = kto_loss(policy, label, ref, *(kl_logps or (None, None)), config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def orpo_loss_fused(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    nll_mask: torch.Tensor | None = None,  # [2B, T]
+    beta: float = 0.1,
+    options: PassOptions | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO loss and TRL's metrics from one fused vocabulary pass: :func:`sequence_logps` (with
+    ``nll_mask``) + :func:`~logitless.orpo_loss` in one call. The pass covers the completion
+    and NLL tokens once; the NLL is the token mean over the whole batch's chosen NLL tokens,
+    which each chunk adds its share of.
+
+    Args:
+        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        nll_mask: ``[2B, T]`` the NLL term's tokens (ORPO: the chosen rows' prompt and response,
+            zeros for rejected rows); ``None``: the completion tokens.
+        beta: ORPO's ``β``.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.orpo_loss`.
+
+    Raises:
+        TypeError, ValueError: as :func:`sequence_logps`.
+    """
+    head, options = as_head(head), as_options(options)
+    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    pairs = hidden.shape[0] // 2
+    chosen_tokens = _chosen_tokens(units)
+
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+        ratio = _orpo_log_odds(part)[3]
+        return _chosen_nll_parts(part)[0].sum() / chosen_tokens - (beta * ratio).sum() / pairs
+
+    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
+    with torch.no_grad():
+        _, metrics = orpo_loss(policy, beta=beta)
+    return loss, metrics
