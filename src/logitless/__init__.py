@@ -14,39 +14,79 @@ The public surface:
   terms on the head's softmax in one pass.
 """
 
-from .objectives import (
-    CPOLossConfig,
-    DistillConfig,
-    DPOLossConfig,
-    KTOLossConfig,
-    PolicyConfig,
-    SequenceLogps,
-    TokenStats,
-    cpo_loss,
-    cross_entropy,
-    distill_loss,
-    dpo_loss,
-    head_loss,
-    kto_loss,
-    orpo_loss,
-    policy_loss,
-    sampling_correction,
-    sequence_logps,
-    simpo_loss,
-)
-from .ops import (
-    Head,
-    HeadLoRA,
-    LogitTransform,
-    PassOptions,
-    PassOutOfMemoryError,
-    VocabShard,
-    VocabStats,
-    token_logprobs,
-    vocab_stats,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# Each public name and the submodule that defines it. They are imported on first use (PEP 562):
+# importing torch and its compiler stack takes seconds, which `logitless --help` should not pay.
+_EXPORTS = {
+    **dict.fromkeys(
+        ("CPOLossConfig", "DistillConfig", "DPOLossConfig", "KTOLossConfig", "PolicyConfig", "SequenceLogps",
+         "TokenStats", "cpo_loss", "cross_entropy", "distill_loss", "dpo_loss", "head_loss", "kto_loss",
+         "orpo_loss", "policy_loss", "sampling_correction", "sequence_logps", "simpo_loss"),
+        ".objectives"),
+    **dict.fromkeys(
+        ("Head", "HeadLoRA", "LogitTransform", "PassOptions", "PassOutOfMemoryError", "VocabShard", "VocabStats",
+         "token_logprobs", "vocab_stats"),
+        ".ops"),
+}
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from .objectives import (
+        CPOLossConfig,
+        DistillConfig,
+        DPOLossConfig,
+        KTOLossConfig,
+        PolicyConfig,
+        SequenceLogps,
+        TokenStats,
+        cpo_loss,
+        cross_entropy,
+        distill_loss,
+        dpo_loss,
+        head_loss,
+        kto_loss,
+        orpo_loss,
+        policy_loss,
+        sampling_correction,
+        sequence_logps,
+        simpo_loss,
+    )
+    from .ops import (
+        Head,
+        HeadLoRA,
+        LogitTransform,
+        PassOptions,
+        PassOutOfMemoryError,
+        VocabShard,
+        VocabStats,
+        token_logprobs,
+        vocab_stats,
+    )
+
+
+# Subpackages reachable as attributes after a bare `import logitless`, as when it imported them eagerly.
+_SUBMODULES = ("amp", "compile", "distributed", "integrations", "objectives", "ops", "refcache")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'logitless' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "CPOLossConfig", "DPOLossConfig", "DistillConfig", "Head", "HeadLoRA", "KTOLossConfig", "LogitTransform",
