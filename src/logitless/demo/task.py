@@ -93,28 +93,45 @@ def dataset(problems: list[Problem]):
     return Dataset.from_dict({"prompt": [prompt(p) for p in problems], "answer": [p.answer for p in problems]})
 
 
+class _TokenProgress:
+    """A ``LogitsProcessor`` that only advances a progress bar by one generated token per call
+    (one bar over the whole evaluation, without splitting it into smaller, slower batches)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.bar.update(1)
+        return scores
+
+
 @torch.no_grad()
 def evaluate(model: Any, tokenizer: Any, problems: list[Problem], max_new_tokens: int,
-             batch_size: int = 16, progress: bool = False) -> tuple[float, list[str]]:
+             batch_size: int = 64, progress: bool = False) -> tuple[float, list[str]]:
     """Greedy accuracy on ``problems`` and the completions, with the chat template TRL uses;
-    ``progress``: a tqdm bar over the problems."""
+    ``progress``: a tqdm bar over the generated tokens."""
     from tqdm.auto import tqdm
+    from transformers import LogitsProcessorList
 
     was_training, side = model.training, tokenizer.padding_side
     model.eval()
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     texts: list[str] = []
-    bar = tqdm(total=len(problems), unit="problem", disable=not progress, leave=False)
+    batches = range(0, len(problems), batch_size)
+    bar = tqdm(total=len(batches) * max_new_tokens, unit="token", desc="greedy decoding", disable=not progress,
+               leave=False)
     try:
-        for i in range(0, len(problems), batch_size):
+        for i in batches:
             chats = [tokenizer.apply_chat_template(prompt(p), tokenize=False, add_generation_prompt=True)
                      for p in problems[i:i + batch_size]]
             enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            start = bar.n
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
-                                 top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id)
+                                 top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
+                                 logits_processor=LogitsProcessorList([_TokenProgress(bar)]))
             texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            bar.update(len(chats))
+            bar.update(start + max_new_tokens - bar.n)  # a batch that stopped early at EOS
     finally:
         bar.close()
         model.train(was_training)
