@@ -82,6 +82,8 @@ def test_demo_end_to_end_on_tiny_gguf(tiny_gguf, tmp_path, capsys, monkeypatch):
     for key in ("before", "after"):
         texts = [x[key] for x in s["samples"]]
         assert s["eval"][key] == sum(task.final_number(t) == p.answer for t, p in zip(texts, held_out, strict=True)) / 8
+    ev = s["eval"]
+    assert round((ev["after"] - ev["before"]) * 8) == ev["wrong_to_right"] - ev["right_to_wrong"]
     one = s["one_step"]
     # Same real batch through logitless and through TRL's own head and loss: same numbers (fp32).
     assert one["advantages"] == "fixed" and one["trl"]["grad_norm"] > 0
