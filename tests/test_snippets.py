@@ -74,13 +74,13 @@ BLOCKS = blocks()
 _RUNNER = r"""
 import contextlib, io, json, os, signal, sys, tempfile, time, traceback, warnings
 warnings.simplefilter("ignore")
-blocks, limit, out = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
+blocks, limit, out, work = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def expire(*_):
     raise TimeoutError(f"the block ran for more than {limit} s")
 signal.signal(signal.SIGALRM, expire)
 results = {}
 for b in blocks:
-    cwd = tempfile.mkdtemp(prefix="snippet-")
+    cwd = tempfile.mkdtemp(prefix="snippet-", dir=work)
     os.chdir(cwd)
     buf, t, c = io.StringIO(), time.perf_counter(), time.process_time()
     signal.alarm(limit)
@@ -114,7 +114,7 @@ def results(tmp_path_factory) -> dict:
     }
     out = tmp / "results.json"
     r = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(tmp / "blocks.json"), str(BLOCK_SECONDS), str(out)],
+        [sys.executable, "-c", _RUNNER, str(tmp / "blocks.json"), str(BLOCK_SECONDS), str(out), str(tmp)],
         capture_output=True,
         text=True,
         env=env,
