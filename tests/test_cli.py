@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,13 +150,73 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"logitless {logitless.__version__}"
 
 
-@pytest.mark.parametrize("argv", [[], ["refcache"]])
-def test_alone_prints_help(argv, capsys):
-    assert main(argv) == 0
+def test_bare_command_prints_usage_and_exits_2(capsys):
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("usage: logitless")
+    assert all(name in captured.err for name in ("demo", "bench", "refcache", "env"))
+
+
+def test_refcache_alone_prints_help(capsys):
+    assert main(["refcache"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: logitless")
-    assert all(name in out for name in (["build", "merge", "info", "verify"] if argv else ["demo", "bench",
-                                                                                          "refcache"]))
+    assert out.startswith("usage: logitless") and all(n in out for n in ("build", "merge", "info", "verify"))
+
+
+def test_help_imports_no_torch():
+    # torch (and its compiler stack, torch._dynamo) takes seconds to import: --help, a bare
+    # `logitless` and `import logitless` must not pay for it. A fresh interpreter, so that
+    # nothing this test session imported counts.
+    code = ("import sys, contextlib, io\n"
+            "import logitless\n"
+            "assert 'torch' not in sys.modules, 'import logitless'\n"
+            "from logitless.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    for argv in (['--help'], []):\n"
+            "        try:\n"
+            "            main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'trl')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_lazy_package_keeps_the_public_api():
+    from logitless.objectives import policy_loss
+    from logitless.ops import Head
+
+    assert logitless.policy_loss is policy_loss and logitless.Head is Head
+    assert set(logitless.__all__) <= set(dir(logitless))
+    for name in logitless.__all__:
+        assert getattr(logitless, name) is not None
+    with pytest.raises(AttributeError, match="no_such_name"):
+        logitless.no_such_name  # noqa: B018
+
+
+def test_env_reports_versions_backend_and_trl(capsys):
+    import trl
+
+    from logitless.cli import env_report
+    from logitless.ops.backend import resolve_backend
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    r = env_report()
+    assert r["versions"]["torch"] == torch.__version__ and r["versions"]["trl"] == trl.__version__
+    assert r["versions"]["logitless"] == logitless.__version__
+    assert r["trl_tested"] == trl.__version__.startswith("1.16.")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    want = resolve_backend("auto", torch.empty(1, 1, dtype=torch.bfloat16, device=device)).NAME
+    assert r["auto_backend"]["bfloat16"] == want
+    assert f"bfloat16 -> {want}" in out and f"trl           {trl.__version__}" in out
+    assert ("no CUDA device" in out) == (not torch.cuda.is_available())
+
+
+def test_bench_help_says_what_a_cpu_run_means(capsys):
+    out = " ".join(_help(["bench"], capsys).split())
+    assert "CPU" in out and "not representative" in out
 
 
 def _help(argv: list[str], capsys) -> str:
@@ -164,8 +226,8 @@ def _help(argv: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [[], ["bench"], ["refcache"], ["refcache", "build"], ["refcache", "merge"],
-                                  ["refcache", "info"], ["refcache", "verify"]], ids=" ".join)
+@pytest.mark.parametrize("argv", [[], ["bench"], ["demo"], ["env"], ["refcache"], ["refcache", "build"],
+                                  ["refcache", "merge"], ["refcache", "info"], ["refcache", "verify"]], ids=" ".join)
 def test_help_is_plain_text(argv, capsys):
     out = _help(argv, capsys)
     assert "``" not in out and ":func:" not in out and ":class:" not in out

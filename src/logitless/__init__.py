@@ -15,57 +15,99 @@ The public surface:
   (3 GEMMs of work).
 * :func:`cross_entropy` - CE with label smoothing and z-loss; :func:`head_loss` - any sum of
   terms on the head's softmax in one pass.
+* :func:`apply_logitless` - patch a Hugging Face causal LM so ``model(input_ids, labels=...)``
+  returns its loss without the logits.
 """
 
-from .objectives import (
-    CPOLossConfig,
-    DistillConfig,
-    DPOLossConfig,
-    KTOLossConfig,
-    PolicyConfig,
-    SequenceLogps,
-    TokenStats,
-    cpo_loss,
-    cpo_loss_fused,
-    cross_entropy,
-    distill_loss,
-    dpo_loss,
-    dpo_loss_fused,
-    head_loss,
-    kto_loss,
-    kto_loss_fused,
-    orpo_loss,
-    orpo_loss_fused,
-    policy_loss,
-    sampling_correction,
-    sequence_logps,
-    simpo_loss,
-    simpo_loss_fused,
-)
-from .ops import (
-    Head,
-    HeadLoRA,
-    LogitTransform,
-    PassOptions,
-    PassOutOfMemoryError,
-    VocabShard,
-    VocabStats,
-    token_logprobs,
-    vocab_stats,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+# Each public name and the submodule that defines it. They are imported on first use (PEP 562):
+# importing torch and its compiler stack takes seconds, which `logitless --help` should not pay.
+_EXPORTS = {
+    **dict.fromkeys(
+        ("CPOLossConfig", "DistillConfig", "DPOLossConfig", "KTOLossConfig", "PolicyConfig", "SequenceLogps",
+         "TokenStats", "cpo_loss", "cpo_loss_fused", "cross_entropy", "distill_loss", "dpo_loss", "dpo_loss_fused",
+         "head_loss", "kto_loss", "kto_loss_fused", "orpo_loss", "orpo_loss_fused", "policy_loss",
+         "sampling_correction", "sequence_logps", "simpo_loss", "simpo_loss_fused"),
+        ".objectives"),
+    **dict.fromkeys(
+        ("Head", "HeadLoRA", "LogitTransform", "PassOptions", "PassOutOfMemoryError", "VocabShard", "VocabStats",
+         "token_logprobs", "vocab_stats"),
+        ".ops"),
+    # Plain transformers (docs/transformers.md); transformers itself is read off the model.
+    **dict.fromkeys(("LogitlessPatch", "apply_logitless"), ".integrations.hf_patch"),
+}
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from .integrations.hf_patch import LogitlessPatch, apply_logitless
+    from .objectives import (
+        CPOLossConfig,
+        DistillConfig,
+        DPOLossConfig,
+        KTOLossConfig,
+        PolicyConfig,
+        SequenceLogps,
+        TokenStats,
+        cpo_loss,
+        cpo_loss_fused,
+        cross_entropy,
+        distill_loss,
+        dpo_loss,
+        dpo_loss_fused,
+        head_loss,
+        kto_loss,
+        kto_loss_fused,
+        orpo_loss,
+        orpo_loss_fused,
+        policy_loss,
+        sampling_correction,
+        sequence_logps,
+        simpo_loss,
+        simpo_loss_fused,
+    )
+    from .ops import (
+        Head,
+        HeadLoRA,
+        LogitTransform,
+        PassOptions,
+        PassOutOfMemoryError,
+        VocabShard,
+        VocabStats,
+        token_logprobs,
+        vocab_stats,
+    )
+
+
+# Subpackages reachable as attributes after a bare `import logitless`, as when it imported them eagerly.
+_SUBMODULES = ("amp", "argtypes", "bench", "cli", "compile", "demo", "distributed", "integrations", "objectives", "ops",
+               "refcache")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'logitless' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = [
     "CPOLossConfig", "DPOLossConfig", "DistillConfig", "Head", "HeadLoRA", "KTOLossConfig", "LogitTransform",
-    "PassOptions", "PassOutOfMemoryError", "PolicyConfig",
-    "SequenceLogps", "TokenStats", "VocabShard", "VocabStats", "__version__", "cpo_loss", "cross_entropy",
-    "distill_loss", "dpo_loss", "head_loss", "kto_loss", "orpo_loss", "policy_loss", "sampling_correction",
-    "sequence_logps", "simpo_loss", "token_logprobs", "vocab_stats",
+    "LogitlessPatch", "PassOptions", "PassOutOfMemoryError", "PolicyConfig", "SequenceLogps", "TokenStats",
+    "VocabShard", "VocabStats", "__version__", "apply_logitless", "cpo_loss", "cpo_loss_fused", "cross_entropy",
+    "distill_loss", "dpo_loss", "dpo_loss_fused", "head_loss", "kto_loss", "kto_loss_fused", "orpo_loss",
+    "orpo_loss_fused", "policy_loss", "sampling_correction", "sequence_logps", "simpo_loss", "simpo_loss_fused",
+    "token_logprobs", "vocab_stats",
 ]
-
-# Plain transformers (docs/transformers.md). torch-only at import: transformers is read off the model.
-from .integrations.hf_patch import LogitlessPatch, apply_logitless
-
-__all__ += ["LogitlessPatch", "apply_logitless"]
-__all__ += ["cpo_loss_fused", "dpo_loss_fused", "kto_loss_fused", "orpo_loss_fused", "simpo_loss_fused"]

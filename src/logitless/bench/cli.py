@@ -44,7 +44,9 @@ from .runner import GRAD_TOL, LOSS_TOL, Options, run_case
 PROG = "logitless bench"
 DESCRIPTION = ("Benchmark logitless against the cuBLAS floor of the head and other libraries (default), or a "
                "whole GRPO training step of real architectures through TRL and through logitless (--e2e). "
-               "Results go to a JSON file and a BENCHMARKS.md under --out.")
+               "Results go to a JSON file and a BENCHMARKS.md under --out. The numbers mean something on a CUDA "
+               "GPU only: on a CPU (--device cpu, or no GPU) it runs tiny shapes whose times, ratios and memory are "
+               "not representative; that run only checks that every row runs and agrees.")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _QUICK_GPU = ("4096:qwen2.5-7b", "8192:gemma2-2b")
 _IMPLS = ("auto", "torch", "triton", "gemm", "flash")

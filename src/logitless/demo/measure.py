@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 # Run in a fresh process so that the peak is the head's alone: no allocator cache, no model.
 # "plain" is what TRL's head does (logits materialized in fp32, log_softmax, gathered logp,
@@ -61,15 +62,19 @@ print(json.dumps({"peak_bytes": peak}))
 """
 
 
-def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict]:
+def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict, torch.Tensor]:
     """Generate and score ``batch`` once, then compute the GRPO loss and its gradient on those
     same inputs through logitless and through TRL's own code. The old-policy log-probs are set
     0.1 nats (random, fixed seed) off the current ones: on-policy, every ratio is 1 and the loss
-    is ``-mean(advantage)`` whatever the log-probs, which would compare nothing.
+    is ``-mean(advantage)`` whatever the log-probs, which would compare nothing. When every
+    reward of the batch is the same (every advantage 0: loss and gradient 0 on both paths, a
+    0/0 comparison), the advantages are set to a fixed non-constant vector instead.
 
     Returns:
-        ``(comparison, inputs)``: loss and gradient norm (all parameters) of each path and the
-        relative L2 difference of the gradients; TRL's scored inputs of the batch.
+        ``(comparison, inputs, logps)``: loss and gradient norm (all parameters) of each path,
+        the relative L2 difference of the gradients and where the advantages came from ("trl"
+        or "fixed"); TRL's scored inputs of the batch; the current model's per-token log-probs
+        of its completions ``[B, T]`` (float32, temperature-scaled as in training).
     """
     from ..integrations.trl import trl_own_path
 
@@ -81,9 +86,14 @@ def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict]:
                                                                    inputs["completion_ids"].size(1))
     noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(1234)).to(current.device)
     inputs = dict(inputs, old_per_token_logps=current.float() + 0.1 * noise)
+    source = "trl"
+    if not inputs["advantages"].abs().max() > 0:
+        adv = inputs["advantages"]
+        inputs["advantages"] = torch.linspace(-1.0, 1.0, adv.numel(), device=adv.device, dtype=adv.dtype)
+        source = "fixed"
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    out, flat = {}, {}
+    out, flat = {"advantages": source}, {}
     for name, ctx in (("logitless", contextlib.nullcontext()), ("trl", trl_own_path(trainer))):
         trainer.model.zero_grad(set_to_none=True)
         with ctx:
@@ -93,7 +103,43 @@ def one_step(trainer: Any, batch: list[dict]) -> tuple[dict, dict]:
         out[name] = {"loss": loss.item(), "grad_norm": flat[name].norm().item()}
     trainer.model.zero_grad(set_to_none=True)
     out["grad_rel_l2_diff"] = ((flat["logitless"] - flat["trl"]).norm() / flat["trl"].norm().clamp(min=1e-30)).item()
-    return out, inputs
+    return out, inputs, current.float()
+
+
+class DriftProbe(TrainerCallback):
+    """After every optimizer step, the policy's KL from the starting model and its entropy on a
+    fixed batch of the starting model's own samples (the parity batch): a per-token k3 estimate
+    of KL(pi_0 || pi_theta) (``exp(d) - 1 - d`` with ``d = logp_theta - logp_0``), in nats,
+    through logitless's log-probs. Unlike the sampled training batches, the batch never changes,
+    so the curve shows the policy moving rather than the sampling noise."""
+
+    def __init__(self, trainer: Any, inputs: dict, start_logps: torch.Tensor) -> None:
+        self.trainer, self.start = trainer, start_logps
+        self.ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        self.attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        self.mask = inputs["completion_mask"].float()
+        self.kl: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        with torch.no_grad():
+            logps, _, _ = self.trainer._get_per_token_logps_and_entropies(self.trainer.model, self.ids, self.attention,
+                                                                          self.mask.size(1))
+        d = logps.float() - self.start
+        self.kl.append(((torch.expm1(d) - d) * self.mask).sum().item() / max(self.mask.sum().item(), 1.0))
+
+
+def head_memory_estimate(sequences: int, length: int, vocab_size: int, hidden_size: int, chunk_bytes: int) -> dict:
+    """The head's extra memory for one training pass over ``sequences x length`` tokens, in bytes, counted
+    from the shapes: a plain head keeps the fp32 logits ``[tokens, V]`` for the backward and
+    forms their gradient, as large again (``log_softmax``'s output is more still); logitless
+    keeps at most ``chunk_bytes`` of logits at a time, one fp32 ``d weight`` ``[V, H]`` and a few
+    fp32 values per token."""
+    tokens = sequences * length
+    logits = tokens * vocab_size * 4
+    return {"sequences": sequences, "length": length, "tokens": tokens, "vocab_size": vocab_size,
+            "hidden_size": hidden_size, "chunk_bytes": chunk_bytes,
+            "plain_at_least": 2 * logits,
+            "logitless_at_most": min(logits, chunk_bytes) + vocab_size * hidden_size * 4 + 16 * tokens}
 
 
 def head_memory(trainer: Any, inputs: dict) -> dict:
