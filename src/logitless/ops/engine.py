@@ -555,10 +555,11 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
             grads = p.grads_of(dict(zip(names, got, strict=True)))
     call.collected.append(collected)
     grad_hidden = None
-    if want_grad and grads.any() and picked is not None and picked.numel():
+    backward = want_grad and grads.any() and (picked is None or picked.numel() > 0)
+    if backward and picked is not None:
         rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
             p.pick_kept(kept, picked)
-    if want_grad and grads.any() and (picked is None or picked.numel()):
+    if backward:
         chunk_acc = dataclasses.replace(acc, lora_x=None if acc.lora_x is None else acc.lora_x[sl])
         grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
     elif want_grad and acc.write_weight and acc.weight is not None:
