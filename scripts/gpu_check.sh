@@ -2,7 +2,8 @@
 # One script for the GPU machine (run from the repository root, no network there):
 #   1. installs the carried wheels in .whl/ (trl, its missing deps, liger-kernel, cut-cross-entropy)
 #      into /tmp/site, and checks that TRL's chunked head imports;
-#   2. runs the GPU tests (tests/test_gpu.py and the kernel modules' compiled cases; PYTEST_MORE adds modules),
+#   2. runs the GPU tests (tests/test_gpu.py, the kernel modules' compiled cases, the zero-row and fused preference
+#      passes on the GPU; PYTEST_MORE adds modules),
 #      then scripts/gpu_accuracy.py (every backend against float64) at ACCURACY_SHAPES (default 8k:llama3-8b);
 #   3. runs `logitless bench`, writing the JSON into benchmarks/results/, regenerating BENCHMARKS.md and
 #      benchmarks/bench.png, and copying all three (and this script's log) to $OUT;
@@ -59,7 +60,7 @@ if [ "${SKIP_PYTEST:-0}" != "1" ]; then
     step "2. GPU tests + kernel modules (limit ${PYTEST_S}s)"
     timeout "$PYTEST_S" python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu.py tests/test_gemm_backend.py tests/test_triton_backend.py tests/test_flash_backend.py \
-        tests/test_weight_grad_kernels.py \
+        tests/test_weight_grad_kernels.py tests/test_zero_rows.py tests/test_preference_fused.py \
         ${PYTEST_MORE:-} 2>&1 | tail -40
     rc=${PIPESTATUS[0]}
     echo "pytest exit status $rc"; [ "$rc" = 0 ] || status=1
