@@ -7,7 +7,9 @@ A backend computes, for one chunk of tokens against a :class:`~logitless.ops.hea
   an opaque handle on the chunk's logits for the backward (``None`` when not kept);
 * ``chunk_backward(head, rows, plan, saved, grads, acc, kept) -> d hidden``: from the
   per-token gradients of the statistics, ``d hidden`` of the chunk (``[n, H]`` in the
-  statistics dtype, or ``None``), and in place ``d weight``/``d bias``/adapter gradients.
+  statistics dtype, or ``None``), and in place ``d weight``/``d bias``/adapter gradients;
+* ``kept_rows(kept, idx) -> kept``: the kept logits restricted to the rows ``idx`` of the chunk,
+  for a backward that leaves out rows without a gradient (:mod:`logitless.ops.engine`).
 
 With ``p = softmax(z)`` and ``sum_pz = Σ p z``, the gradient w.r.t. the logits is
 ``dz_v = p_v (g_lse - g_logp - g_entropy (z_v - sum_pz)) + g_logp [v == y] + g_sum_z``, then the

@@ -27,15 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import (
-    Accumulators,
-    ChunkRows,
-    RowCoefficients,
-    RowStats,
-    SavedStats,
-    StatGrads,
-    StatRequest,
-)
+from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
 from .gemm_kernels import (
     CentredTile,
     GemmConfig,
