@@ -79,7 +79,7 @@ def cross_entropy(
     eps = float(label_smoothing)
 
     if reduction == "none":
-        checks.run()  # no count in this reduction: nothing pending
+        checks.run()  # a tensor count, unused by this reduction, is still checked (its own synchronization)
         st = vocab_stats(hidden, head, targets, ignore_index=ignore_index, entropy=False, mean_logit=eps > 0,
                          options=options)
         ce = -st.logp if eps == 0 else (1 - eps) * -st.logp + eps * (st.lse - st.mean_logit)
