@@ -40,6 +40,7 @@ from ..ops import (
     as_head,
     as_options,
     check_head_inputs,
+    check_mask,
     run_objective,
     stat_dtype_for,
 )
@@ -144,8 +145,9 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     log-probs), checked in the same host synchronization as the head's values.
 
     Raises:
-        TypeError, ValueError: as :func:`sequence_logps`; a per-unit input of another shape or
-            device, or with NaN/inf.
+        TypeError, ValueError: as :func:`sequence_logps` (masks of another shape or device, or
+            holding a value other than 0/1); a per-unit input of another shape or device, or
+            with NaN/inf.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be a [S, T, H] tensor, got "
@@ -159,6 +161,11 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+    # The masks select tokens (a 0.5 would count as 1): 0/1 only, as sequence_logps requires.
+    checks = ValueChecks()
+    for name, x in (("completion_mask", batch.completion_mask), ("nll_mask", batch.nll_mask)):
+        if x is not None:
+            check_mask(x, name, checks, hidden.device, binary=True)
     s, t = batch.labels.shape
     if s % size:
         raise ValueError(f"expected chosen and rejected sequences concatenated ([2B, T]), got {s} sequences")
@@ -183,7 +190,6 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
     t_flat = batch.labels.reshape(-1)[flat].long()
     ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
-    checks = ValueChecks()
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
     for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
