@@ -335,7 +335,19 @@ def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: to
                      label_smoothing: float = 0.0,
                      options: PassOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SimPO in one fused pass: :func:`cpo_loss_fused` with ``loss_type="simpo"`` and
-    ``cpo_alpha=0`` (as :func:`~logitless.simpo_loss`)."""
+    ``cpo_alpha=0`` (as :func:`~logitless.simpo_loss`).
+
+    Args:
+        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        beta, simpo_gamma, label_smoothing: SimPO's ``β``, target reward margin ``γ`` and
+            label smoothing, as :func:`~logitless.simpo_loss`.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.simpo_loss`.
+
+    Raises:
+        TypeError, ValueError: as :func:`cpo_loss_fused`.
+    """
     cfg = CPOLossConfig(beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing, loss_type="simpo",
                         cpo_alpha=0.0)
     return cpo_loss_fused(hidden, head, labels, completion_mask, config=cfg, options=options)
@@ -362,8 +374,8 @@ def kto_loss_fused(
     Args:
         hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`, for ``B``
             unpaired completions.
-        label: ``[B]`` desirable (True) / undesirable (False).
-        ref_logps: ``[B]`` reference log-prob sums.
+        label: ``[B]`` bool, desirable (True) / undesirable (False).
+        ref_logps: ``[B]`` reference log-prob sums (nats).
         kl_logps: ``(kl_logps, ref_kl_logps)``, the policy's (no gradient) and the reference's
             ``[B]`` sums on the mismatched KL completions, as :func:`~logitless.kto_loss` takes
             them; needed by ``kto``.
