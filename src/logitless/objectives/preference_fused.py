@@ -39,6 +39,7 @@ from ..ops import (
     ValueChecks,
     as_head,
     as_options,
+    check_device,
     check_head_inputs,
     check_mask,
     run_objective,
@@ -138,6 +139,18 @@ class _Batch:
     nll_mask: torch.Tensor | None = None  # [S, T]
 
 
+def _check_shaped(name: str, x: object, shape: tuple[int, ...], device: torch.device, where: str = "") -> None:
+    """``x`` is a tensor of ``shape`` on ``device``.
+
+    Raises:
+        ValueError: naming ``name``: another shape or not a tensor; as :func:`check_device`.
+    """
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+        raise ValueError(f"{name} must be a tensor of shape {shape}{where}, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_device(name, x, device)
+
+
 def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
              per_unit: dict[str, torch.Tensor]) -> tuple[_Units, torch.Tensor, torch.Tensor]:
     """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
@@ -154,13 +167,8 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
                          f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
     for name, x in (("labels", batch.labels), ("completion_mask", batch.completion_mask),
                     ("nll_mask", batch.nll_mask)):
-        if name == "nll_mask" and x is None:
-            continue
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"{name} must be a tensor of shape {tuple(hidden.shape[:2])} (hidden's [S, T]), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+        if x is not None or name != "nll_mask":
+            _check_shaped(name, x, tuple(hidden.shape[:2]), hidden.device, " (hidden's [S, T])")
     # The masks select tokens (a 0.5 would count as 1): 0/1 only, as sequence_logps requires.
     checks = ValueChecks()
     for name, x in (("completion_mask", batch.completion_mask), ("nll_mask", batch.nll_mask)):
@@ -171,11 +179,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
         raise ValueError(f"expected chosen and rejected sequences concatenated ([2B, T]), got {s} sequences")
     units = s // size
     for name, x in per_unit.items():
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (units,):
-            raise ValueError(f"{name} must be a tensor of shape ({units},), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+        _check_shaped(name, x, (units,), hidden.device)
     dev = hidden.device
     sdt = stat_dtype_for(hidden.dtype)
     # Pass order: pair i's chosen (row i) then its rejected (row B + i); one sequence a unit otherwise.
