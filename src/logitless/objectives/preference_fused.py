@@ -402,8 +402,7 @@ def kto_loss_fused(
         named.update(kl_logps=kl_logps[0], ref_kl_logps=kl_logps[1])
     units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 1, named)
     _check_pairs(ref_logps, label=label)
-    if label.device != hidden.device:
-        raise ValueError(f"label is on {label.device} but hidden is on {hidden.device}")
+    check_device("label", label, hidden.device)
     sdt = stat_dtype_for(hidden.dtype)
     label, ref = label.to(torch.bool), ref_logps.to(sdt)
     if cfg.loss_type == "kto":
