@@ -377,8 +377,8 @@ def merge(path: str | Path, *, key_file: str | os.PathLike[str] | None = None):
 
 
 def _merge(root: Path, key: bytes | None):
-    check_real_dirs(root, (PARTS, f"{PARTS}/rank-00000"))
     first = _rank_dir(root, 0)
+    check_real_dirs(root, (PARTS, f"{PARTS}/{first.name}"))
     if not (first / _STATE).is_file():
         raise ValueError(f"{root} holds no build (no {first / _STATE})")
     state = _read_json(first, _STATE)
