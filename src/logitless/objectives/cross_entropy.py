@@ -46,7 +46,8 @@ def cross_entropy(
         label_smoothing: ``ε`` in ``[0, 1]``.
         z_loss: coefficient of ``lse²``.
         num_items_in_batch: the denominator of ``"mean"`` (counted tokens of the whole
-            accumulated batch; > 0).
+            accumulated batch): a number or a one-element tensor (TRL's, on the accelerator),
+            finite and > 0, read with the other value checks; other reductions ignore it.
         options: :class:`logitless.PassOptions` (``mode``: see :func:`logitless.policy_loss`).
 
     Returns:
