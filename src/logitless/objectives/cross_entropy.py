@@ -47,7 +47,7 @@ def cross_entropy(
         z_loss: coefficient of ``lse²``.
         num_items_in_batch: the denominator of ``"mean"`` (counted tokens of the whole
             accumulated batch): a number or a one-element tensor (TRL's, on the accelerator),
-            finite and > 0, read with the other value checks; other reductions ignore it.
+            finite and > 0, read with the other value checks; other reductions check it but do not use it.
         options: :class:`logitless.PassOptions` (``mode``: see :func:`logitless.policy_loss`).
 
     Returns:
