@@ -338,6 +338,25 @@ def test_bad_inputs_are_named():
     assert logitless.dpo_loss_fused is dpo_loss_fused
 
 
+@pytest.mark.parametrize("value", [0.5, -1.0, float("nan")])
+def test_masks_are_zero_or_one_as_in_sequence_logps(value):
+    """The masks only select tokens: a 0.5, -1 or NaN (which ``!= 0`` would count as 1) is refused by
+    the fused losses as by :func:`sequence_logps`, naming the mask."""
+    hidden, weight, _, labels, mask = _batch()
+    bad = mask.double()
+    bad[0, T // 2] = value
+    ref = torch.randn(B, dtype=torch.float64)
+    with pytest.raises(ValueError, match="completion_mask values must be 0 or 1"):
+        sequence_logps(hidden, weight, labels, bad)
+    with pytest.raises(ValueError, match="completion_mask values must be 0 or 1"):
+        dpo_loss_fused(hidden, weight, labels, bad, ref, ref)
+    with pytest.raises(ValueError, match="completion_mask values must be 0 or 1"):
+        kto_loss_fused(hidden, weight, labels, bad, torch.ones(2 * B, dtype=torch.bool), ref.repeat(2),
+                       config=KTOLossConfig(loss_type="apo_zero_unpaired"))
+    with pytest.raises(ValueError, match="nll_mask values must be 0 or 1"):
+        orpo_loss_fused(hidden, weight, labels, mask, nll_mask=bad)
+
+
 def test_vocab_shards():
     """Two vocabulary-parallel ranks (gloo; 19 rows each, so 32-token chunks: several per pass,
     each reducing its statistics over the ranks): each rank's loss, d hidden and metrics equal

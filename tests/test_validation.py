@@ -153,6 +153,7 @@ def _policy_bad():
         "old_logp shape": (dict(old_logp=torch.zeros(3, 5)), {}, ValueError, "old_logp"),
         "advantages shape": (dict(advantages=torch.randn(4)), {}, ValueError, "advantages"),
         "advantages list": (dict(advantages=[1.0, 2.0, 3.0]), {}, TypeError, "advantages"),
+        "advantages None": (dict(advantages=None), {}, TypeError, "advantages"),
         "ids out of range": (dict(completion_ids=torch.full((3, 4), V)), {}, ValueError, "targets|range"),
         "ids device": (dict(completion_ids=torch.empty(3, 4, dtype=torch.long, device="meta")), {}, ValueError,
                        "meta"),

@@ -46,7 +46,8 @@ def cross_entropy(
         label_smoothing: ``ε`` in ``[0, 1]``.
         z_loss: coefficient of ``lse²``.
         num_items_in_batch: the denominator of ``"mean"`` (counted tokens of the whole
-            accumulated batch; > 0).
+            accumulated batch): a number or a one-element tensor (TRL's, on the accelerator),
+            finite and > 0, read with the other value checks; other reductions check it but do not use it.
         options: :class:`logitless.PassOptions` (``mode``: see :func:`logitless.policy_loss`).
 
     Returns:
@@ -79,7 +80,7 @@ def cross_entropy(
     eps = float(label_smoothing)
 
     if reduction == "none":
-        checks.run()  # no count in this reduction: nothing pending
+        checks.run()  # a tensor count, unused by this reduction, is still checked (its own synchronization)
         st = vocab_stats(hidden, head, targets, ignore_index=ignore_index, entropy=False, mean_logit=eps > 0,
                          options=options)
         ce = -st.logp if eps == 0 else (1 - eps) * -st.logp + eps * (st.lse - st.mean_logit)

@@ -220,7 +220,7 @@ def distill_loss(
                           checks=checks)
     for name, x in (("mask", mask), ("labels", labels), ("teacher_topk_ids", teacher_topk_ids),
                     ("teacher_topk_logprobs", teacher_topk_logprobs)):
-        if x is not None and isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor):  # anything else is named by the type and shape checks below
             check_device(name, x, hidden.device)
     if mask is not None:
         check_mask(mask, "mask", checks, hidden.device, binary=True)

@@ -91,9 +91,12 @@ def head_loss(
     return _head_loss(hidden, head, targets, terms, metrics, ignore_index, stats, options)
 
 
-def _head_loss(hidden, head, targets, terms, metrics, ignore_index, stats, options,
+def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.Tensor, terms: Mapping[str, Term],
+               metrics: Mapping[str, Term] | None, ignore_index: int, stats: tuple[str, ...],
+               options: PassOptions | None,
                pending: ValueChecks | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`head_loss`, with the caller's ``pending`` value checks read in its synchronization."""
+    """:func:`head_loss` (its arguments positionally), with the caller's ``pending`` value checks
+    (:func:`cross_entropy`'s count) read in the head checks' synchronization."""
     if not terms:
         raise ValueError("head_loss needs at least one term")
     unknown = set(stats) - set(STATS)

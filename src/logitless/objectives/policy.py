@@ -262,7 +262,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     if cfg.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's per-token log-probs)")
     for name, x in (("advantages", advantages), ("importance_sampling_ratio", importance_sampling_ratio)):
-        if x is not None and not isinstance(x, torch.Tensor):
+        if (x is not None or name == "advantages") and not isinstance(x, torch.Tensor):  # advantages is required
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x is not None:
             check_device(name, x, hidden.device)

@@ -39,7 +39,9 @@ from ..ops import (
     ValueChecks,
     as_head,
     as_options,
+    check_device,
     check_head_inputs,
+    check_mask,
     run_objective,
     stat_dtype_for,
 )
@@ -137,6 +139,18 @@ class _Batch:
     nll_mask: torch.Tensor | None = None  # [S, T]
 
 
+def _check_shaped(name: str, x: object, shape: tuple[int, ...], device: torch.device, where: str = "") -> None:
+    """``x`` is a tensor of ``shape`` on ``device``.
+
+    Raises:
+        ValueError: naming ``name``: another shape or not a tensor; as :func:`check_device`.
+    """
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+        raise ValueError(f"{name} must be a tensor of shape {shape}{where}, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    check_device(name, x, device)
+
+
 def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
              per_unit: dict[str, torch.Tensor]) -> tuple[_Units, torch.Tensor, torch.Tensor]:
     """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
@@ -144,31 +158,28 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     log-probs), checked in the same host synchronization as the head's values.
 
     Raises:
-        TypeError, ValueError: as :func:`sequence_logps`; a per-unit input of another shape or
-            device, or with NaN/inf.
+        TypeError, ValueError: as :func:`sequence_logps` (masks of another shape or device, or
+            holding a value other than 0/1); a per-unit input of another shape or device, or
+            with NaN/inf.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be a [S, T, H] tensor, got "
                          f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
     for name, x in (("labels", batch.labels), ("completion_mask", batch.completion_mask),
                     ("nll_mask", batch.nll_mask)):
-        if name == "nll_mask" and x is None:
-            continue
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(hidden.shape[:2]):
-            raise ValueError(f"{name} must be a tensor of shape {tuple(hidden.shape[:2])} (hidden's [S, T]), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+        if x is not None or name != "nll_mask":
+            _check_shaped(name, x, tuple(hidden.shape[:2]), hidden.device, " (hidden's [S, T])")
+    # The masks select tokens (a 0.5 would count as 1): 0/1 only, as sequence_logps requires.
+    checks = ValueChecks()
+    for name, x in (("completion_mask", batch.completion_mask), ("nll_mask", batch.nll_mask)):
+        if x is not None:
+            check_mask(x, name, checks, hidden.device, binary=True)
     s, t = batch.labels.shape
     if s % size:
         raise ValueError(f"expected chosen and rejected sequences concatenated ([2B, T]), got {s} sequences")
     units = s // size
     for name, x in per_unit.items():
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (units,):
-            raise ValueError(f"{name} must be a tensor of shape ({units},), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.device != hidden.device:
-            raise ValueError(f"{name} is on {x.device} but hidden is on {hidden.device}")
+        _check_shaped(name, x, (units,), hidden.device)
     dev = hidden.device
     sdt = stat_dtype_for(hidden.dtype)
     # Pass order: pair i's chosen (row i) then its rejected (row B + i); one sequence a unit otherwise.
@@ -183,7 +194,6 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
     t_flat = batch.labels.reshape(-1)[flat].long()
     ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
-    checks = ValueChecks()
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
     for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
@@ -329,7 +339,19 @@ def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: to
                      label_smoothing: float = 0.0,
                      options: PassOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SimPO in one fused pass: :func:`cpo_loss_fused` with ``loss_type="simpo"`` and
-    ``cpo_alpha=0`` (as :func:`~logitless.simpo_loss`)."""
+    ``cpo_alpha=0`` (as :func:`~logitless.simpo_loss`).
+
+    Args:
+        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        beta, simpo_gamma, label_smoothing: SimPO's ``β``, target reward margin ``γ`` and
+            label smoothing, as :func:`~logitless.simpo_loss`.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`~logitless.simpo_loss`.
+
+    Raises:
+        TypeError, ValueError: as :func:`cpo_loss_fused`.
+    """
     cfg = CPOLossConfig(beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing, loss_type="simpo",
                         cpo_alpha=0.0)
     return cpo_loss_fused(hidden, head, labels, completion_mask, config=cfg, options=options)
@@ -356,8 +378,8 @@ def kto_loss_fused(
     Args:
         hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`, for ``B``
             unpaired completions.
-        label: ``[B]`` desirable (True) / undesirable (False).
-        ref_logps: ``[B]`` reference log-prob sums.
+        label: ``[B]`` bool, desirable (True) / undesirable (False).
+        ref_logps: ``[B]`` reference log-prob sums (nats).
         kl_logps: ``(kl_logps, ref_kl_logps)``, the policy's (no gradient) and the reference's
             ``[B]`` sums on the mismatched KL completions, as :func:`~logitless.kto_loss` takes
             them; needed by ``kto``.
@@ -380,8 +402,7 @@ def kto_loss_fused(
         named.update(kl_logps=kl_logps[0], ref_kl_logps=kl_logps[1])
     units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 1, named)
     _check_pairs(ref_logps, label=label)
-    if label.device != hidden.device:
-        raise ValueError(f"label is on {label.device} but hidden is on {hidden.device}")
+    check_device("label", label, hidden.device)
     sdt = stat_dtype_for(hidden.dtype)
     label, ref = label.to(torch.bool), ref_logps.to(sdt)
     if cfg.loss_type == "kto":

@@ -29,7 +29,7 @@ from ..ops import LogitTransform
 from .dataset import Example, to_examples
 from .errors import RefCacheCorruptError, RefCacheMismatchError
 from .files import check_real_dirs, exclusive_lock, make_dir, read_bounded
-from .fingerprint import Fingerprint, HashMode, sequence_key
+from .fingerprint import Fingerprint, HashMode, Manifest, sequence_key
 from .mac import load_key
 from .model import ReferenceModel, as_reference, batch_logprobs
 from .store import MANIFEST, PARTS, PartWriter, Store, finalize, part_metadata, remove_stale_temporaries, write_json
@@ -264,7 +264,7 @@ def build(
         remove_stale_temporaries(rank_dir)
         _check_state(rank_dir, state)
         bound = _state_digest(_read_json(rank_dir, _STATE))
-        return _build_rank(ref, plan, root, (options, bound, key), (rank, world_size), on_batch)
+        return _build_rank(ref, plan, root, options, (rank, world_size), on_batch, state_digest=bound, key=key)
 
 
 def _check_vocabulary(examples: list[Example], vocab_size: int) -> None:
@@ -299,17 +299,16 @@ def _finished(root: Path, plan: _Plan, state: dict[str, Any], rank: int, key: by
     return BuildResult(root, rank, state["world_size"], n, n, 0, 0, 0.0, None)
 
 
-def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, settings: tuple[BuildOptions, str, bytes | None],
-                shard: tuple[int, int], on_batch: Callable[[int, int], None] | None) -> BuildResult:
-    """The batches of one rank, with its lock held (see :func:`build`); ``settings`` is the
-    options, the digest of the rank's stored ``state.json`` and the MAC key."""
-    options, bound, key = settings
+def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, options: BuildOptions, shard: tuple[int, int],
+                on_batch: Callable[[int, int], None] | None, *, state_digest: str, key: bytes | None) -> BuildResult:
+    """The batches of one rank, with its lock held (see :func:`build`); every part records
+    ``state_digest`` (of the rank's stored ``state.json``), and ``key`` signs the merged cache."""
     rank, world_size = shard
     rank_dir = _rank_dir(root, rank)
     value_dtype = np.float64 if ref.weight.dtype == torch.float64 else np.float32
     writer = PartWriter(root, rank, value_dtype)
     for p in writer.parts:
-        if p["meta"].get("state") != bound:
+        if p["meta"].get("state") != state_digest:
             raise RefCacheCorruptError(rank_dir / Path(p["name"]).name, "was not written under this rank's "
                                        "state.json (edited bookkeeping, or a part of another build)",
                                        f"Delete {rank_dir} and rerun the build to redo that rank")
@@ -331,14 +330,14 @@ def _build_rank(ref: ReferenceModel, plan: _Plan, root: Path, settings: tuple[Bu
             writer.add([plan.keys[i] for i in mine[j]], [logp[i, :n] for i, n in enumerate(lens)],
                        None if ent is None else [ent[i, :n] for i, n in enumerate(lens)])
             if writer.pending_bytes >= options.part_bytes:
-                writer.flush({"batch_end": j + 1, "state": bound})
+                writer.flush({"batch_end": j + 1, "state": state_digest})
             seqs += len(exs)
             toks += int(lengths.sum())
             bar.update(1)
             bar.set_postfix(seq_s=f"{seqs / max(time.perf_counter() - t0, 1e-9):.1f}")
             if on_batch is not None:
                 on_batch(j + 1, len(mine))
-        writer.flush({"batch_end": len(mine), "state": bound})
+        writer.flush({"batch_end": len(mine), "state": state_digest})
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
@@ -377,8 +376,8 @@ def merge(path: str | Path, *, key_file: str | os.PathLike[str] | None = None):
 
 
 def _merge(root: Path, key: bytes | None):
-    check_real_dirs(root, (PARTS, f"{PARTS}/rank-00000"))
     first = _rank_dir(root, 0)
+    check_real_dirs(root, (PARTS, f"{PARTS}/{first.name}"))
     if not (first / _STATE).is_file():
         raise ValueError(f"{root} holds no build (no {first / _STATE})")
     state = _read_json(first, _STATE)
@@ -414,7 +413,7 @@ def _merge(root: Path, key: bytes | None):
     with exclusive_lock(root, "merge.lock"):
         remove_stale_temporaries(root)
         if (root / MANIFEST).is_file():  # compared with the bookkeeping, never rewritten
-            return _already_merged(root, key, (fp, parts, info))
+            return _already_merged(root, key, fp, parts, info)
         _check_bound(root, parts, _state_digest(state))
         return finalize(root, fp, parts, build=info, key=key)
 
@@ -433,10 +432,14 @@ def _check_bound(root: Path, parts: list[dict[str, Any]], bound: str) -> None:
                                        f"Delete {d} and build that rank again")
 
 
-def _already_merged(root: Path, key: bytes | None, described: tuple[Fingerprint, list[dict[str, Any]], dict]):
-    """The manifest of the finished cache in ``root`` if the bookkeeping ``described`` (its
-    fingerprint, parts and build settings) is what the manifest says; refused otherwise."""
-    fp, parts, info = described
+def _already_merged(root: Path, key: bytes | None, fp: Fingerprint, parts: list[dict[str, Any]],
+                    info: dict[str, Any]) -> Manifest:
+    """The manifest of the finished cache in ``root`` if the ranks' bookkeeping (its fingerprint
+    ``fp``, ``parts`` and build settings ``info``) is what the manifest says; refused otherwise.
+
+    Raises:
+        RefCacheMismatchError: naming each field that differs.
+    """
     have = Store(root, key=key).manifest
     diff: dict[str, tuple[object, object]] = {
         f"fingerprint.{k}": (v, getattr(fp, k)) for k, v in asdict(have.fingerprint).items() if getattr(fp, k) != v}

@@ -218,6 +218,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from .errors import RefCacheError
+    from .mac import MAC_FILE
     from .store import Store, manifest_summary
 
     _existing_dir(args.path, "path")
@@ -238,8 +239,8 @@ def _info(args: argparse.Namespace) -> int:
     print(f"tokenizer      {fp['tokenizer']}")
     print(f"transform      temperature={fp['temperature']} logit_scale={fp['logit_scale']} softcap={fp['softcap']}")
     print(f"built          {d['created_at']} by logitless {fp['library_version']}, {len(d['parts'])} part(s)")
-    keyed = os.path.lexists(args.path / "manifest.hmac")
-    print("mac            " + ("HMAC-SHA256 (manifest.hmac; not checked here: verify --key-file checks it)" if keyed
+    keyed = os.path.lexists(args.path / MAC_FILE)
+    print("mac            " + (f"HMAC-SHA256 ({MAC_FILE}; not checked here: verify --key-file checks it)" if keyed
                                else "none (built without a key)"))
     return 0
 

@@ -60,7 +60,6 @@ from .mac import check_mac as _check_mac
 
 MANIFEST = "manifest.json"
 PARTS = "parts"
-_EMPTY_CRC = 0
 # A log-prob is z_y - lse(z) <= 0; where a kernel rounds the target logit apart from the same logit
 # inside lse, a probability of ~1 can come out a few ulps above 0. Anything beyond this is not a
 # log-prob (a forged or miscomputed row) and is never served.
