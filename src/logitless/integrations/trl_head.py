@@ -47,6 +47,8 @@ class UnsupportedConfigError(ValueError):
 
 # Per-token fields of TRL's FusedCausalLMOutput that logitless computes (log Σ p², WPO's weight, is not).
 SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "mean_logits", "is_top1"})
+# Why fused_loss is off in a drop-in whose loss is TRL's code on the log-probs (DPO, KTO, RLOO).
+_TRL_LOSS_ON_LOGPROBS = "the loss is TRL's own code on logitless log-probs (fused_logprobs)"
 # Keyword arguments that only shape the backbone's text pass (padding-free batches included);
 # any other non-None argument (pixel_values, output_router_logits, ...) sends the call to TRL's head.
 BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "cu_seq_lens_q",
@@ -54,7 +56,7 @@ BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use
 
 
 def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, ...], temperature: float = 1.0,
-           loss_problems: list[str] | None = None, logprobs_only: bool = False) -> Switches:
+           loss_problems: list[str] | None = None, logprobs_only: bool = False, ref_cache: Any = None) -> Switches:
     """Resolve ``config`` for ``trainer`` into ``trainer.logitless`` and put logitless behind the
     fused LM head of ``trainer.model`` (computing ``outputs``) and ``trainer.ref_model`` (log-probs).
 
@@ -66,12 +68,19 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
         loss_problems: trainer options the ``fused_loss`` path does not reproduce (``fused_loss``
             resolves off, with their names, when any).
         logprobs_only: the trainer has no ``fused_loss`` path (its loss is TRL's code on the
-            log-probs), so ``fused_logprobs=False`` alone is a deliberate "all off".
+            log-probs): ``fused_loss`` resolves off (with ``loss_problems``, by default the reason
+            that), and ``fused_logprobs=False`` alone is a deliberate "all off".
+        ref_cache: when not ``None``, the reference is first served from it (:func:`use_ref_cache`).
 
     Raises:
         TypeError: ``config`` is not a :class:`LogitlessConfig`.
-        UnsupportedConfigError: a LoRA adapter on the head with ``fused_logprobs`` resolved off.
+        UnsupportedConfigError: a LoRA adapter on the head with ``fused_logprobs`` resolved off;
+            what :func:`use_ref_cache` raises.
     """
+    if ref_cache is not None:
+        use_ref_cache(trainer, ref_cache)
+    if logprobs_only and not loss_problems:
+        loss_problems = [_TRL_LOSS_ON_LOGPROBS]
     config = check_config(config)
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None))
               if m is not None and not isinstance(m, CachedReference)]
