@@ -28,7 +28,7 @@ from ..ops import token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
 from .hf import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head, head_inputs
 from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, finish, lora_head_admitted
-from .trl_skip import loss_without_zero_advantage, skip_problem
+from .trl_skip import counted_mask, loss_without_zero_advantage, skip_problem
 
 __all__ = ["FixedCompletions", "LogitlessGRPOTrainer", "UnsupportedConfigError", "patch_grpo_trainer",
            "trl_own_path"]
@@ -247,8 +247,7 @@ class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
             return GRPOTrainer._compute_loss(self, model, inputs)
         if sw.config.skip_zero_advantage and self.model.training:
             return loss_without_zero_advantage(self, model, inputs, self._fused_loss)
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else \
-            inputs["completion_mask"] * inputs["tool_mask"]
+        mask = counted_mask(inputs)
         if mask.size(1) == 1 and not bool(mask.all()):
             # At completion length 1 TRL's metric helpers average padded positions into entropy, kl and
             # the clip ratios (docs/policy-objectives.md); logitless never sees padding. The logits are

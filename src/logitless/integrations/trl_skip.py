@@ -32,6 +32,7 @@ are averaged over the rows that ran.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -206,5 +207,6 @@ def _restore_clip_metrics(logged: dict[str, list], before: dict[str, int], sel: 
     if zero_rows > 0:
         if "clip_ratio/low_min" in new:
             logged["clip_ratio/low_min"][-1] = 0.0
-        if "clip_ratio/high_max" in new and logged["clip_ratio/high_max"][-1] != logged["clip_ratio/high_max"][-1]:
+        # The removed rows' 0 changes TRL's nanmax only where no row that ran had a value (NaN).
+        if "clip_ratio/high_max" in new and math.isnan(logged["clip_ratio/high_max"][-1]):
             logged["clip_ratio/high_max"][-1] = 0.0
