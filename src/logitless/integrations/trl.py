@@ -26,8 +26,8 @@ from trl import GRPOTrainer
 from ..objectives import PolicyConfig, policy_loss
 from ..ops import token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head, head_inputs
-from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, finish, lora_head_admitted
+from .hf import add_hidden_states_forward, find_head, head_inputs
+from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, discover_heads, finish, lora_head_admitted
 from .trl_skip import counted_mask, loss_without_zero_advantage, skip_problem
 
 __all__ = ["FixedCompletions", "LogitlessGRPOTrainer", "UnsupportedConfigError", "patch_grpo_trainer",
@@ -318,14 +318,7 @@ def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig |
 def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
     config = check_config(config)
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None and not isinstance(m, _CachedReference)]
-    head_problem, lora_head = None, False
-    try:
-        for m in models:
-            if config.allow_unverified:
-                admit_unverified(m)
-            lora_head |= find_head(m).lora is not None  # decide now, not mid-training
-    except UnsupportedModelError as e:
-        head_problem = str(e)
+    head_problem, lora_head = discover_heads(models, config)
     trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer.args, trainer))
     if lora_head and not (trainer.logitless.fused_loss and trainer.logitless.fused_logprobs):
         why = "; ".join(f"{k}: {v}" for k, v in trainer.logitless.why_not.items())

@@ -84,18 +84,10 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
     config = check_config(config)
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None))
               if m is not None and not isinstance(m, CachedReference)]
-    head_problem = None
+    head_problem, lora_head = discover_heads(models, config)
     missing = sorted(set(outputs) - SUPPORTED_OUTPUTS)
-    if missing:
+    if missing and head_problem is None:
         head_problem = f"the trainer's head must also compute {missing}, which logitless does not"
-    lora_head = False
-    try:
-        for m in models:
-            if config.allow_unverified:
-                admit_unverified(m)
-            lora_head |= find_head(m).lora is not None
-    except UnsupportedModelError as e:
-        head_problem = str(e)
     sw = Switches.resolve(config, head_problem, list(loss_problems or []))
     trainer.logitless = sw
     if lora_head and not sw.fused_logprobs:
@@ -107,6 +99,22 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
             _put_behind_fused_head(trainer, m, wanted, temperature)
     finish(trainer, sw, ("fused_logprobs",) if logprobs_only else ("fused_loss", "fused_logprobs"))
     return sw
+
+
+def discover_heads(models: list[Any], config: LogitlessConfig) -> tuple[str | None, bool]:
+    """``(problem, lora)`` for the heads of ``models``, found once at construction:
+    ``problem`` is why logitless cannot take one (``None``: it can take all), ``lora`` whether any
+    carries a LoRA adapter. With ``config.allow_unverified`` an unverified class is admitted first,
+    after its check."""
+    lora = False
+    try:
+        for m in models:
+            if config.allow_unverified:
+                admit_unverified(m)
+            lora |= find_head(m).lora is not None
+    except UnsupportedModelError as e:
+        return str(e), lora
+    return None, lora
 
 
 def check_config(config: LogitlessConfig | None) -> LogitlessConfig:
