@@ -10,6 +10,7 @@ from ..ops import Impl, LogitsPrecision, Mode, PassOptions
 
 logger = logging.getLogger("logitless")
 
+
 @dataclass(frozen=True)
 class LogitlessConfig:
     """What a trainer integration runs through logitless (``None`` = decide automatically).

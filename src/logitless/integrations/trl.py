@@ -38,7 +38,9 @@ class _CachedReference(torch.nn.Module):
     """Stands in for the freed reference model: its log-probs come from the trainer's cache."""
 
 
-def _unsupported(args, trainer) -> list[str]:
+def _unsupported(trainer) -> list[str]:
+    """The trainer's options that the fused loss does not reproduce (``fused_loss`` resolves off)."""
+    args = trainer.args
     out = []
     if getattr(args, "use_adaptive_entropy", False):
         out.append("use_adaptive_entropy=True (adaptive entropy controller)")
@@ -309,7 +311,12 @@ def _check_ref_cache_applies(call: inspect.BoundArguments) -> None:
 
 def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessGRPOTrainer:
     """Turn an existing ``GRPOTrainer`` into a :class:`LogitlessGRPOTrainer` in place (same
-    state, logitless head), configured by ``logitless_config``."""
+    state, logitless head), configured by ``logitless_config``.
+
+    Raises:
+        TypeError, ValueError: an invalid :class:`LogitlessConfig`.
+        UnsupportedConfigError: a LoRA adapter on the head with ``fused_loss`` or ``fused_logprobs`` off.
+    """
     _attach(trainer, logitless_config)
     trainer.__class__ = LogitlessGRPOTrainer
     return trainer
@@ -319,7 +326,7 @@ def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
     config = check_config(config)
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None and not isinstance(m, _CachedReference)]
     head_problem, lora_head = discover_heads(models, config)
-    trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer.args, trainer))
+    trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer))
     if lora_head and not (trainer.logitless.fused_loss and trainer.logitless.fused_logprobs):
         why = "; ".join(f"{k}: {v}" for k, v in trainer.logitless.why_not.items())
         raise UnsupportedConfigError(f"the model has a LoRA adapter on lm_head, which TRL's own head ignores; it "

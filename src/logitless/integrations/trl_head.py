@@ -233,8 +233,12 @@ def trl_own_path(trainer: Any) -> Iterator[Any]:
 
 
 def head_pass(trainer: Any, model: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, Head]:
-    """``(hidden, head)`` of ``model``'s head for final hidden states ``hidden``, in the autocast
-    dtype (FSDP2: the unsharded weight), at temperature 1."""
+    """``(hidden, head)`` of ``model``'s head for final hidden states ``hidden [..., H]`` (shape
+    kept), in the autocast dtype (FSDP2: the unsharded weight), at temperature 1.
+
+    Raises:
+        UnsupportedModelError: ``model``'s head is not one logitless takes.
+    """
     return head_inputs(hidden, find_head(trainer.accelerator.unwrap_model(model)))
 
 
