@@ -375,6 +375,11 @@ def reference_records(trainer: Any, dataset: Any = None) -> Iterator[dict[str, t
             or ``prompt``/``completion``/``label`` rows).
         dataset: its prepared dataset to read (default ``trainer.train_dataset``; pass
             ``trainer.eval_dataset`` as well if you evaluate).
+
+    Yields:
+        One dict per sequence of 1-D ``[L]`` tensors, ``L`` the length of its collated batch
+        (padding included, ``attention_mask`` 0 there); ``loss_mask`` is TRL's
+        ``completion_mask``.
     """
     from torch.utils.data import DataLoader
 

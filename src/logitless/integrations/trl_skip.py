@@ -103,7 +103,8 @@ def counted_mask(inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def select_rows(inputs: dict[str, Any]) -> RowSelection:
-    """The rows of TRL's micro-batch ``inputs`` that carry a gradient (one host synchronization).
+    """The rows of TRL's micro-batch ``inputs`` that carry a gradient (host synchronizations: the
+    row indices, the kept column count).
 
     Raises:
         ValueError: ``advantages`` is neither ``[B]``, ``[B, 1]`` nor ``[B, T]``.
