@@ -37,6 +37,7 @@ class LogitlessKTOTrainer(ActiveMetric, KTOTrainer):
         TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``KTOTrainer`` raises.
         UnsupportedConfigError: ``ref_cache`` with ``sync_ref_model`` or ``precompute_ref_log_probs``;
             a LoRA adapter on the head with ``fused_logprobs`` off.
+        RefCacheMismatchError: a ``ref_cache`` directory built from other weights or tokenizer.
     """
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, ref_cache: Any = None,
