@@ -68,14 +68,14 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
         loss_problems: trainer options the ``fused_loss`` path does not reproduce (``fused_loss``
             resolves off, with their names, when any).
         logprobs_only: the trainer has no ``fused_loss`` path (its loss is TRL's code on the
-            log-probs): ``fused_loss`` resolves off (with ``loss_problems``, by default the reason
-            that), and ``fused_logprobs=False`` alone is a deliberate "all off".
+            log-probs): ``fused_loss`` resolves off, its reason ``loss_problems`` or else that one,
+            and ``fused_logprobs=False`` alone is a deliberate "all off".
         ref_cache: when not ``None``, the reference is first served from it (:func:`use_ref_cache`).
 
     Raises:
         TypeError: ``config`` is not a :class:`LogitlessConfig`.
-        UnsupportedConfigError: a LoRA adapter on the head with ``fused_logprobs`` resolved off;
-            what :func:`use_ref_cache` raises.
+        UnsupportedConfigError: a LoRA adapter on the head with ``fused_logprobs`` resolved off.
+        UnsupportedConfigError, RefCacheMismatchError: from :func:`use_ref_cache` (``ref_cache``).
     """
     if ref_cache is not None:
         use_ref_cache(trainer, ref_cache)
