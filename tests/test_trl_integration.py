@@ -205,12 +205,12 @@ def test_explicit_logprobs_switch_warns_once_per_reason(tmp_path):
 
 
 def test_unrecognized_head_resolves_to_trls_path(tmp_path, monkeypatch):
-    import logitless.integrations.trl as trl_mod
+    import logitless.integrations.trl_head as trl_head
 
     def refuse(model):
         raise UnsupportedModelError(f"{type(model).__name__} is not verified")
 
-    monkeypatch.setattr(trl_mod, "find_head", refuse)
+    monkeypatch.setattr(trl_head, "find_head", refuse)
     with pytest.warns(UserWarning, match="fused_loss=True cannot be honoured .*not verified"):
         tr = _trainer(tmp_path, logitless_config=LogitlessConfig(fused_loss=True))
     assert not tr.logitless.fused_loss and not tr.logitless.fused_logprobs

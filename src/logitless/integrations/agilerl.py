@@ -19,6 +19,7 @@ switch turns it off. The recipe is in ``docs/agilerl.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import warnings
@@ -80,7 +81,7 @@ def _logprobs(
     if head_b is not None:
         head_b = head_b.to(dtype)
     if lora is not None and (lora.a.dtype != dtype or lora.b.dtype != dtype):
-        lora = type(lora)(a=lora.a.to(dtype), b=lora.b.to(dtype), scaling=lora.scaling, dropout=lora.dropout)
+        lora = dataclasses.replace(lora, a=lora.a.to(dtype), b=lora.b.to(dtype))
     head = Head(head_w, head_b, transform=LogitTransform(temperature=float(temperature)), lora=lora)
     return vocab_stats(hidden, head, target_ids.long(), entropy=False, options=options).logp
 

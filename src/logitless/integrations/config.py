@@ -10,6 +10,7 @@ from ..ops import Impl, LogitsPrecision, Mode, PassOptions
 
 logger = logging.getLogger("logitless")
 
+
 @dataclass(frozen=True)
 class LogitlessConfig:
     """What a trainer integration runs through logitless (``None`` = decide automatically).
@@ -39,8 +40,10 @@ class LogitlessConfig:
             traffic. ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``
             (:class:`logitless.PassOptions`).
         mode: ``"auto"`` | ``"fused"`` | ``"recompute"`` (see :func:`logitless.policy_loss`).
-        impl: ``"auto"`` | ``"torch"`` | ``"triton"``.
-        chunk_bytes: workspace budget of a vocabulary pass (default 1 GiB).
+        impl: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"flash"`` | ``"gemm"`` (see
+            :class:`logitless.PassOptions`).
+        chunk_bytes: workspace budget of a vocabulary pass in bytes (``None``:
+            ``LOGITLESS_CHUNK_BYTES``, else 1 GiB).
         skip_zero_advantage: GRPO only (``LogitlessGRPOTrainer``), off by default: completions
             that carry no gradient (advantage exactly 0, e.g. every completion of a group whose
             rewards are all equal, or no counted token) are removed from the training forward and

@@ -35,10 +35,8 @@ from .hf import UnsupportedModelError, add_hidden_states_forward, find_head, hea
 _IGNORE = -100
 
 
-def _unsupported(actor: Any, model: torch.nn.Module, mm_inputs: dict, wants: str | None) -> str | None:
-    """Why this call cannot go through logitless, or None."""
-    if wants is not None:
-        return wants
+def _unsupported(actor: Any, model: torch.nn.Module, mm_inputs: dict) -> str | None:
+    """Why a log-prob call of ``actor`` cannot go through logitless, or None."""
     if mm_inputs or getattr(actor, "is_vlm", False):
         return "a vision-language model (multimodal inputs)"
     if getattr(getattr(model, "config", None), "output_router_logits", False):
@@ -79,8 +77,10 @@ def _forward(
         packed_seq_lens,
         return_entropy,
     )
-    wants_logits = None if (action_mask is not None or return_logprobs) else "a call that returns the logits"
-    reason = _unsupported(self, self.model, mm_inputs, wants_logits)
+    if action_mask is None and not return_logprobs:
+        reason = "a call that returns the logits"
+    else:
+        reason = _unsupported(self, self.model, mm_inputs)
     if reason is not None:
         if not getattr(self, "_logitless_fallback_warned", False):
             warnings.warn(f"logitless: OpenRLHF's own Actor.forward is used: {reason}", stacklevel=2)

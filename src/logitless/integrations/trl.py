@@ -26,9 +26,9 @@ from trl import GRPOTrainer
 from ..objectives import PolicyConfig, policy_loss
 from ..ops import token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head, head_inputs
-from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, finish, lora_head_admitted
-from .trl_skip import loss_without_zero_advantage, skip_problem
+from .hf import add_hidden_states_forward, find_head, head_inputs
+from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, discover_heads, finish, lora_head_admitted
+from .trl_skip import counted_mask, loss_without_zero_advantage, skip_problem
 
 __all__ = ["FixedCompletions", "LogitlessGRPOTrainer", "UnsupportedConfigError", "patch_grpo_trainer",
            "trl_own_path"]
@@ -38,7 +38,9 @@ class _CachedReference(torch.nn.Module):
     """Stands in for the freed reference model: its log-probs come from the trainer's cache."""
 
 
-def _unsupported(args, trainer) -> list[str]:
+def _unsupported(trainer) -> list[str]:
+    """The trainer's options that the fused loss does not reproduce (``fused_loss`` resolves off)."""
+    args = trainer.args
     out = []
     if getattr(args, "use_adaptive_entropy", False):
         out.append("use_adaptive_entropy=True (adaptive entropy controller)")
@@ -247,8 +249,7 @@ class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
             return GRPOTrainer._compute_loss(self, model, inputs)
         if sw.config.skip_zero_advantage and self.model.training:
             return loss_without_zero_advantage(self, model, inputs, self._fused_loss)
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else \
-            inputs["completion_mask"] * inputs["tool_mask"]
+        mask = counted_mask(inputs)
         if mask.size(1) == 1 and not bool(mask.all()):
             # At completion length 1 TRL's metric helpers average padded positions into entropy, kl and
             # the clip ratios (docs/policy-objectives.md); logitless never sees padding. The logits are
@@ -310,7 +311,12 @@ def _check_ref_cache_applies(call: inspect.BoundArguments) -> None:
 
 def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessGRPOTrainer:
     """Turn an existing ``GRPOTrainer`` into a :class:`LogitlessGRPOTrainer` in place (same
-    state, logitless head), configured by ``logitless_config``."""
+    state, logitless head), configured by ``logitless_config``.
+
+    Raises:
+        TypeError, ValueError: an invalid :class:`LogitlessConfig`.
+        UnsupportedConfigError: a LoRA adapter on the head with ``fused_loss`` or ``fused_logprobs`` off.
+    """
     _attach(trainer, logitless_config)
     trainer.__class__ = LogitlessGRPOTrainer
     return trainer
@@ -319,15 +325,8 @@ def patch_grpo_trainer(trainer: GRPOTrainer, logitless_config: LogitlessConfig |
 def _attach(trainer: GRPOTrainer, config: LogitlessConfig | None) -> None:
     config = check_config(config)
     models = [m for m in (trainer.model, trainer.ref_model) if m is not None and not isinstance(m, _CachedReference)]
-    head_problem, lora_head = None, False
-    try:
-        for m in models:
-            if config.allow_unverified:
-                admit_unverified(m)
-            lora_head |= find_head(m).lora is not None  # decide now, not mid-training
-    except UnsupportedModelError as e:
-        head_problem = str(e)
-    trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer.args, trainer))
+    head_problem, lora_head = discover_heads(models, config)
+    trainer.logitless = Switches.resolve(config, head_problem, _unsupported(trainer))
     if lora_head and not (trainer.logitless.fused_loss and trainer.logitless.fused_logprobs):
         why = "; ".join(f"{k}: {v}" for k, v in trainer.logitless.why_not.items())
         raise UnsupportedConfigError(f"the model has a LoRA adapter on lm_head, which TRL's own head ignores; it "

@@ -18,12 +18,11 @@ from typing import Any
 from trl import DPOTrainer
 
 from .config import LogitlessConfig
-from .trl_head import ActiveMetric, attach, lora_head_admitted, reference_records, trl_own_path, use_ref_cache
+from .trl_head import ActiveMetric, attach, lora_head_admitted, reference_records, trl_own_path
 
 __all__ = ["LogitlessDPOTrainer", "patch_dpo_trainer", "reference_records", "trl_own_path"]
 
 _OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
-_SHARED_LOSS = ["the loss is TRL's own code on logitless log-probs (fused_logprobs)"]
 
 
 def _outputs(trainer: DPOTrainer) -> tuple[str, ...]:
@@ -61,19 +60,13 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
                  **kwargs: Any) -> None:
         with lora_head_admitted(DPOTrainer, args, kwargs):
             super().__init__(*args, **kwargs)
-        if ref_cache is not None:
-            use_ref_cache(self, ref_cache)
-        attach(self, logitless_config, outputs=_outputs(self), loss_problems=_SHARED_LOSS,
-               logprobs_only=True)
+        attach(self, logitless_config, outputs=_outputs(self), logprobs_only=True, ref_cache=ref_cache)
 
 
 def patch_dpo_trainer(trainer: DPOTrainer, logitless_config: LogitlessConfig | None = None,
                       ref_cache: Any = None) -> LogitlessDPOTrainer:
     """Turn an existing ``DPOTrainer`` into a :class:`LogitlessDPOTrainer` in place (``ref_cache``
     as there)."""
-    if ref_cache is not None:
-        use_ref_cache(trainer, ref_cache)
-    attach(trainer, logitless_config, outputs=_outputs(trainer), loss_problems=_SHARED_LOSS,
-           logprobs_only=True)
+    attach(trainer, logitless_config, outputs=_outputs(trainer), logprobs_only=True, ref_cache=ref_cache)
     trainer.__class__ = LogitlessDPOTrainer
     return trainer

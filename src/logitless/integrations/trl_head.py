@@ -47,6 +47,8 @@ class UnsupportedConfigError(ValueError):
 
 # Per-token fields of TRL's FusedCausalLMOutput that logitless computes (log Σ p², WPO's weight, is not).
 SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "mean_logits", "is_top1"})
+# Why fused_loss is off in a drop-in whose loss is TRL's code on the log-probs (DPO, KTO, RLOO).
+_TRL_LOSS_ON_LOGPROBS = "the loss is TRL's own code on logitless log-probs (fused_logprobs)"
 # Keyword arguments that only shape the backbone's text pass (padding-free batches included);
 # any other non-None argument (pixel_values, output_router_logits, ...) sends the call to TRL's head.
 BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use_cache", "cu_seq_lens_q",
@@ -54,7 +56,7 @@ BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use
 
 
 def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, ...], temperature: float = 1.0,
-           loss_problems: list[str] | None = None, logprobs_only: bool = False) -> Switches:
+           loss_problems: list[str] | None = None, logprobs_only: bool = False, ref_cache: Any = None) -> Switches:
     """Resolve ``config`` for ``trainer`` into ``trainer.logitless`` and put logitless behind the
     fused LM head of ``trainer.model`` (computing ``outputs``) and ``trainer.ref_model`` (log-probs).
 
@@ -66,27 +68,26 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
         loss_problems: trainer options the ``fused_loss`` path does not reproduce (``fused_loss``
             resolves off, with their names, when any).
         logprobs_only: the trainer has no ``fused_loss`` path (its loss is TRL's code on the
-            log-probs), so ``fused_logprobs=False`` alone is a deliberate "all off".
+            log-probs): ``fused_loss`` resolves off, its reason ``loss_problems`` or else that one,
+            and ``fused_logprobs=False`` alone is a deliberate "all off".
+        ref_cache: when not ``None``, the reference is first served from it (:func:`use_ref_cache`).
 
     Raises:
         TypeError: ``config`` is not a :class:`LogitlessConfig`.
         UnsupportedConfigError: a LoRA adapter on the head with ``fused_logprobs`` resolved off.
+        UnsupportedConfigError, RefCacheMismatchError: from :func:`use_ref_cache` (``ref_cache``).
     """
+    if ref_cache is not None:
+        use_ref_cache(trainer, ref_cache)
+    if logprobs_only and not loss_problems:
+        loss_problems = [_TRL_LOSS_ON_LOGPROBS]
     config = check_config(config)
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None))
               if m is not None and not isinstance(m, CachedReference)]
-    head_problem = None
+    head_problem, lora_head = discover_heads(models, config)
     missing = sorted(set(outputs) - SUPPORTED_OUTPUTS)
-    if missing:
+    if missing and head_problem is None:
         head_problem = f"the trainer's head must also compute {missing}, which logitless does not"
-    lora_head = False
-    try:
-        for m in models:
-            if config.allow_unverified:
-                admit_unverified(m)
-            lora_head |= find_head(m).lora is not None
-    except UnsupportedModelError as e:
-        head_problem = str(e)
     sw = Switches.resolve(config, head_problem, list(loss_problems or []))
     trainer.logitless = sw
     if lora_head and not sw.fused_logprobs:
@@ -98,6 +99,22 @@ def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, 
             _put_behind_fused_head(trainer, m, wanted, temperature)
     finish(trainer, sw, ("fused_logprobs",) if logprobs_only else ("fused_loss", "fused_logprobs"))
     return sw
+
+
+def discover_heads(models: list[Any], config: LogitlessConfig) -> tuple[str | None, bool]:
+    """``(problem, lora)`` for the heads of ``models``, found once at construction:
+    ``problem`` is why logitless cannot take one (``None``: it can take all), ``lora`` whether any
+    carries a LoRA adapter. With ``config.allow_unverified`` an unverified class is admitted first,
+    after its check."""
+    lora = False
+    try:
+        for m in models:
+            if config.allow_unverified:
+                admit_unverified(m)
+            lora |= find_head(m).lora is not None
+    except UnsupportedModelError as e:
+        return str(e), lora
+    return None, lora
 
 
 def check_config(config: LogitlessConfig | None) -> LogitlessConfig:
@@ -216,8 +233,12 @@ def trl_own_path(trainer: Any) -> Iterator[Any]:
 
 
 def head_pass(trainer: Any, model: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, Head]:
-    """``(hidden, head)`` of ``model``'s head for final hidden states ``hidden``, in the autocast
-    dtype (FSDP2: the unsharded weight), at temperature 1."""
+    """``(hidden, head)`` of ``model``'s head for final hidden states ``hidden [..., H]`` (shape
+    kept), in the autocast dtype (FSDP2: the unsharded weight), at temperature 1.
+
+    Raises:
+        UnsupportedModelError: ``model``'s head is not one logitless takes.
+    """
     return head_inputs(hidden, find_head(trainer.accelerator.unwrap_model(model)))
 
 
@@ -354,6 +375,11 @@ def reference_records(trainer: Any, dataset: Any = None) -> Iterator[dict[str, t
             or ``prompt``/``completion``/``label`` rows).
         dataset: its prepared dataset to read (default ``trainer.train_dataset``; pass
             ``trainer.eval_dataset`` as well if you evaluate).
+
+    Yields:
+        One dict per sequence of 1-D ``[L]`` tensors, ``L`` the length of its collated batch
+        (padding included, ``attention_mask`` 0 there); ``loss_mask`` is TRL's
+        ``completion_mask``.
     """
     from torch.utils.data import DataLoader
 

@@ -17,12 +17,11 @@ from typing import Any
 from trl import KTOTrainer
 
 from .config import LogitlessConfig
-from .trl_head import ActiveMetric, attach, lora_head_admitted, reference_records, trl_own_path, use_ref_cache
+from .trl_head import ActiveMetric, attach, lora_head_admitted, reference_records, trl_own_path
 
 __all__ = ["LogitlessKTOTrainer", "patch_kto_trainer", "reference_records", "trl_own_path"]
 
 _OUTPUTS = ("log_probs", "entropy", "mean_logits")
-_SHARED_LOSS = ["the loss is TRL's own code on logitless log-probs (fused_logprobs)"]
 
 
 class LogitlessKTOTrainer(ActiveMetric, KTOTrainer):
@@ -38,25 +37,20 @@ class LogitlessKTOTrainer(ActiveMetric, KTOTrainer):
         TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``KTOTrainer`` raises.
         UnsupportedConfigError: ``ref_cache`` with ``sync_ref_model`` or ``precompute_ref_log_probs``;
             a LoRA adapter on the head with ``fused_logprobs`` off.
+        RefCacheMismatchError: a ``ref_cache`` directory built from other weights or tokenizer.
     """
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, ref_cache: Any = None,
                  **kwargs: Any) -> None:
         with lora_head_admitted(KTOTrainer, args, kwargs):
             super().__init__(*args, **kwargs)
-        if ref_cache is not None:
-            use_ref_cache(self, ref_cache)
-        attach(self, logitless_config, outputs=_OUTPUTS, loss_problems=_SHARED_LOSS,
-               logprobs_only=True)
+        attach(self, logitless_config, outputs=_OUTPUTS, logprobs_only=True, ref_cache=ref_cache)
 
 
 def patch_kto_trainer(trainer: KTOTrainer, logitless_config: LogitlessConfig | None = None,
                       ref_cache: Any = None) -> LogitlessKTOTrainer:
     """Turn an existing ``KTOTrainer`` into a :class:`LogitlessKTOTrainer` in place (``ref_cache``
     as there)."""
-    if ref_cache is not None:
-        use_ref_cache(trainer, ref_cache)
-    attach(trainer, logitless_config, outputs=_OUTPUTS, loss_problems=_SHARED_LOSS,
-           logprobs_only=True)
+    attach(trainer, logitless_config, outputs=_OUTPUTS, logprobs_only=True, ref_cache=ref_cache)
     trainer.__class__ = LogitlessKTOTrainer
     return trainer

@@ -32,6 +32,7 @@ are averaged over the rows that ran.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -102,7 +103,8 @@ def counted_mask(inputs: dict[str, Any]) -> torch.Tensor:
 
 
 def select_rows(inputs: dict[str, Any]) -> RowSelection:
-    """The rows of TRL's micro-batch ``inputs`` that carry a gradient (one host synchronization).
+    """The rows of TRL's micro-batch ``inputs`` that carry a gradient (host synchronizations: the
+    row indices, the kept column count).
 
     Raises:
         ValueError: ``advantages`` is neither ``[B]``, ``[B, 1]`` nor ``[B, T]``.
@@ -206,5 +208,6 @@ def _restore_clip_metrics(logged: dict[str, list], before: dict[str, int], sel: 
     if zero_rows > 0:
         if "clip_ratio/low_min" in new:
             logged["clip_ratio/low_min"][-1] = 0.0
-        if "clip_ratio/high_max" in new and logged["clip_ratio/high_max"][-1] != logged["clip_ratio/high_max"][-1]:
+        # The removed rows' 0 changes TRL's nanmax only where no row that ran had a value (NaN).
+        if "clip_ratio/high_max" in new and math.isnan(logged["clip_ratio/high_max"][-1]):
             logged["clip_ratio/high_max"][-1] = 0.0
