@@ -12,8 +12,7 @@ import sys
 from typing import Any
 
 from . import __version__
-
-TESTED_TRL = "1.16"
+from .integrations import TESTED_TRL
 
 # name -> (module whose add_arguments(parser) registers the options, one-line help)
 _COMMANDS = {

@@ -35,11 +35,9 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..objectives import head_loss
 from ..ops import Head, resolve_backend, vocab_stats
+from . import TESTED_TRL
 from .config import LogitlessConfig, Switches
 from .hf import UnsupportedModelError, _base, add_hidden_states_forward, admit_unverified, find_head, head_inputs
-
-# The TRL release the drop-ins reproduce (tests/test_trl_*.py run against it).
-TESTED_TRL = "1.16"
 
 
 class UnsupportedConfigError(ValueError):
