@@ -20,7 +20,6 @@ from .trl_head import ActiveMetric, attach, lora_head_admitted, trl_own_path
 __all__ = ["LogitlessRLOOTrainer", "patch_rloo_trainer", "trl_own_path"]
 
 _OUTPUTS = ("log_probs", "entropy")
-_SHARED_LOSS = ["the loss is TRL's own code on logitless log-probs (fused_logprobs)"]
 
 
 class LogitlessRLOOTrainer(ActiveMetric, RLOOTrainer):
@@ -37,13 +36,11 @@ class LogitlessRLOOTrainer(ActiveMetric, RLOOTrainer):
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
         with lora_head_admitted(RLOOTrainer, args, kwargs):
             super().__init__(*args, **kwargs)
-        attach(self, logitless_config, outputs=_OUTPUTS, temperature=self.temperature, loss_problems=_SHARED_LOSS,
-               logprobs_only=True)
+        attach(self, logitless_config, outputs=_OUTPUTS, temperature=self.temperature, logprobs_only=True)
 
 
 def patch_rloo_trainer(trainer: RLOOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessRLOOTrainer:
     """Turn an existing ``RLOOTrainer`` into a :class:`LogitlessRLOOTrainer` in place."""
-    attach(trainer, logitless_config, outputs=_OUTPUTS, temperature=trainer.temperature, loss_problems=_SHARED_LOSS,
-           logprobs_only=True)
+    attach(trainer, logitless_config, outputs=_OUTPUTS, temperature=trainer.temperature, logprobs_only=True)
     trainer.__class__ = LogitlessRLOOTrainer
     return trainer
