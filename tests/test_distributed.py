@@ -4,57 +4,26 @@ ranks, and data-parallel normalizers/metrics."""
 
 from __future__ import annotations
 
-import io
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from logitless import Head, LogitTransform, PolicyConfig, cross_entropy, policy_loss, token_logprobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import dist_worker
+from gloo_ranks import run_ranks
 from trl_oracle import trl_grpo_loss
 
 from logitless import PassOptions
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, fn_name, case, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        buf = io.BytesIO()  # bytes, not shared-memory tensors: the child may exit before the parent reads
-        torch.save(getattr(dist_worker, fn_name)(rank, world, case), buf)
-        queue.put((rank, buf.getvalue()))
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(fn_name: str, world: int, case: dict) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn_name, case, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {r: torch.load(io.BytesIO(b)) for r, b in (queue.get(timeout=240) for _ in range(world))}
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return [results[r] for r in range(world)]
+    return run_ranks(getattr(dist_worker, fn_name), world, case)
 
 
 def _policy_case(gen, b=4, t=7, h=16, v=101):

@@ -6,22 +6,17 @@ own, or the root resharding after forward) or tied to the embeddings in one grou
 
 from __future__ import annotations
 
-import io
-import os
-import queue as queue_mod
-import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from logitless import PassOptions
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import this module by name
+from gloo_ranks import run_ranks
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
@@ -155,46 +150,8 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
     return out
 
 
-def _entry(rank, world, port, case, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        buf = io.BytesIO()
-        torch.save(_rank_step(rank, world, case), buf)
-        queue.put((rank, buf.getvalue()))
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(case: dict) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, WORLD, port, case, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        deadline = time.monotonic() + 240
-        while len(results) < WORLD:
-            assert time.monotonic() < deadline, "the ranks did not finish in 240 s"
-            try:
-                r, b = queue.get(timeout=1)
-                results[r] = torch.load(io.BytesIO(b))
-            except queue_mod.Empty:  # a rank that died sends nothing: fail now, not at a long timeout
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank exited with {dead[0]} (its traceback is in the captured stderr)"
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:  # a rank left waiting on a dead peer's collective
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(WORLD)]
+    return run_ranks(_rank_step, WORLD, case, timeout_s=240)
 
 
 def test_fsdp2_grpo_step_matches_single_process():

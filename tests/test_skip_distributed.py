@@ -9,12 +9,7 @@ the drop-in's FSDP2 head (``head_inputs``) in ``tests/test_fsdp.py``."""
 
 from __future__ import annotations
 
-import io
-import os
-import queue as queue_mod
-import socket
 import sys
-import time
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -22,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import this module by name
+from gloo_ranks import run_ranks
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
@@ -156,46 +151,9 @@ def _rank(rank: int, world: int, batches) -> dict:
     return out
 
 
-def _entry(rank, world, port, batches, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        buf = io.BytesIO()
-        torch.save(_rank(rank, world, batches), buf)
-        queue.put((rank, buf.getvalue()))
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(batches) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, WORLD, port, batches, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        deadline = time.monotonic() + 120
-        while len(results) < WORLD:
-            assert time.monotonic() < deadline, "the ranks did not finish in 120 s (a rank left out of a collective)"
-            try:
-                r, b = queue.get(timeout=1)
-                results[r] = torch.load(io.BytesIO(b))
-            except queue_mod.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank exited with {dead[0]} (its traceback is in the captured stderr)"
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(WORLD)]
+    # A rank left out of a collective stalls the others: 120 s is well past a normal run.
+    return run_ranks(_rank, WORLD, batches, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
