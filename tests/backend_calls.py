@@ -4,6 +4,9 @@ pinned for tests of several chunks."""
 
 from __future__ import annotations
 
+import torch
+
+from logitless import Head, HeadLoRA, PassOptions, vocab_stats
 from logitless.ops.backend import Accumulators, ChunkRows, SavedStats, StatGrads, StatRequest
 from logitless.ops.head import LocalHead
 
@@ -52,3 +55,21 @@ def keep_planned_chunks(monkeypatch, pairs) -> list[str]:
     monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)
     monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(pairs))
     return record_layouts(monkeypatch)
+
+
+def logp_grads(leaves: dict, targets: torch.Tensor, impl: str) -> list[torch.Tensor]:
+    """Gradients of ``Σ logp`` w.r.t. the leaves (``hidden``, ``weight``, ``bias``, and a LoRA
+    adapter's ``a``/``b`` when given): ``impl`` ``"fp64"``/``"plain"`` materialize the
+    logits (float64 / the inputs' bf16, softmax in fp32 as the plain path), else logitless."""
+    x = {k: v.detach().requires_grad_() for k, v in leaves.items()}
+    if impl in ("fp64", "plain"):
+        c = (lambda t: t.double()) if impl == "fp64" else (lambda t: t)
+        y = c(x["hidden"]) @ c(x["weight"]).T + c(x["bias"])
+        if "a" in x:
+            y = y + (c(x["hidden"]) @ c(x["a"]).T) @ c(x["b"]).T
+        logp = torch.log_softmax(y.double() if impl == "fp64" else y.float(), -1).gather(-1, targets[:, None])
+    else:
+        lora = HeadLoRA(x["a"], x["b"]) if "a" in x else None
+        logp = vocab_stats(x["hidden"], Head(x["weight"], x["bias"], lora=lora), targets,
+                           options=PassOptions(impl=impl)).logp
+    return [g.double() for g in torch.autograd.grad(logp.sum(), list(x.values()))]

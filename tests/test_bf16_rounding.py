@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_calls import logp_grads
 from interpreter import child_run, interpreted
-
-from logitless import Head, HeadLoRA, PassOptions, vocab_stats
 
 triton = pytest.importorskip("triton")
 
@@ -50,23 +49,6 @@ def test_interpreter_rounds_fp32_to_bf16_to_nearest_even(seed):
     assert torch.equal(y.view(torch.int16), want) and torch.equal(z.view(torch.int16), want)
 
 
-def _grads(leaves: dict, targets: torch.Tensor, impl: str) -> list[torch.Tensor]:
-    """Gradients of ``Σ logp`` w.r.t. the leaves: ``impl`` ``"fp64"``/``"plain"`` materialize the
-    logits (float64 / the inputs' bf16, softmax in fp32 as the plain path), else logitless."""
-    x = {k: v.detach().requires_grad_() for k, v in leaves.items()}
-    if impl in ("fp64", "plain"):
-        c = (lambda t: t.double()) if impl == "fp64" else (lambda t: t)
-        y = c(x["hidden"]) @ c(x["weight"]).T + c(x["bias"])
-        if "a" in x:
-            y = y + (c(x["hidden"]) @ c(x["a"]).T) @ c(x["b"]).T
-        logp = torch.log_softmax(y.double() if impl == "fp64" else y.float(), -1).gather(-1, targets[:, None])
-    else:
-        lora = HeadLoRA(x["a"], x["b"]) if "a" in x else None
-        logp = vocab_stats(x["hidden"], Head(x["weight"], x["bias"], lora=lora), targets,
-                           options=PassOptions(impl=impl)).logp
-    return [g.double() for g in torch.autograd.grad(logp.sum(), list(x.values()))]
-
-
 def _case(kind: str, seed: int, n: int = 9, h: int = 16, v: int = 257) -> tuple[dict, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     weight = (torch.randn(v, h, generator=g) * 3 / h**0.5).bfloat16()
@@ -88,9 +70,9 @@ def test_bf16_gradients_within_the_plain_paths_error(seed):
     total: dict[tuple[str, int], float] = {}
     for draw in range(2):
         leaves, targets = _case("stride-0 weight", seed + draw)
-        ref = _grads(leaves, targets, "fp64")
+        ref = logp_grads(leaves, targets, "fp64")
         for impl in ("plain", "triton", "gemm"):
-            for i, (got, want) in enumerate(zip(_grads(leaves, targets, impl), ref, strict=True)):
+            for i, (got, want) in enumerate(zip(logp_grads(leaves, targets, impl), ref, strict=True)):
                 total[impl, i] = total.get((impl, i), 0.0) + (got - want).norm().item()
     names = list(_case("stride-0 weight", 0)[0])
     ratios = {(impl, names[i]): err / total["plain", i] for (impl, i), err in total.items() if impl != "plain"}

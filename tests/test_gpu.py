@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_calls import logp_grads
 
 import logitless
 from logitless import Head, HeadLoRA, LogitTransform, PassOptions, PolicyConfig
@@ -185,22 +186,8 @@ def test_stride0_weight_and_lora_bf16_gradients_within_plain_error(kind):
         leaves["b"] = (torch.randn(v, 16, device="cuda", generator=g) * 0.5).bfloat16()
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)
 
-    def grads(impl):
-        x = {k: t.detach().requires_grad_() for k, t in leaves.items()}
-        if impl in ("fp64", "plain"):
-            c = (lambda t: t.double()) if impl == "fp64" else (lambda t: t)
-            y = c(x["hidden"]) @ c(x["weight"]).T + c(x["bias"])
-            if "a" in x:
-                y = y + (c(x["hidden"]) @ c(x["a"]).T) @ c(x["b"]).T
-            logp = torch.log_softmax(y.double() if impl == "fp64" else y.float(), -1).gather(-1, targets[:, None])
-        else:
-            lora = HeadLoRA(x["a"], x["b"]) if "a" in x else None
-            logp = logitless.vocab_stats(x["hidden"], Head(x["weight"], x["bias"], lora=lora), targets,
-                                         options=PassOptions(impl=impl)).logp
-        return [t.double() for t in torch.autograd.grad(logp.sum(), list(x.values()))]
-
-    ref = grads("fp64")
-    plain = [(a - b).norm().item() for a, b in zip(grads("plain"), ref, strict=True)]
+    ref = logp_grads(leaves, targets, "fp64")
+    plain = [(a - b).norm().item() for a, b in zip(logp_grads(leaves, targets, "plain"), ref, strict=True)]
     for impl in ("triton", "gemm"):
-        for name, got, want, bound in zip(leaves, grads(impl), ref, plain, strict=True):
+        for name, got, want, bound in zip(leaves, logp_grads(leaves, targets, impl), ref, plain, strict=True):
             assert (got - want).norm().item() <= 1.2 * bound, (impl, name, (got - want).norm().item() / bound)
