@@ -140,6 +140,21 @@ def _options(rng: random.Random) -> dict:
     }
 
 
+def _own_then_logitless(openrlhf, actor, opts: dict, rng: random.Random) -> tuple[tuple, tuple]:
+    """One PPO step of a random batch through OpenRLHF's own actor, then through the same actor
+    after ``use_logitless``: ``(own, ours)``, each ``_step``'s ``(outputs, grads, vllm_kl)``. Old,
+    reference and sampler log-probs are the current ones plus noise (0.2 / 0.4 / 0.1 nats)."""
+    seq, attn, action_mask, g = _batch(rng)
+    with torch.no_grad():
+        lp = actor(seq, action_mask, attention_mask=attn)
+    noise = lambda s: lp + s * torch.randn(lp.shape, generator=g, dtype=lp.dtype)  # noqa: E731
+    adv = torch.randn(lp.shape, generator=g, dtype=lp.dtype)
+    batch = (seq, attn, action_mask, noise(0.2), noise(0.4), noise(0.1), adv)
+    own = _step(openrlhf, actor, batch, opts)
+    use_logitless(actor)
+    return own, _step(openrlhf, actor, batch, opts)
+
+
 # Eight cases drawn from OpenRLHF's option space (PPO / GSPO x dual clip x token / sample
 # aggregation x train-rollout mismatch correction level, mode and gating x KL estimator and its
 # unbiased gradient x KL and entropy coefficients x temperature x LoRA on lm_head): each draw
@@ -149,16 +164,8 @@ def test_training_step_matches_openrlhfs_own_path_float64(openrlhf, widened, see
     rng = random.Random(seed)
     opts = _options(rng)
     actor = _actor(openrlhf, seed, opts["temperature"], opts["lora_head"])
-    seq, attn, action_mask, g = _batch(rng)
-    with torch.no_grad():
-        lp = actor(seq, action_mask, attention_mask=attn)
-    noise = lambda s: lp + s * torch.randn(lp.shape, generator=g, dtype=lp.dtype)  # noqa: E731
-    adv = torch.randn(lp.shape, generator=g, dtype=lp.dtype)
-    batch = (seq, attn, action_mask, noise(0.2), noise(0.4), noise(0.1), adv)
-    expected, expected_grads, expected_vllm_kl = _step(openrlhf, actor, batch, opts)
-
-    use_logitless(actor)
-    got, grads, vllm_kl = _step(openrlhf, actor, batch, opts)
+    (expected, expected_grads, expected_vllm_kl), (got, grads, vllm_kl) = _own_then_logitless(openrlhf, actor, opts,
+                                                                                               rng)
     for name, x, y in zip(("loss", "action_log_probs", "clip_ratio", "ppo_kl"), got, expected, strict=True):
         assert x.dtype == y.dtype, name
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12), (name, x, y)
@@ -211,15 +218,7 @@ def test_packed_samples_match_openrlhfs_packing_path(openrlhf, widened, monkeypa
     opts = _options(rng)
     actor = _actor(openrlhf, seed, opts["temperature"], opts["lora_head"])
     actor.packing_samples = True
-    seq, attn, action_mask, g = _batch(rng)
-    with torch.no_grad():
-        lp = actor(seq, action_mask, attention_mask=attn)
-    noise = lambda s: lp + s * torch.randn(lp.shape, generator=g, dtype=lp.dtype)  # noqa: E731
-    adv = torch.randn(lp.shape, generator=g, dtype=lp.dtype)
-    batch = (seq, attn, action_mask, noise(0.2), noise(0.4), noise(0.1), adv)
-    expected, expected_grads, _ = _step(openrlhf, actor, batch, opts)
-    use_logitless(actor)
-    got, grads, _ = _step(openrlhf, actor, batch, opts)
+    (expected, expected_grads, _), (got, grads, _) = _own_then_logitless(openrlhf, actor, opts, rng)
     for name, x, y in zip(("loss", "action_log_probs", "clip_ratio", "ppo_kl"), got, expected, strict=True):
         assert torch.allclose(x, y, rtol=1e-10, atol=1e-12), (name, x, y)
     for name in grads:
