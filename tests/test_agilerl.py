@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from tiny_models import tiny_llama
 
 from logitless.integrations.agilerl import use_logitless
 
@@ -37,20 +38,7 @@ def agilerl():
 
 
 def _model(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg).double()
+    return tiny_llama(V, H, seed, pad_token_id=0)
 
 
 def _agent(classes, loss_type: str, seed: int, **kwargs):

@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 from framework_sources import WidenedTorch, package_modules
+from tiny_models import tiny_llama
 
 from logitless.integrations.openrlhf import use_logitless
 
@@ -55,19 +56,8 @@ def widened(monkeypatch):
 
 def _actor(openrlhf, seed: int, temperature: float, lora_head: bool):
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=H,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg).double()
+    model = tiny_llama(V, H, seed)
     if lora_head:
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "lm_head"])
         model = get_peft_model(model, config)

@@ -32,3 +32,14 @@ def save_tiny_qwen2(path: Path, vocab_size: int = 64, hidden_size: int = 32, tie
     model.save_pretrained(path)
     word_tokenizer(vocab_size).save_pretrained(path)
     return path
+
+
+def tiny_llama(vocab_size: int, hidden_size: int, seed: int, **config):
+    """A float64 one-layer Llama (2 heads, 1 KV head, MLP width 32) from ``torch.manual_seed(seed)``;
+    ``config``: further ``LlamaConfig`` fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, **config)
+    return LlamaForCausalLM(cfg).double()
