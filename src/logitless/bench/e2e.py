@@ -300,6 +300,19 @@ def _run_point(trainer: Any, model: torch.nn.Module, opt: torch.optim.Optimizer,
     return rec
 
 
+def _off_policy(trainer: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
+                seed: int) -> dict[str, torch.Tensor]:
+    """``batch`` with old log-probs 0.1 nats (Gaussian, from ``seed``) off the model's current ones,
+    so that ratios differ from 1 and the loss depends on the log-probs."""
+    b, c = batch["completion_ids"].shape
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        cur, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, am, c)
+    return dict(batch, old_per_token_logps=cur.float() + 0.1 * torch.randn(b, c, generator=g).to(device))
+
+
 def parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[str, torch.Tensor],
            device: torch.device) -> dict[str, Any]:
     """Loss, gradient norm and head gradient of every path on the same weights and batch (no
@@ -308,12 +321,7 @@ def parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[str, to
     from ..integrations.hf import find_head
 
     b, c = batch["completion_ids"].shape
-    g = torch.Generator().manual_seed(1234)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    with torch.no_grad():
-        cur, _, _ = trainers["logitless"]._get_per_token_logps_and_entropies(model, ids, am, c)
-    batch = dict(batch, old_per_token_logps=cur.float() + 0.1 * torch.randn(b, c, generator=g).to(device))
+    batch = _off_policy(trainers["logitless"], model, batch, device, seed=1234)
     head_weight = find_head(model).weight
     out: dict[str, Any] = {"batch_size": b, "completion_length": c}
     grads = {}
@@ -341,12 +349,7 @@ def skip_parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[st
     log-probs 0.1 nats off: loss, and every parameter's gradient (TRL's kept on the host, one
     parameter back on the device at a time)."""
     b, c = batch["completion_ids"].shape
-    g = torch.Generator().manual_seed(4321)
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-    am = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    with torch.no_grad():
-        cur, _, _ = trainers["logitless"]._get_per_token_logps_and_entropies(model, ids, am, c)
-    batch = dict(batch, old_per_token_logps=cur.float() + 0.1 * torch.randn(b, c, generator=g).to(device))
+    batch = _off_policy(trainers["logitless"], model, batch, device, seed=4321)
     params = [p for p in model.parameters() if p.requires_grad]
     losses, trl_grads = {}, []
     for path in ("trl", SKIP_PATH):
