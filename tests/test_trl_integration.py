@@ -296,6 +296,19 @@ def test_reference_cache_on_fixed_completions_trains_as_trl_does(tmp_path):
         assert b["logitless/active"] == 1.0 and "logitless/active" not in a
 
 
+def _ours_and_trls(tr, ref, seed: int):
+    """One training-mode loss through ``tr`` (loss and gradients) and TRL's own ``_compute_loss``
+    through ``ref`` (the same model with its adapter merged) on the same random inputs."""
+    for t in (tr, ref):
+        t.model.train()
+        t.current_gradient_accumulation_steps = 1
+    inputs = _inputs(ref, seed=seed)
+    ours = _loss_and_grads(tr, inputs)
+    with trl_own_path(ref):
+        theirs = ref._compute_loss(ref.model, inputs)
+    return ours, theirs
+
+
 def test_reference_cache_refuses_moving_reference(tmp_path):
     with pytest.raises(UnsupportedConfigError, match="sync_ref_model"):
         _trainer(tmp_path, beta=0.04, sync_ref_model=True, ref_cache=tmp_path / "nope")
@@ -318,13 +331,7 @@ def test_peft_lora_on_the_head_trains_the_adapter(tmp_path):
     tr = _trainer(tmp_path / "a", beta=0.04, model=model)
     ref = _trainer(tmp_path / "b", beta=0.04, model=merged)
     assert find_head(tr.model).lora is not None
-    for t in (tr, ref):
-        t.model.train()
-        t.current_gradient_accumulation_steps = 1
-    inputs = _inputs(ref, seed=13)
-    ours = _loss_and_grads(tr, inputs)
-    with trl_own_path(ref):
-        theirs = ref._compute_loss(ref.model, inputs)
+    ours, theirs = _ours_and_trls(tr, ref, seed=13)
     assert torch.allclose(ours[0], theirs.detach(), rtol=1e-5, atol=1e-7)
     grads = {n: p.grad for n, p in tr.model.named_parameters() if p.grad is not None}
     head_b = [g for n, g in grads.items() if "lm_head.lora_B" in n]
@@ -450,13 +457,7 @@ def test_peft_config_with_lm_head_is_accepted(tmp_path):
     assert find_head(tr.model).lora is not None and tr.logitless.active
     merged = copy.deepcopy(tr.model).merge_and_unload()
     ref = _trainer(tmp_path / "b", beta=0.04, model=merged)
-    for t in (tr, ref):
-        t.model.train()
-        t.current_gradient_accumulation_steps = 1
-    inputs = _inputs(ref, seed=19)
-    ours = _loss_and_grads(tr, inputs)
-    with trl_own_path(ref):
-        theirs = ref._compute_loss(ref.model, inputs)
+    ours, theirs = _ours_and_trls(tr, ref, seed=19)
     assert torch.allclose(ours[0], theirs.detach(), rtol=1e-5, atol=1e-7)
     head_b = [p.grad for n, p in tr.model.named_parameters() if "lm_head.lora_B" in n and p.grad is not None]
     assert head_b and head_b[0].abs().max() > 0
