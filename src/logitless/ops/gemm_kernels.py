@@ -67,6 +67,8 @@ class GemmConfig:
     Attributes:
         fwd: :class:`~logitless.ops.tile_gemm.Tiles` of the forward GEMM (bf16/fp16 inputs).
         grad_block_v, grad_warps: vocabulary entries per loop step and warps of the row kernel.
+        rows_block: ``(rows, vocabulary entries)`` per step of the kernel that turns chosen rows
+            of the tile into ``dy`` (:func:`launch_centred_grad_rows`; 4 warps, 3 stages).
         group_n: token blocks whose programs run together, so the weight tiles they share hit L2.
         tma: read ``hidden``/``weight`` through tensor descriptors where they are 16-byte aligned.
         store_tma: write the centred tile through a descriptor (the copy engine's bulk store)
@@ -86,6 +88,7 @@ class GemmConfig:
     persistent: bool = False
     programs_per_sm: int = 1
     warp_specialize_stats: bool = False
+    rows_block: tuple[int, int] = (16, 256)
 
 
 @functools.cache
@@ -95,7 +98,8 @@ def gemm_config() -> GemmConfig:
     row-kernel step that straddles tile boundaries."""
     if interpreting():
         return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True,
-                          store_tma=True, persistent=True, programs_per_sm=2, warp_specialize_stats=True)
+                          store_tma=True, persistent=True, programs_per_sm=2, warp_specialize_stats=True,
+                          rows_block=(4, 64))
     # Measured on one H100 at 8192 x 4096 x 128256 bf16 (scripts/gpu_gemm_sweep.py; cuBLAS's bare
     # bf16 GEMM: 10.9-11.3 ms): persistent 128 x 256 x 64 tiles, 8 warps, 3 stages, groups of 8
     # token blocks: 11.8-12.3 ms for the statistics alone, 13.3 ms storing the tile through a
@@ -448,7 +452,7 @@ def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: tor
         return dy
     scalars, flags = transform_args(transform)
     lse = rc.lse
-    block_n, block_v = (4, 64) if interpreting() else (16, 256)
+    block_n, block_v = cfg.rows_block
 
     def arg(x: torch.Tensor | None) -> torch.Tensor:
         return lse if x is None else x
