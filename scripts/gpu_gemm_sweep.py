@@ -22,10 +22,10 @@ from triton.testing import do_bench
 
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.ops import gemm
-from logitless.ops.backend import RowCoefficients, RowStats, SavedStats, StatGrads
-from logitless.ops.flash_kernels import flash_config
-from logitless.ops.flash_kernels import launch_stats as flash_stats
-from logitless.ops.gemm_kernels import (
+from logitless.ops.contract import RowCoefficients, RowStats, SavedStats, StatGrads
+from logitless.ops.flash_backend.kernels import flash_config
+from logitless.ops.flash_backend.kernels import launch_stats as flash_stats
+from logitless.ops.gemm_backend.kernels import (
     TileOperands,
     _epilogue_kernel,
     _grad_tile_kernel,
@@ -34,8 +34,8 @@ from logitless.ops.gemm_kernels import (
     launch_forward,
     launch_grad_tile,
 )
-from logitless.ops.tile_gemm import Tiles
 from logitless.ops.transform import LogitTransform
+from logitless.ops.triton_shared.tile_gemm import Tiles
 
 # (tiles, programs per SM, warp specialization, token blocks per group): persistent launches,
 # tiles stored through a descriptor.

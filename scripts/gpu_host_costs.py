@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from logitless.ops.backend import resolve_backend
+from logitless.ops.contract import resolve_backend
 
 
 def per_call(fn, n: int = 200) -> float:
@@ -45,7 +45,7 @@ for name, fn in cases.items():
 # A statistics GEMM launch (the rollout's one Triton launch) at a bench shape, and its parts.
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_forward  # noqa: E402
+from logitless.ops.gemm_backend.kernels import TileOperands, gemm_config, launch_forward  # noqa: E402
 from logitless.ops.transform import LogitTransform  # noqa: E402
 
 w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16)

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import ROWS, Prepared
 from logitless.bench.timing import time_step
-from logitless.ops.gemm_kernels import TileOperands, gemm_config, launch_forward
+from logitless.ops.gemm_backend.kernels import TileOperands, gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
 
 

@@ -18,7 +18,7 @@ import torch
 from triton.testing import do_bench
 
 from logitless.bench.cases import parse_shape
-from logitless.ops.weight_grad_kernels import WeightGradConfig, _weight_grad_kernel, launch_weight_grad
+from logitless.ops.triton_shared.weight_grad import WeightGradConfig, _weight_grad_kernel, launch_weight_grad
 
 VARIANTS = [
     WeightGradConfig(128, 256, 64, 8, 3, 8, True),

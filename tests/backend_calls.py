@@ -1,4 +1,4 @@
-"""Calls of one backend's contract (``logitless.ops.backend``) on plain tensors, for the tests
+"""Calls of one backend's contract (``logitless.ops.contract``) on plain tensors, for the tests
 that compare backends chunk by chunk: a whole, unsharded head; and the engine's chunk planning
 pinned for tests of several chunks."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from logitless import Head, HeadLoRA, PassOptions, vocab_stats
-from logitless.ops.backend import Accumulators, ChunkRows, SavedStats, StatGrads, StatRequest
+from logitless.ops.contract import Accumulators, ChunkRows, SavedStats, StatGrads, StatRequest
 from logitless.ops.head import LocalHead
 
 

@@ -199,7 +199,7 @@ def test_env_reports_versions_backend_and_trl(capsys):
     import trl
 
     from logitless.cli import env_report
-    from logitless.ops.backend import resolve_backend
+    from logitless.ops.contract import resolve_backend
 
     assert main(["env"]) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import logitless
 from logitless import Head, LogitTransform, PassOptions, cross_entropy, head_loss
-from logitless.ops import torch_backend
+from logitless.ops.torch_backend import backend as torch_backend
 
 
 @pytest.fixture

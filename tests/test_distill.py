@@ -29,7 +29,7 @@ import torch
 
 import logitless.ops.distill as distill_ops
 from logitless import DistillConfig, Head, LogitTransform, PassOptions, VocabShard, distill_loss
-from logitless.ops import torch_backend
+from logitless.ops.torch_backend import backend as torch_backend
 
 N, V, HS, HT = 47, 123, 16, 24
 SMALL_CHUNK = 60_000  # bytes: 32-token chunks, vocabulary blocks of 19 rows (7 per chunk) at these sizes

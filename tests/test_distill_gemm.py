@@ -64,7 +64,7 @@ def _run(case, dtype, cfg, options):
 @interpreted
 @pytest.mark.parametrize(("divergence", "beta", "ce_weight", "transforms", "mode", "chunk_bytes"), CASES)
 def test_matches_torch_and_float64(monkeypatch, divergence, beta, ce_weight, transforms, mode, chunk_bytes):
-    from logitless.ops import distill_gemm
+    from logitless.ops.gemm_backend import distill as distill_gemm
 
     calls = []
     real = distill_gemm.chunk_forward

@@ -16,7 +16,7 @@ from backend_calls import backward, forward
 from interpreter import INTERPRETED, child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
-from logitless.ops.backend import Accumulators, SavedStats, StatGrads
+from logitless.ops.contract import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
@@ -96,8 +96,8 @@ def _use_loads(monkeypatch, loads):
     where they are aligned; emulated by the interpreter) or ``"pointer"`` plain masked loads."""
     import dataclasses
 
-    from logitless.ops import flash_backend
-    from logitless.ops.flash_kernels import flash_config
+    from logitless.ops.flash_backend import backend as flash_backend
+    from logitless.ops.flash_backend.kernels import flash_config
 
     cfg = dataclasses.replace(flash_config(), tma=loads == "tma")
     monkeypatch.setattr(flash_backend, "flash_config", lambda: cfg)
@@ -113,7 +113,8 @@ FORWARD_CASES = [
 @interpreted
 @pytest.mark.parametrize(("dtype", "transform_key", "optional", "loads"), FORWARD_CASES)
 def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
-    from logitless.ops import flash_backend, torch_backend
+    from logitless.ops.flash_backend import backend as flash_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key)
@@ -154,7 +155,8 @@ BACKWARD_CASES = [
 @interpreted
 @pytest.mark.parametrize(("dtype", "transform_key", "present", "hidden_size", "loads"), BACKWARD_CASES)
 def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size, loads):
-    from logitless.ops import flash_backend, torch_backend
+    from logitless.ops.flash_backend import backend as flash_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size=hidden_size, seed=1)
@@ -198,7 +200,7 @@ def test_fp32_logits_false_rounds_the_matmul_output():
     """``plan.fp32_logits=False``: the bf16 matmul output is rounded before bias and transform, as
     in the plain bf16 path, in the forward and in the backward's recomputation alike (gradients
     pass straight through the rounding)."""
-    from logitless.ops import flash_backend
+    from logitless.ops.flash_backend import backend as flash_backend
     from logitless.ops.transform import LogitTransform
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "full")
@@ -258,7 +260,7 @@ def test_fp32_logits_false_rounds_the_matmul_output():
 def test_chunk_backward_accumulates_and_skips_hidden():
     """grad_weight/grad_bias are accumulators (fp32 in place, other dtypes through a temporary);
     need_grad_hidden=False returns None; kept logits are refused."""
-    from logitless.ops import flash_backend
+    from logitless.ops.flash_backend import backend as flash_backend
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
     partials, _ = forward(flash_backend, h, w, b, t, tr, _plan(), False, keep_logits=False)
@@ -288,8 +290,10 @@ def test_chunk_backward_accumulates_and_skips_hidden():
 def test_lora_goes_to_the_triton_backend():
     """The flash kernels have no low-rank term: a head with an adapter resolves to the Triton
     backend, and the flash backend refuses adapter rows instead of dropping them."""
-    from logitless.ops import flash_backend, resolve_backend, triton_backend
+    from logitless.ops import resolve_backend
+    from logitless.ops.flash_backend import backend as flash_backend
     from logitless.ops.lora import LowRank
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
     assert resolve_backend("flash", h, has_lora=True) is triton_backend
@@ -315,8 +319,8 @@ def _peaked_inputs():
 
 
 def _flash_grads(monkeypatch, filtered, h, w, b, t, tr, g_logp, g_ent, g_sz):
-    from logitless.ops import flash_backend
-    from logitless.ops.flash_kernels import flash_config
+    from logitless.ops.flash_backend import backend as flash_backend
+    from logitless.ops.flash_backend.kernels import flash_config
     from logitless.ops.settings import reload
 
     monkeypatch.setenv("LOGITLESS_FLASH_FILTER", "1" if filtered else "0")
@@ -383,7 +387,7 @@ def test_gradient_filtering(monkeypatch):
 
 @interpreted
 def test_config_env(monkeypatch):
-    from logitless.ops.flash_kernels import flash_config
+    from logitless.ops.flash_backend.kernels import flash_config
     from logitless.ops.settings import reload
 
     monkeypatch.setenv("LOGITLESS_FLASH_FILTER", "yes")
@@ -402,7 +406,9 @@ def test_config_env(monkeypatch):
 
 @interpreted
 def test_resolve_backend():
-    from logitless.ops import flash_backend, resolve_backend, torch_backend
+    from logitless.ops import resolve_backend
+    from logitless.ops.flash_backend import backend as flash_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     h = torch.randn(2, 3)
     assert resolve_backend("flash", h) is flash_backend
@@ -415,7 +421,7 @@ def test_resolve_backend():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocab_stats_matches_torch(dtype):
     import logitless
-    from logitless.ops.reference import reference_stats
+    from logitless.objectives.reference import reference_stats
 
     h, w, b, t, _ = _inputs(dtype, "full")
     t = t.clamp(0, V - 1)

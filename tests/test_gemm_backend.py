@@ -16,7 +16,7 @@ from interpreter import INTERPRETED, child_run, interpreted
 from test_flash_backend import TRANSFORMS, _assert_bounded, _oracle
 
 from logitless import Head, LogitTransform, PassOptions, token_logprobs
-from logitless.ops.backend import Accumulators, SavedStats, StatGrads
+from logitless.ops.contract import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
@@ -49,8 +49,8 @@ def _use_loads(monkeypatch, loads):
     """``"tma"`` tensor descriptors (emulated by the interpreter) or ``"pointer"`` masked loads."""
     import dataclasses
 
-    from logitless.ops import gemm_backend
-    from logitless.ops.gemm_kernels import gemm_config
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    from logitless.ops.gemm_backend.kernels import gemm_config
 
     cfg = dataclasses.replace(gemm_config(), tma=loads == "tma", store_tma=loads == "tma")
     monkeypatch.setattr(gemm_backend, "gemm_config", lambda: cfg)
@@ -66,7 +66,8 @@ FORWARD_CASES = [
 def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
     """Statistics as accurate as the torch backend's fp32 logits; the kept tile is each tile's
     logits centred on the tile's maximum, to fp16's resolution."""
-    from logitless.ops import gemm_backend, torch_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key)
@@ -98,7 +99,7 @@ def test_forward_needs_no_zeroed_buffers(monkeypatch):
     """Every buffer of the statistics GEMM is allocated uninitialized: with ``torch.empty``
     poisoned (NaN / -7), the partials and the target logits (0 for targets of another shard) are
     those of a clean run."""
-    from logitless.ops import gemm_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "plain")
     clean, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
@@ -145,7 +146,8 @@ def _grads(backend, h, w, b, t, tr, plan, grads: StatGrads):
 @interpreted
 @pytest.mark.parametrize(("dtype", "transform_key", "present", "hidden_size", "block", "loads"), BACKWARD_CASES)
 def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size, block, loads):
-    from logitless.ops import gemm_backend, torch_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size=hidden_size, seed=1)
@@ -170,7 +172,7 @@ def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size,
 def test_large_logits_keep_their_gradient():
     """Logits near 1000, where a bf16 (or fp16) logit is off by 2-4 nats: centred on their tile's
     maximum, the kept values give the same gradient as float64, to the 16-bit ``dy``'s rounding."""
-    from logitless.ops import gemm_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "full", seed=3, offset=1000.0)
     tr = LogitTransform(temperature=0.7)  # no softcap, which would clip the offset away
@@ -187,7 +189,8 @@ def test_large_logits_keep_their_gradient():
 def test_rounded_logits_match_the_flash_backend():
     """``fp32_logits=False`` rounds the GEMM output to the input dtype before bias and transform,
     exactly as the flash backend (tested against a rounded float64 oracle) does."""
-    from logitless.ops import flash_backend, gemm_backend
+    from logitless.ops.flash_backend import backend as flash_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "full")
     a, _ = forward(gemm_backend, h, w, b, t, tr, _plan(fp32_logits=False), True, keep_logits=False)
@@ -202,8 +205,10 @@ def test_rounded_logits_match_the_flash_backend():
 def test_resolve_and_refusals():
     """bf16/fp16 resolve to this backend; fp32 inputs and adapter heads go to the Triton backend,
     and the backend refuses both instead of computing something else."""
-    from logitless.ops import gemm_backend, resolve_backend, triton_backend
+    from logitless.ops import resolve_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
     from logitless.ops.lora import LowRank
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "full")
     assert resolve_backend("gemm", h) is gemm_backend
@@ -476,7 +481,7 @@ def test_statistics_only_passes_take_longer_chunks():
 def test_rollout_runs_one_statistics_chunk(monkeypatch):
     """With a budget that cuts the logits into 4 chunks, a rollout on the gemm backend launches
     one forward over all tokens, and its log-probs and entropies match the torch backend's."""
-    from logitless.ops import gemm_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
 
     h, w, _b, _t, _tr = _inputs(torch.bfloat16, "plain")
     t = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(3))
@@ -499,9 +504,9 @@ def test_launch_variants_agree(monkeypatch):
     8-entry tail block), or by masked pointer stores: bit for bit the same statistics and tile."""
     import dataclasses
 
-    from logitless.ops import gemm_backend
-    from logitless.ops.gemm_kernels import gemm_config
-    from logitless.ops.tile_gemm import tma_ready
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    from logitless.ops.gemm_backend.kernels import gemm_config
+    from logitless.ops.triton_shared.tile_gemm import tma_ready
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "full")
     w, b, t = w[:200], b[:200], t.clamp(max=199)
@@ -523,7 +528,7 @@ def test_recompute_backward_gets_no_gradient_for_unused_statistics(monkeypatch):
     backward as ``None``, not zeros, so the gradient kernel compiles without its terms; the
     gradient equals the torch backend's."""
     from logitless import vocab_stats
-    from logitless.ops import gemm_backend
+    from logitless.ops.gemm_backend import backend as gemm_backend
 
     seen = []
     launch = gemm_backend.launch_grad_tile

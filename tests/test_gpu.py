@@ -13,7 +13,7 @@ from backend_calls import logp_grads
 
 import logitless
 from logitless import Head, HeadLoRA, LogitTransform, PassOptions, PolicyConfig
-from logitless.ops.reference import reference_stats
+from logitless.objectives.reference import reference_stats
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")]

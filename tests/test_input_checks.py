@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import logitless.ops.torch_backend as torch_backend
+import logitless.ops.torch_backend.backend as torch_backend
 import logitless.ops.validate as validate
 from logitless import (
     DistillConfig,

@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import torch
     from logitless import PassOptions, token_logprobs, vocab_stats
-    from logitless.ops.reference import reference_stats
+    from logitless.objectives.reference import reference_stats
 
     case, n, v, h = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     chunk = None if sys.argv[5] == "default" else int(sys.argv[5])

@@ -148,7 +148,7 @@ def test_dpo_fused_equals_two_call(case, chunk_counts):
 def test_fused_computes_the_logits_once(monkeypatch):
     """The point of the fused path: each chunk's logits serve its statistics and its gradient
     (one logits GEMM a chunk), where the two-call path's backward recomputes them (two)."""
-    from logitless.ops import torch_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     hidden, weight, _, labels, mask = _batch()
     ref = torch.randn(2 * B, dtype=torch.float64) - 15

@@ -17,7 +17,8 @@ import torch
 
 import logitless
 from logitless import Head, LogitTransform, PassOptions, PassOutOfMemoryError
-from logitless.ops import engine, memory, torch_backend
+from logitless.ops import engine, memory
+from logitless.ops.torch_backend import backend as torch_backend
 
 SEED = int(os.environ.get("LOGITLESS_TEST_SEED") or random.SystemRandom().randrange(2**31))
 

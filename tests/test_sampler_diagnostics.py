@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from logitless import Head, LogitTransform, PolicyConfig, policy_loss, sampling_correction
-from logitless.ops.reference import reference_stats
+from logitless.objectives.reference import reference_stats
 
 B, T, H, V = 3, 7, 16, 41
 

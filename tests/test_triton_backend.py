@@ -17,7 +17,7 @@ from backend_calls import backward, forward
 from interpreter import child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
-from logitless.ops.backend import Accumulators, SavedStats, StatGrads
+from logitless.ops.contract import Accumulators, SavedStats, StatGrads
 
 pytest.importorskip("triton")
 
@@ -105,7 +105,8 @@ FORWARD_CASES = [
 @interpreted
 @pytest.mark.parametrize(("dtype", "transform_key", "vocab_block", "tile"), FORWARD_CASES)
 def test_chunk_forward(monkeypatch, dtype, transform_key, vocab_block, tile):
-    from logitless.ops import torch_backend, triton_backend
+    from logitless.ops.torch_backend import backend as torch_backend
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h, w, b, t, tr = _inputs(dtype, transform_key)
     plan = _plan(vocab_block, tile)
@@ -128,7 +129,7 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, vocab_block, tile):
 
 @interpreted
 def test_chunk_forward_without_entropy_matches_with():
-    from logitless.ops import triton_backend
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
     a, _ = forward(triton_backend, h, w, b, t, tr, _plan(50), False, keep_logits=False)
@@ -156,7 +157,8 @@ BACKWARD_CASES = [
 @interpreted
 @pytest.mark.parametrize(("dtype", "transform_key", "kept", "present", "tile", "hidden_size"), BACKWARD_CASES)
 def test_chunk_backward(monkeypatch, dtype, transform_key, kept, present, tile, hidden_size):
-    from logitless.ops import torch_backend, triton_backend
+    from logitless.ops.torch_backend import backend as torch_backend
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size=hidden_size, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -196,7 +198,7 @@ def test_chunk_backward(monkeypatch, dtype, transform_key, kept, present, tile, 
 @interpreted
 def test_chunk_backward_accumulates_and_skips_hidden():
     """grad_weight/grad_bias are accumulators; need_grad_hidden=False returns None."""
-    from logitless.ops import triton_backend
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
     plan = _plan(V)
@@ -222,7 +224,9 @@ def test_chunk_backward_accumulates_and_skips_hidden():
 def test_fp64_runs_on_the_torch_backend(impl):
     """fp64 inputs resolve to the torch backend whatever ``impl`` asks for; so does
     ``impl="torch"``, while bf16 under the interpreter gets the Triton kernels."""
-    from logitless.ops import resolve_backend, torch_backend, triton_backend
+    from logitless.ops import resolve_backend
+    from logitless.ops.torch_backend import backend as torch_backend
+    from logitless.ops.triton_backend import backend as triton_backend
 
     h64 = torch.randn(3, 4, dtype=torch.float64)
     assert resolve_backend(impl, h64) is torch_backend
@@ -238,7 +242,7 @@ SMALL_BUDGET = 8000
 @interpreted
 def test_vocab_stats_and_token_logprobs_match_torch():
     import logitless
-    from logitless.ops.reference import reference_stats
+    from logitless.objectives.reference import reference_stats
 
     h, w, b, t, _ = _inputs(torch.float32, "full")
     t = t.clamp(0, V - 1)
@@ -299,7 +303,7 @@ def test_autotune_restores_every_running_statistic():
     """Autotune trials must start from the same buffers: every pointer the statistics kernel
     updates in place (all but the tile, the bias and the targets) is restored between trials,
     the running Σz included (it was once missing, so label smoothing summed Σz once per trial)."""
-    from logitless.ops import triton_kernels
+    from logitless.ops.triton_backend import kernels as triton_kernels
 
     in_place = {a for a in triton_kernels._stats_kernel.arg_names if a.endswith("_ptr")} - {"y_ptr", "bias_ptr",
                                                                                             "tgt_ptr"}

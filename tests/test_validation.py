@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-import logitless.ops.torch_backend as torch_backend
+import logitless.ops.torch_backend.backend as torch_backend
 from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_loss, token_logprobs, vocab_stats
 
 V, H = 11, 6

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logitless import Head, PassOptions, token_logprobs, vocab_stats
+from logitless.objectives.reference import reference_stats
 from logitless.ops import LogitTransform, ObjectiveSpec, StatRequest, run_objective
 from logitless.ops.plan import ChunkPlan
-from logitless.ops.reference import reference_stats
 
 V, H, N = 123, 16, 47
 BT = (5, 9)
@@ -283,7 +283,7 @@ def test_frozen_head_skips_the_weight_gradient(mode, monkeypatch):
     """A head without ``requires_grad`` gets no ``d weight`` accumulator (the GEMM is skipped);
     ``d hidden`` is unchanged."""
     from logitless import PolicyConfig, policy_loss
-    from logitless.ops import torch_backend
+    from logitless.ops.torch_backend import backend as torch_backend
 
     g = torch.Generator().manual_seed(21)
     hidden = torch.randn(3, 9, 16, generator=g, dtype=torch.float64)

@@ -39,7 +39,7 @@ def test_pair_sums_chunks_against_float64(loads, shape):
     """Three chunks (37, 50 and 16 tokens: tails of the 16-token steps) stored then added into an
     uninitialized (NaN) pair; the descriptors are emulated by the interpreter, and tensors whose
     rows are not 16-byte aligned fall back to pointers."""
-    from logitless.ops.weight_grad_kernels import launch_weight_grad, weight_grad_config
+    from logitless.ops.triton_shared.weight_grad import launch_weight_grad, weight_grad_config
 
     vocab, hidden_size = shape
     cfg = dataclasses.replace(weight_grad_config(), tma=loads != "pointer", pair_tma=loads == "pair-tma")
@@ -57,7 +57,7 @@ def test_pair_sums_chunks_against_float64(loads, shape):
 def test_pair_of_a_vocabulary_block_view():
     """``hi``/``lo`` rows of a block of a larger buffer (the engine's vocabulary blocks), ``dy`` a
     column block of a wider tile: only the block's rows change."""
-    from logitless.ops.weight_grad_kernels import launch_weight_grad
+    from logitless.ops.triton_shared.weight_grad import launch_weight_grad
 
     dys, hs = _chunks((29,), 96, 32, "cpu", seed=1)
     hi = torch.randn(120, 32).to(torch.bfloat16)
@@ -70,7 +70,7 @@ def test_pair_of_a_vocabulary_block_view():
 
 @interpreted
 def test_empty_chunk_stores_zeros_and_adds_nothing():
-    from logitless.ops.weight_grad_kernels import launch_weight_grad
+    from logitless.ops.triton_shared.weight_grad import launch_weight_grad
 
     dys, hs = _chunks((0, 9), 40, 16, "cpu", seed=2)
     hi = torch.full((40, 16), float("nan"), dtype=torch.bfloat16)
@@ -87,7 +87,7 @@ def test_empty_chunk_stores_zeros_and_adds_nothing():
 @pytest.mark.parametrize("vocab", [5056, 5003])  # descriptors; pointers (rows not 16-byte aligned)
 def test_gpu_pair_against_float64(vocab):
     """The compiled kernel (tensor cores) at sizes that are not multiples of its tiles, three chunks."""
-    from logitless.ops.weight_grad_kernels import launch_weight_grad
+    from logitless.ops.triton_shared.weight_grad import launch_weight_grad
 
     hidden_size = 520
     dys, hs = _chunks((1000, 777, 64), vocab, hidden_size, "cuda", seed=3)

@@ -266,8 +266,13 @@ def test_gemm_row_kernel_matches_the_dense_one(seed, softcap):
     """The gemm backend's compacting ``dy`` kernel (rows ``idx`` read, ``dy`` written to the
     tile's first rows in place) gives the dense kernel's values for those rows, with every
     gradient term present, over several tiles and column blocks."""
-    from logitless.ops.backend import RowCoefficients, SavedStats, StatGrads
-    from logitless.ops.gemm_kernels import CentredTile, gemm_config, launch_centred_grad, launch_centred_grad_rows
+    from logitless.ops.contract import RowCoefficients, SavedStats, StatGrads
+    from logitless.ops.gemm_backend.kernels import (
+        CentredTile,
+        gemm_config,
+        launch_centred_grad,
+        launch_centred_grad_rows,
+    )
     from logitless.ops.transform import LogitTransform
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -33,11 +33,11 @@ _EXPORTS = {
         ("CPOLossConfig", "DistillConfig", "DPOLossConfig", "KTOLossConfig", "PolicyConfig", "SequenceLogps",
          "TokenStats", "cpo_loss", "cpo_loss_fused", "cross_entropy", "distill_loss", "dpo_loss", "dpo_loss_fused",
          "head_loss", "kto_loss", "kto_loss_fused", "orpo_loss", "orpo_loss_fused", "policy_loss",
-         "sampling_correction", "sequence_logps", "simpo_loss", "simpo_loss_fused"),
+         "sampling_correction", "sequence_logps", "simpo_loss", "simpo_loss_fused", "VocabStats", "token_logprobs",
+         "vocab_stats"),
         ".objectives"),
     **dict.fromkeys(
-        ("Head", "HeadLoRA", "LogitTransform", "PassOptions", "PassOutOfMemoryError", "VocabShard", "VocabStats",
-         "token_logprobs", "vocab_stats"),
+        ("Head", "HeadLoRA", "LogitTransform", "PassOptions", "PassOutOfMemoryError", "VocabShard"),
         ".ops"),
     # Plain transformers (docs/transformers.md); transformers itself is read off the model.
     **dict.fromkeys(("LogitlessPatch", "apply_logitless"), ".integrations.hf_patch"),
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
         PolicyConfig,
         SequenceLogps,
         TokenStats,
+        VocabStats,
         cpo_loss,
         cpo_loss_fused,
         cross_entropy,
@@ -69,6 +70,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
         sequence_logps,
         simpo_loss,
         simpo_loss_fused,
+        token_logprobs,
+        vocab_stats,
     )
     from .ops import (
         Head,
@@ -77,9 +80,6 @@ if TYPE_CHECKING:  # what static tools and IDEs see
         PassOptions,
         PassOutOfMemoryError,
         VocabShard,
-        VocabStats,
-        token_logprobs,
-        vocab_stats,
     )
 
 

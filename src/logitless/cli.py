@@ -87,7 +87,7 @@ def env_report() -> dict[str, Any]:
 
     import torch
 
-    from .ops.backend import resolve_backend
+    from .ops.contract import resolve_backend
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("triton", "transformers", "trl", "accelerate", "peft"):

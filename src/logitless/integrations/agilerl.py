@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ..ops import Head, LogitTransform, PassOptions, vocab_stats
+from ..objectives import vocab_stats
+from ..ops import Head, LogitTransform, PassOptions
 from .hf import UnsupportedModelError, _is_dtensor, _unwrap_adapters
 
 _PREFIX = "Logitless__"

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import Head, HeadLoRA, LogitTransform, token_logprobs
+from ..objectives import token_logprobs
+from ..ops import Head, HeadLoRA, LogitTransform
 
 
 class UnsupportedModelError(ValueError):

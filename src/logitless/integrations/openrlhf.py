@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ..ops import PassOptions, vocab_stats
+from ..objectives import vocab_stats
+from ..ops import PassOptions
 from .hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
 
 _IGNORE = -100

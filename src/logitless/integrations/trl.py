@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from trl import GRPOTrainer
 
-from ..objectives import PolicyConfig, policy_loss
-from ..ops import token_logprobs, vocab_stats
+from ..objectives import PolicyConfig, policy_loss, token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
 from .hf import add_hidden_states_forward, find_head, head_inputs
 from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, discover_heads, finish, lora_head_admitted

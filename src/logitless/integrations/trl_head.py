@@ -33,8 +33,8 @@ import torch
 import trl
 from trl.trainer.utils import FusedCausalLMOutput
 
-from ..objectives import head_loss
-from ..ops import Head, resolve_backend, vocab_stats
+from ..objectives import head_loss, vocab_stats
+from ..ops import Head, resolve_backend
 from . import TESTED_TRL
 from .config import LogitlessConfig, Switches
 from .hf import UnsupportedModelError, _base, add_hidden_states_forward, admit_unverified, find_head, head_inputs

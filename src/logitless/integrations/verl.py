@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from ..ops import Head, LogitTransform, PassOptions, VocabShard, vocab_stats
+from ..objectives import vocab_stats
+from ..ops import Head, LogitTransform, PassOptions, VocabShard
 
 
 def linear_cross_entropy(

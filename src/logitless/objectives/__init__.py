@@ -27,9 +27,20 @@ from .preference_fused import (
     simpo_loss_fused,
 )
 from .sampling import sampling_correction
+from .vocab_stats import VocabStats, token_logprobs, vocab_stats
 
-__all__ = ["PolicyConfig", "TokenLayout", "TokenStats", "cross_entropy", "head_loss", "policy_loss",
-           "sampling_correction"]
+__all__ = [
+    "PolicyConfig",
+    "TokenLayout",
+    "TokenStats",
+    "VocabStats",
+    "cross_entropy",
+    "head_loss",
+    "policy_loss",
+    "sampling_correction",
+    "token_logprobs",
+    "vocab_stats",
+]
 __all__ += ["CPOLossConfig", "DPOLossConfig", "DistillConfig", "KTOLossConfig", "SequenceLogps", "cpo_loss",
             "distill_loss", "dpo_loss", "kto_loss", "orpo_loss", "sequence_logps", "simpo_loss"]
 __all__ += ["cpo_loss_fused", "dpo_loss_fused", "kto_loss_fused", "orpo_loss_fused", "simpo_loss_fused"]

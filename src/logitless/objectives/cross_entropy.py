@@ -9,8 +9,9 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import Head, PassOptions, ValueChecks, as_head, check_count, vocab_stats
+from ..ops import Head, PassOptions, ValueChecks, as_head, check_count
 from .head_loss import TokenStats, _head_loss
+from .vocab_stats import vocab_stats
 
 Reduction = Literal["mean", "sum", "none"]
 

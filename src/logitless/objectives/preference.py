@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from ..ops import Head, PassOptions, ValueChecks, check_device, check_mask, vocab_stats
+from ..ops import Head, PassOptions, ValueChecks, check_device, check_mask
+from .vocab_stats import vocab_stats
 
 DPOLossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
                       "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]

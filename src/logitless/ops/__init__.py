@@ -2,7 +2,7 @@
 Knows nothing about RL; the objectives layer sits on top and talks to it through
 :mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
-from .backend import StatRequest, resolve_backend
+from .contract import StatRequest, resolve_backend
 from .distill import DistillPass, DistillStats, check_shards, run_distill
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, ZeroRows, compute_stats, run_objective
 from .head import Head, as_head
@@ -14,7 +14,6 @@ from .settings import LogitsPrecision
 from .shard import VocabShard
 from .transform import LogitTransform
 from .validate import ValueChecks, check_count, check_device, check_head_inputs, check_mask
-from .vocab_stats import VocabStats, token_logprobs, vocab_stats
 
 __all__ = [
     "ChunkObjective",
@@ -34,7 +33,6 @@ __all__ = [
     "StatRequest",
     "ValueChecks",
     "VocabShard",
-    "VocabStats",
     "ZeroRows",
     "as_head",
     "as_options",
@@ -48,6 +46,4 @@ __all__ = [
     "run_distill",
     "run_objective",
     "stat_dtype_for",
-    "token_logprobs",
-    "vocab_stats",
 ]

@@ -6,7 +6,7 @@ forward; recompute: O(N) saved state, logits recomputed in the backward).
 
 The student's logits ``zs = Ts(hs Wsᵀ + bs)`` and the teacher's ``zt = Tt(ht Wtᵀ + bt)`` (each
 with its own :class:`LogitTransform`: temperature, scale, soft-cap) are computed block by block
-over the same vocabulary rows (:func:`~logitless.ops.torch_backend.logits_block`: fp32 GEMM
+over the same vocabulary rows (:func:`~logitless.ops.torch_backend.backend.logits_block`: fp32 GEMM
 outputs on GPUs); neither ``[N, V]`` tensor exists. With ``p = softmax(zs)`` and
 ``q = softmax(zt)``, one pass gives, per token:
 
@@ -35,7 +35,7 @@ student only (the teacher is frozen).
 
 Where ``PassOptions.impl`` resolves to the gemm backend (bf16/fp16 heads on Hopper, by default)
 and each token has at most one target id, the same functions run on Triton GEMMs with the
-statistics in their epilogues (:mod:`logitless.ops.distill_gemm`); the torch functions below
+statistics in their epilogues (:mod:`logitless.ops.gemm_backend.distill`); the torch functions below
 are their specification and run every other case.
 """
 
@@ -50,13 +50,13 @@ from typing import NamedTuple
 import torch
 
 from ..distributed import all_reduce, is_active
-from .backend import Accumulators, resolve_backend
+from .contract import Accumulators, resolve_backend
 from .engine import ChunkObjective, PassResult, no_autocast, recompute_stats, resolve_mode, run_fused
 from .head import Head, LocalHead
 from .lora import LowRank
 from .options import PassOptions
 from .plan import ChunkPlan, stat_dtype_for
-from .torch_backend import apply_block_grad, logits_block
+from .torch_backend.backend import apply_block_grad, logits_block
 
 # [n, v] arrays alive at a block's peak (both sides' logits, their exponentials / probabilities,
 # the mixture and product temporaries, dz, dy), in units of the single-head pass's workspace
@@ -493,7 +493,7 @@ class DistillPass:
 
     def _forward(self, rows: DistillRows, plan: ChunkPlan, keep: bool) -> tuple[DistillPartials, object | None]:
         if self.gemm:
-            from . import distill_gemm
+            from .gemm_backend import distill as distill_gemm
 
             return distill_gemm.chunk_forward(self.head, self.teacher, rows, plan, keep)
         return chunk_forward(self.head, self.teacher, rows, plan), None
@@ -515,7 +515,7 @@ class DistillPass:
         jsd = kl_pm = None
         if self.jsd_beta is not None:
             if self.gemm:
-                from . import distill_gemm
+                from .gemm_backend import distill as distill_gemm
 
                 jsd, kl_pm = distill_gemm.chunk_jsd(self.head, self.teacher, rows, plan, out["lse"],
                                                     out["teacher_lse"], self.jsd_beta, kept)
@@ -573,7 +573,7 @@ class DistillPass:
                  acc: Accumulators, kept: object | None) -> torch.Tensor | None:
         with no_autocast(rows.hidden.device):
             if self.gemm:
-                from . import distill_gemm
+                from .gemm_backend import distill as distill_gemm
 
                 return distill_gemm.chunk_backward(self.head, self.teacher, rows, plan, self.jsd_beta, saved, grads,
                                                    acc, kept)

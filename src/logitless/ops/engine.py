@@ -33,7 +33,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 
 from ..distributed import all_reduce
-from .backend import Accumulators, Backend, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, resolve_backend
+from .contract import Accumulators, Backend, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, resolve_backend
 from .head import Head, LocalHead
 from .lora import LowRank
 from .memory import advise_on_oom, check_workspace_fits
@@ -224,11 +224,11 @@ class _Pass:
 
     @property
     def stores_weight_grad(self) -> bool:
-        return self.backend.NAME in ("triton", "gemm") and self.lora_b is None
+        return self.backend.CAPS.stores_weight_grad and self.lora_b is None
 
     @property
     def pairs_weight_grad(self) -> bool:
-        return self.backend.NAME == "gemm" and self.lora_b is None
+        return self.backend.CAPS.pairs_weight_grad and self.lora_b is None
 
     def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> ChunkRows:
         return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
@@ -343,7 +343,7 @@ def _weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKi
       either way).
     * ``"pair"``: several chunks of fewer than ``_PAIR_BELOW_TOKENS`` tokens adding into a bf16
       pair (bf16 heads on a kind that sets ``pairs_weight_grad``:
-      :mod:`logitless.ops.weight_grad_kernels`); the pair is ``2 V H``
+      :mod:`logitless.ops.triton_shared.weight_grad`); the pair is ``2 V H``
       bytes smaller than an fp32 accumulator and those bytes go to larger chunks (their logits
       and fp32 ``d hidden`` rows), so the pass holds what it would with that accumulator.
     * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a

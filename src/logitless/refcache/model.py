@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..ops import Head, LogitTransform, PassOptions, token_logprobs
+from ..objectives import token_logprobs
+from ..ops import Head, LogitTransform, PassOptions
 from .fingerprint import Fingerprint, HashMode, dtype_name, tokenizer_fingerprint, weights_fingerprint
 
 HiddenFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -8,7 +8,7 @@ import os
 import triton
 import triton.language as tl
 
-from .transform import LogitTransform
+from ..transform import LogitTransform
 
 
 def interpreting() -> bool:

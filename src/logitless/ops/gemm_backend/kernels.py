@@ -24,7 +24,7 @@ at ``|z - m| = 4``) where a bf16 logit of magnitude 16-32 is off by up to 0.06. 
 than 65504 below their tile's maximum round to ``-inf``: probability 0, as in fp32.
 
 Layout: launch configs -> kernels -> launchers; the contract functions live in
-:mod:`logitless.ops.gemm_backend`.
+:mod:`logitless.ops.gemm_backend.backend`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .tile_gemm import (
+from ..transform import LogitTransform
+from ..triton_shared.common import interpreting, raw_grad, transform_args
+from ..triton_shared.tile_gemm import (
     Tiles,
     check_operands,
     dot_precision,
@@ -49,11 +51,9 @@ from .tile_gemm import (
     tile_dz,
     tma_ready,
 )
-from .transform import LogitTransform
-from .triton_common import interpreting, raw_grad, transform_args
 
 if TYPE_CHECKING:
-    from .backend import RowCoefficients
+    from ..contract import RowCoefficients
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -65,7 +65,7 @@ class GemmConfig:
     """Every tunable of the GEMM-epilogue kernels.
 
     Attributes:
-        fwd: :class:`~logitless.ops.tile_gemm.Tiles` of the forward GEMM (bf16/fp16 inputs).
+        fwd: :class:`~logitless.ops.triton_shared.tile_gemm.Tiles` of the forward GEMM (bf16/fp16 inputs).
         grad_block_v, grad_warps: vocabulary entries per loop step and warps of the row kernel.
         rows_block: ``(rows, vocabulary entries)`` per step of the kernel that turns chosen rows
             of the tile into ``dy`` (:func:`launch_centred_grad_rows`; 4 warps, 3 stages).
@@ -409,7 +409,7 @@ def launch_centred_grad(z: torch.Tensor, tile_max: torch.Tensor, out: torch.Tens
         tile_max: ``[tiles, n]`` fp32, the ``"m"`` partials of the same launch.
         out: ``[n, v]`` in the GEMM dtype (2 bytes), unit column stride.
         targets: ``[n]`` int64; ``targets - v_start`` indexes ``z``'s columns.
-        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+        rc: :class:`~logitless.ops.contract.RowCoefficients` (``[n]`` fp32 each).
     """
     n, width = z.shape
     assert out.shape == z.shape and z.stride(1) == 1 and out.stride(1) == 1 and out.element_size() == 2
@@ -439,7 +439,7 @@ def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: tor
     Args:
         tile: :class:`CentredTile` with ``rows``; ``z`` with unit column stride.
         targets: ``[m]`` int64 targets of those rows; ``rc``: their
-            :class:`~logitless.ops.backend.RowCoefficients` (``[m]`` fp32 each).
+            :class:`~logitless.ops.contract.RowCoefficients` (``[m]`` fp32 each).
     """
     z, rows = tile.z, tile.rows
     n, width = z.shape
@@ -475,7 +475,7 @@ def launch_grad_tile(ops: TileOperands, rc: RowCoefficients, fp32_logits: bool, 
 
     Args:
         ops: :class:`TileOperands` (``targets`` local to ``ops.weight``'s rows).
-        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+        rc: :class:`~logitless.ops.contract.RowCoefficients` (``[n]`` fp32 each).
         fp32_logits: as in :func:`launch_forward`.
         out: ``[n, V]`` in ``ops.hidden``'s dtype, unit column stride.
     """

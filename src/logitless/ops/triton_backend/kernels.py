@@ -16,7 +16,7 @@ of those stores (without it, on a GPU, warps that ran ahead overwrote logits not
 ``d hidden``/``d weight`` were 1.2e-2 off float64 on an H100 instead of 2.4e-3).
 
 Layout: launch configs -> ``@triton.jit`` helpers -> kernels -> launchers. The autograd-free
-contract functions live in :mod:`logitless.ops.triton_backend`.
+contract functions live in :mod:`logitless.ops.triton_backend.backend`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import on_reload, settings
-from .transform import LogitTransform
-from .triton_common import interpreting, raw_grad, to_logits, transform_args
+from ..settings import on_reload, settings
+from ..transform import LogitTransform
+from ..triton_shared.common import interpreting, raw_grad, to_logits, transform_args
 
 if TYPE_CHECKING:
-    from .backend import RowCoefficients, RowStats
+    from ..contract import RowCoefficients, RowStats
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -251,7 +251,7 @@ def launch_stats(tile: torch.Tensor, bias: torch.Tensor | None, targets: torch.T
         bias: the full ``[V]`` bias (read from ``v_start``) or ``None``.
         targets: ``[n]`` int64 local indices; rows whose target is outside
             ``[v_start, v_start + v)`` keep their ``target_logit``.
-        st: :class:`~logitless.ops.backend.RowStats` of ``[n]`` fp32 contiguous tensors
+        st: :class:`~logitless.ops.contract.RowStats` of ``[n]`` fp32 contiguous tensors
             (``sum_exp_logit``/``sum_logit`` ``None``: not computed), updated in place.
     """
     n, width = tile.shape
@@ -278,7 +278,7 @@ def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | N
     Args:
         tile: ``[n, v]`` raw matmul tile, unit column stride.
         out: ``[n, v]`` output in the GEMM dtype, unit column stride.
-        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+        rc: :class:`~logitless.ops.contract.RowCoefficients` (``[n]`` fp32 each).
     """
     n, width = tile.shape
     assert out.shape == tile.shape and tile.stride(1) == 1 and out.stride(1) == 1

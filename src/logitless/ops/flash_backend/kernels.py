@@ -9,7 +9,7 @@
   over ``splits`` values per row). No ``[n, V]`` buffer exists.
 * :func:`_flash_grad_kernel` (backward): program ``(token block, vocabulary tile)`` recomputes
   its logits tile, turns it into ``dy = dL/dy`` (the same formula as
-  :func:`logitless.ops.torch_backend.chunk_backward`), then walks ``H`` in ``BLOCK_K`` steps and
+  :func:`logitless.ops.torch_backend.backend.chunk_backward`), then walks ``H`` in ``BLOCK_K`` steps and
   adds ``dy @ W[tile]`` to ``d hidden`` and ``dyᵀ @ hidden`` to ``d weight[tile]`` with fp32
   ``tl.atomic_add`` (relaxed). Per chunk of ``n`` tokens that is ``cdiv(V, BLOCK_V) · n · H``
   atomic additions into ``d hidden`` and ``cdiv(n, BLOCK_N) · V · H`` into ``d weight``: the
@@ -44,7 +44,7 @@ than bf16 rounding: ~11 % of that head's probability mass sits below ``eps``. Me
 peaked heads; check against an unfiltered step before relying on it.
 
 Layout: launch configs -> ``@triton.jit`` helpers -> kernels -> launchers. The contract functions
-(``chunk_forward``/``chunk_backward``) live in :mod:`logitless.ops.flash_backend`.
+(``chunk_forward``/``chunk_backward``) live in :mod:`logitless.ops.flash_backend.backend`.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .settings import on_reload, settings
-from .tile_gemm import (
+from ..settings import on_reload, settings
+from ..transform import LogitTransform
+from ..triton_shared.common import interpreting, raw_grad, transform_args
+from ..triton_shared.tile_gemm import (
     Tiles,
     check_operands,
     dot_precision,
@@ -71,11 +73,9 @@ from .tile_gemm import (
     tile_dz,
     tma_ready,
 )
-from .transform import LogitTransform
-from .triton_common import interpreting, raw_grad, transform_args
 
 if TYPE_CHECKING:
-    from .backend import RowCoefficients
+    from ..contract import RowCoefficients
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -401,7 +401,7 @@ def launch_grad(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
     Args:
         hidden, weight, bias, targets, transform: as :func:`launch_stats`.
-        rc: :class:`~logitless.ops.backend.RowCoefficients` (``[n]`` fp32 each).
+        rc: :class:`~logitless.ops.contract.RowCoefficients` (``[n]`` fp32 each).
         grads: :class:`FlashGrads`, fp32 accumulators updated in place.
         cfg: ``cfg.filter`` turns on gradient filtering (module docstring).
     """

@@ -15,7 +15,7 @@ Accuracy: ``hi + lo`` carries 16 significant bits, so each chunk's update is rou
 result to bf16 (``2**-9``), which is the same here as a cast of an fp32 sum (``hi`` is the
 nearest bf16 to the pair's sum).
 
-Layout: config -> kernels -> launcher; :func:`logitless.ops.triton_backend.block_grads` (the
+Layout: config -> kernels -> launcher; :func:`block_grads` (the
 gradient GEMMs of the gemm backend and of distillation's) calls the launcher.
 """
 
@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import gemm
+from ..contract import Accumulators
+from .common import interpreting
 from .tile_gemm import grouped, mma, sm_count, tma_ready
-from .triton_common import interpreting
 
 
 @dataclass(frozen=True)
@@ -170,3 +172,28 @@ def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor,
         FIRST=first, USE_TMA=tma, PAIR_TMA=pair_tma, UPCAST=interpreting(),
         BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, GROUP_V=cfg.group_v,
         num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, block: slice, acc: Accumulators,
+                grad_hidden: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradients of one vocabulary block from its ``dy [n, v]`` (GEMM dtype) in cuBLAS:
+    ``d bias[block] += Σ_n dy``, ``d weight[block] += dyᵀ @ hidden`` (fp32 accumulator), and
+    ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
+    the first block, or without ``acc.hidden``). With ``acc.write_weight`` the ``d weight``
+    product is stored in ``acc.weight``'s dtype instead of added; with ``acc.weight_lo`` it goes
+    into that bf16 pair (:func:`~logitless.ops.triton_shared.weight_grad.launch_weight_grad`)."""
+    if acc.bias is not None:
+        acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
+    if acc.hidden:
+        w = weight[block]
+        if grad_hidden is None:
+            grad_hidden = gemm.mm(dy, w, torch.float32)
+        else:
+            gemm.addmm_(grad_hidden, dy, w)
+    if acc.weight is not None and acc.weight_lo is not None:
+        launch_weight_grad(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight)
+    elif acc.weight is not None and acc.write_weight:
+        gemm.mm_into(acc.weight[block], dy.t(), hidden)
+    elif acc.weight is not None:
+        gemm.addmm_(acc.weight[block], dy.t(), hidden)
+    return grad_hidden

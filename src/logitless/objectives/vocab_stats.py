@@ -9,11 +9,11 @@ import torch
 
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
-from .backend import StatRequest
-from .engine import ChunkStats, compute_stats
-from .head import Head, as_head
-from .options import PassOptions, as_options
-from .validate import check_head_inputs
+from ..ops.contract import StatRequest
+from ..ops.engine import ChunkStats, compute_stats
+from ..ops.head import Head, as_head
+from ..ops.options import PassOptions, as_options
+from ..ops.validate import check_head_inputs
 
 
 class VocabStats(NamedTuple):

@@ -1,6 +1,6 @@
 """Triton row kernels of distillation on the GEMM-epilogue backend.
 
-Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gemm_kernels.launch_forward`
+Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gemm_backend.kernels.launch_forward`
 (fp16, each tile centred on its row maximum), one program per token row:
 
 * :func:`_cross_kernel`: each (row, tile)'s cross sums ``sgap``/``tgap`` of both KL directions
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm_kernels import CentredTile, GemmConfig
-from .transform import LogitTransform
-from .triton_common import raw_grad, transform_args
+from ..transform import LogitTransform
+from ..triton_shared.common import raw_grad, transform_args
+from .kernels import CentredTile, GemmConfig
 
 
 class DistillRowCoefficients(NamedTuple):

@@ -1,6 +1,6 @@
 """Portable backend of the vocabulary pass: chunked matmuls in PyTorch (CPU and any GPU).
 
-It implements the contract of :mod:`logitless.ops.backend` in plain tensor operations and is
+It implements the contract of :mod:`logitless.ops.contract` in plain tensor operations and is
 the specification the Triton backends are tested against.
 """
 
@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm
-from .backend import Accumulators, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, compact_rows_
-from .head import LocalHead
-from .lora import LowRank, low_rank_grads, low_rank_into
-from .plan import ChunkPlan, stat_dtype_for
-from .transform import LogitTransform
+from .. import gemm
+from ..contract import (
+    Accumulators,
+    Capabilities,
+    ChunkRows,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+    compact_rows_,
+)
+from ..head import LocalHead
+from ..lora import LowRank, low_rank_grads, low_rank_into
+from ..plan import ChunkPlan, stat_dtype_for
+from ..transform import LogitTransform
 
 NAME = "torch"
 PLAN = "torch"
+CAPS = Capabilities(dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.float16), lora=True)
 
 
 def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -80,7 +90,7 @@ def kept_rows(kept: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
                    acc: Accumulators, kept: torch.Tensor | None) -> torch.Tensor | None:
     """``d hidden`` of one chunk (statistics dtype) and, in place, the accumulators, from the
-    statistics' gradients (``dz`` of :mod:`logitless.ops.backend`), the logits recomputed block
+    statistics' gradients (``dz`` of :mod:`logitless.ops.contract`), the logits recomputed block
     by block unless ``kept``."""
     hidden, targets = rows.hidden, rows.targets
     n, vocab = hidden.shape[0], head.weight.shape[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .transform import LogitTransform
+from ..ops.transform import LogitTransform
 from .vocab_stats import VocabStats
 
 

@@ -226,7 +226,7 @@ class Accumulators:
         weight_lo: ``[V_local, H]`` bf16, or ``None``. Given (only to pass kinds that set
             ``pairs_weight_grad``), ``d weight`` is the pair ``weight + weight_lo``, both bf16:
             ``weight`` the nearest bf16 to the sum so far, ``weight_lo`` the residual
-            (:mod:`logitless.ops.weight_grad_kernels`).
+            (:mod:`logitless.ops.triton_shared.weight_grad`).
     """
 
     weight: torch.Tensor | None = None
@@ -238,11 +238,30 @@ class Accumulators:
     weight_lo: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do: the engine and :func:`resolve_backend` read these, never a name.
+
+    Attributes:
+        dtypes: the input dtypes it runs (others go to the Triton backend, fp64 to torch).
+        lora: it computes a head adapter's low-rank term.
+        stores_weight_grad: its backward honours :attr:`Accumulators.write_weight` (stores the
+            first chunk's ``d weight`` products instead of adding them to zeros).
+        pairs_weight_grad: its backward honours :attr:`Accumulators.weight_lo` (a bf16 pair).
+    """
+
+    dtypes: tuple[torch.dtype, ...]
+    lora: bool
+    stores_weight_grad: bool = False
+    pairs_weight_grad: bool = False
+
+
 class Backend(Protocol):
     """What every backend module provides (see the module docstring)."""
 
-    NAME: str
+    NAME: str  # for reports; never tested
     PLAN: PlanKind  # whose block-size heuristic the pass uses (:class:`ChunkPlan`)
+    CAPS: Capabilities
 
     def kept_rows(self, kept: object, idx: torch.Tensor) -> object:
         """The kept logits of ``chunk_forward`` restricted to the rows ``idx`` (``[m]`` int64,
@@ -303,13 +322,12 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
         if hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"impl={impl!r} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {hidden.device}")
     if impl == "torch" or hidden.dtype == torch.float64:
-        return _module("torch_backend")
-    if impl == "flash" and not has_lora:
-        return _module("flash_backend")
-    if impl == "gemm" and not has_lora and hidden.dtype in (torch.bfloat16, torch.float16):
-        return _module("gemm_backend")
-    return _module("triton_backend")
+        return _module("torch")
+    backend = _module(impl)
+    if hidden.dtype not in backend.CAPS.dtypes or (has_lora and not backend.CAPS.lora):
+        return _module("triton")
+    return backend
 
 
 def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"{__package__}.{name}")
+    return importlib.import_module(f"{__package__}.{name}_backend.backend")

@@ -1,6 +1,6 @@
 """Flash backend of the vocabulary pass: tile GEMMs inside Triton kernels, logits never in memory.
 
-The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backend`:
+The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backend`:
 
 * :func:`chunk_forward`: one kernel computes ``[BLOCK_N, BLOCK_V]`` logits tiles with ``tl.dot``
   and folds them into online statistics per vocabulary split; a few torch ops combine the
@@ -8,7 +8,7 @@ The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backen
   ``kept`` is always ``None`` (the fused mode then recomputes in :func:`chunk_backward`).
 * :func:`chunk_backward`: one kernel recomputes each tile, forms ``dy`` in registers and adds
   ``dy @ W`` / ``dyᵀ @ hidden`` / ``Σ dy`` into fp32 accumulators with atomics; optional
-  gradient filtering (``LOGITLESS_FLASH_FILTER=1``), see :mod:`logitless.ops.flash_kernels`.
+  gradient filtering (``LOGITLESS_FLASH_FILTER=1``), see :mod:`logitless.ops.flash_backend.kernels`.
 
 Workspace: the forward's (up to) five ``[splits, n]`` fp32 buffers (``splits`` about
 ``16 · SMs / cdiv(n, 128)``: ~5 MB for a 2k-token chunk on an H100) and, in the backward, the
@@ -17,21 +17,32 @@ Workspace: the forward's (up to) five ``[splits, n]`` fp32 buffers (``splits`` a
 measured no faster); the plan's vocabulary block is unused. In fused mode nothing is kept between
 a chunk's statistics and its gradients, so the logits are computed twice per chunk, as in
 recompute mode. fp64 inputs and heads with a LoRA adapter never reach this backend
-(:func:`~logitless.ops.backend.resolve_backend` sends them to the torch and Triton backends).
+(:func:`~logitless.ops.contract.resolve_backend` sends them to the torch and Triton backends).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
-from .flash_kernels import FlashGrads, flash_config, launch_grad, launch_stats
-from .head import LocalHead
-from .plan import ChunkPlan
-from .tile_gemm import unit_stride
+from ..contract import (
+    Accumulators,
+    Capabilities,
+    ChunkRows,
+    RowCoefficients,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+)
+from ..head import LocalHead
+from ..plan import ChunkPlan
+from ..triton_shared.tile_gemm import unit_stride
+from .kernels import FlashGrads, flash_config, launch_grad, launch_stats
 
 NAME = "flash"
 PLAN = "triton"
+# Its tile GEMMs have no low-rank term.
+CAPS = Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), lora=False)
 
 
 def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor):
@@ -70,7 +81,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     """``d hidden`` (fp32) of one chunk and, in place, the ``d weight``/``d bias`` accumulators
     (fp32: atomically by the kernel; another dtype through an fp32 temporary). With
     ``LOGITLESS_FLASH_FILTER=1`` all three gradients are approximate (see
-    :mod:`logitless.ops.flash_kernels`); fp32 atomics make them non-bit-reproducible either way.
+    :mod:`logitless.ops.flash_backend.kernels`); fp32 atomics make them non-bit-reproducible either way.
 
     Raises:
         ValueError: an entropy gradient without ``saved.sum_pz``; ``kept`` given.

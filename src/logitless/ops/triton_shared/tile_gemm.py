@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .triton_common import interpreting, to_logits
+from .common import interpreting, to_logits
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def head_logits(h_src, stride_hn, w_src, stride_wv, bias_ptr, rows, cols, row_ok
 def tile_dz(z, rows, row_ok, cols, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
             HAS_LOGP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr):
     """``dL/dz`` of a tile of logits ``z`` from each row's ``lse`` and statistic gradients
-    (:mod:`logitless.ops.backend`): ``p (coef - g_entropy (z - sum_pz)) + g_sum_z + g_logp [v == y]``
+    (:mod:`logitless.ops.contract`): ``p (coef - g_entropy (z - sum_pz)) + g_sum_z + g_logp [v == y]``
     with ``p = exp(z - lse)``, ``coef = g_lse - g_logp``. Rows outside the tensor read zeros (their
     values are garbage that is never stored)."""
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)

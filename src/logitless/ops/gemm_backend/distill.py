@@ -4,7 +4,7 @@
 Per vocabulary block (the whole local vocabulary when a chunk's rows fit the plan):
 
 1. the teacher's logits GEMM writes its partial statistics and stores its tile (fp16, centred
-   per tile: :mod:`logitless.ops.gemm_kernels`);
+   per tile: :mod:`logitless.ops.gemm_backend.kernels`);
 2. the student's logits GEMM writes its partials and stores its tile;
 3. a row kernel over both stored tiles writes the cross sums ``sgap``/``tgap`` of both KL
    directions per tile (reading the teacher's tile inside the student's epilogue instead costs
@@ -12,7 +12,7 @@ Per vocabulary block (the whole local vocabulary when a chunk's rows fit the pla
 4. a few torch ops fold the ``[tiles, n]`` partials into :class:`~logitless.ops.distill.DistillPartials`.
 
 The JSD's second sweep and the gradient are row kernels over both stored tiles
-(:mod:`logitless.ops.distill_kernels`); ``d hidden``/``d weight`` are cuBLAS GEMMs as in the
+(:mod:`logitless.ops.gemm_backend.distill_kernels`); ``d hidden``/``d weight`` are cuBLAS GEMMs as in the
 single-head pass. Kept tiles (fused mode) cost 4 bytes a logit; recompute mode recomputes both
 tiles block by block. Scope: at most one target id per token (a hard label) and bf16/fp16 heads
 of one dtype (``DistillPass.make`` decides); the torch functions run everything else.
@@ -24,14 +24,14 @@ from typing import NamedTuple
 
 import torch
 
-from .backend import Accumulators
-from .distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
+from ..contract import Accumulators
+from ..distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
+from ..head import LocalHead
+from ..plan import ChunkPlan
+from ..triton_shared.weight_grad import block_grads
+from .backend import operands, recompute_tile
 from .distill_kernels import DistillRowCoefficients, launch_cross, launch_distill_grad, launch_jsd
-from .gemm_backend import operands, recompute_tile
-from .gemm_kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
-from .head import LocalHead
-from .plan import ChunkPlan
-from .triton_backend import block_grads
+from .kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
 
 
 class DistillTiles(NamedTuple):

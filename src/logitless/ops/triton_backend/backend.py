@@ -1,6 +1,6 @@
 """Triton backend of the vocabulary pass: cuBLAS GEMMs around two Triton row kernels.
 
-The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backend`:
+The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backend`:
 
 * :func:`chunk_forward`: ``y = hidden @ weight.T`` block by block with ``torch.mm`` into one
   tile, folded into the running statistics by one Triton kernel that reads the tile once
@@ -14,16 +14,17 @@ The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backen
 Tile dtype: fp32 (cuBLAS ``out_dtype``, so logits are not rounded to bf16), or the GEMM's own
 dtype with ``logits_precision="input"``. Under ``TRITON_INTERPRET=1`` everything runs on CPU
 tensors through the same code, with ``torch.mm`` on CPU for the GEMMs. fp64 inputs never reach
-this backend (:func:`~logitless.ops.backend.resolve_backend`).
+this backend (:func:`~logitless.ops.contract.resolve_backend`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import gemm
-from .backend import (
+from .. import gemm
+from ..contract import (
     Accumulators,
+    Capabilities,
     ChunkRows,
     RowCoefficients,
     RowStats,
@@ -32,14 +33,15 @@ from .backend import (
     StatRequest,
     compact_rows_,
 )
-from .head import LocalHead
-from .lora import LowRank, low_rank_grads, low_rank_into
-from .plan import ChunkPlan
-from .triton_kernels import KernelConfig, kernel_config, launch_dlogits, launch_stats
-from .weight_grad_kernels import launch_weight_grad
+from ..head import LocalHead
+from ..lora import LowRank, low_rank_grads, low_rank_into
+from ..plan import ChunkPlan
+from ..triton_shared.weight_grad import block_grads
+from .kernels import KernelConfig, kernel_config, launch_dlogits, launch_stats
 
 NAME = "triton"
 PLAN = "triton"
+CAPS = Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), lora=True, stores_weight_grad=True)
 
 
 def _tile(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int, cfg: KernelConfig,
@@ -113,26 +115,3 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     return grad_hidden
 
 
-def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, block: slice, acc: Accumulators,
-                grad_hidden: torch.Tensor | None) -> torch.Tensor | None:
-    """The gradients of one vocabulary block from its ``dy [n, v]`` (GEMM dtype) in cuBLAS:
-    ``d bias[block] += Σ_n dy``, ``d weight[block] += dyᵀ @ hidden`` (fp32 accumulator), and
-    ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
-    the first block, or without ``acc.hidden``). With ``acc.write_weight`` the ``d weight``
-    product is stored in ``acc.weight``'s dtype instead of added; with ``acc.weight_lo`` it goes
-    into that bf16 pair (:func:`~logitless.ops.weight_grad_kernels.launch_weight_grad`)."""
-    if acc.bias is not None:
-        acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
-    if acc.hidden:
-        w = weight[block]
-        if grad_hidden is None:
-            grad_hidden = gemm.mm(dy, w, torch.float32)
-        else:
-            gemm.addmm_(grad_hidden, dy, w)
-    if acc.weight is not None and acc.weight_lo is not None:
-        launch_weight_grad(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight)
-    elif acc.weight is not None and acc.write_weight:
-        gemm.mm_into(acc.weight[block], dy.t(), hidden)
-    elif acc.weight is not None:
-        gemm.addmm_(acc.weight[block], dy.t(), hidden)
-    return grad_hidden

@@ -1,18 +1,18 @@
 """GEMM-epilogue backend of the vocabulary pass: the statistics are computed inside the logits
 GEMM, and the kept logits take 2 bytes each.
 
-The contract of :mod:`logitless.ops.backend`, tested against :mod:`.torch_backend`:
+The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backend`:
 
 * :func:`chunk_forward`: one Triton GEMM over the whole local vocabulary writes per-tile partial
   statistics from its fp32 accumulator (combined by a few torch ops on ``[tiles, n]``); with
   ``keep_logits`` it also stores the chunk's logits as fp16 centred on each tile's maximum
-  (:mod:`logitless.ops.gemm_kernels` says why that keeps ~2e-3 nats where it matters). No fp32
+  (:mod:`logitless.ops.gemm_backend.kernels` says why that keeps ~2e-3 nats where it matters). No fp32
   logits are written, and no separate statistics kernel reads them back.
 * :func:`chunk_backward`: a row kernel turns the kept tile into ``dy`` in place; without kept
   logits the same GEMM recomputes them block by block and writes ``dy`` from its epilogue. Then
   ``d hidden``/``d weight`` run in cuBLAS as in :mod:`.triton_backend` (fp32 accumulation of
   ``d weight`` across chunks), except that a pass of several short chunks adds ``d weight`` into
-  a bf16 pair with its own GEMM (:mod:`logitless.ops.weight_grad_kernels`).
+  a bf16 pair with its own GEMM (:mod:`logitless.ops.triton_shared.weight_grad`).
 
 Against the Triton backend at default precision (fp32 logits) this halves the tile's bytes
 (so token chunks are twice as long in the same budget, and ``d weight`` is read and written half
@@ -20,15 +20,28 @@ as often) and removes the fp32 logits' write and two reads. The statistics stay 
 the fp32 path's; the gradient sees the fp16-centred logits (module above).
 
 bf16/fp16 inputs only: fp32 inputs, fp64 inputs and heads with a LoRA adapter run on the
-Triton or torch backend (:func:`~logitless.ops.backend.resolve_backend`).
+Triton or torch backend (:func:`~logitless.ops.contract.resolve_backend`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backend import Accumulators, ChunkRows, RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
-from .gemm_kernels import (
+from ..contract import (
+    Accumulators,
+    Capabilities,
+    ChunkRows,
+    RowCoefficients,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+)
+from ..head import LocalHead
+from ..plan import ChunkPlan
+from ..triton_shared.tile_gemm import unit_stride
+from ..triton_shared.weight_grad import block_grads
+from .kernels import (
     CentredTile,
     GemmConfig,
     TileOperands,
@@ -38,13 +51,12 @@ from .gemm_kernels import (
     launch_forward,
     launch_grad_tile,
 )
-from .head import LocalHead
-from .plan import ChunkPlan
-from .tile_gemm import unit_stride
-from .triton_backend import block_grads
 
 NAME = "gemm"
 PLAN = "gemm"
+# Its GEMM is written for 16-bit tensor-core operands and has no low-rank term.
+CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
+                    pairs_weight_grad=True)
 
 
 def operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
