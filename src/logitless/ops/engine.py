@@ -33,7 +33,17 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 
 from ..distributed import all_reduce
-from .contract import Accumulators, Backend, ChunkRows, RowStats, SavedStats, StatGrads, StatRequest, resolve_backend
+from .contract import (
+    Accumulators,
+    Backend,
+    ChunkRows,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+    resolve_backend,
+    triton_available,
+)
 from .head import Head, LocalHead
 from .lora import LowRank
 from .memory import advise_on_oom, check_workspace_fits
@@ -664,20 +674,51 @@ class _FusedFn(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, full.weight, full.bias, grad_x, full.lora_b)
         ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, lora_x, lora_b))
         call.stats = stats
+        ctx.first_scale = None
         return total
 
     @staticmethod
     def backward(ctx, g_loss):
-        # loss.backward() sends exactly 1: skip scaling a [V, H] buffer (a full extra pass).
-        scale = float(g_loss)
+        grads = tuple(_scaled(g, g_loss, dt, ctx.first_scale)
+                      for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True))
+        if ctx.first_scale is None:
+            ctx.first_scale = g_loss.detach().clone()
+        return (*grads, None)
 
-        def scaled(g, dtype):
-            if g is None:
-                return None
-            # A Python float multiplies in fp32 even for a bf16 buffer, then rounds once.
-            return g.to(dtype) if scale == 1.0 else g.mul(scale).to(dtype)
 
-        return (*(scaled(g, dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)), None)
+def _scaled(g: torch.Tensor | None, g_loss: torch.Tensor, dtype: torch.dtype | None,
+            earlier: torch.Tensor | None) -> torch.Tensor | None:
+    """``g_loss · g`` in ``dtype`` (fp32 arithmetic, rounded once), with no host synchronization.
+
+    ``loss.backward()`` sends exactly 1, where scaling a ``[V, H]`` buffer would be a full extra
+    pass. So a buffer already in ``dtype`` is scaled in place, by a kernel that reads the scalar
+    on the device and does nothing when it is 1 (on the CPU the scalar is read directly); a buffer
+    in another dtype is scaled within its cast and left as it is. A later backward through a
+    retained graph (``earlier``: the first one's ``g_loss``) finds the in-place buffers scaled by
+    ``earlier`` and returns new tensors, so what the first one returned is never changed.
+
+    Raises:
+        RuntimeError: a later backward after a first one whose incoming gradient was 0 (the
+            buffers hold zeros; this check reads the scalar on the host).
+    """
+    if g is None:
+        return None
+    if g.dtype != dtype:
+        return torch.mul(g, g_loss, out=torch.empty_like(g, dtype=dtype))
+    if earlier is not None:
+        if not bool(earlier != 0):
+            raise RuntimeError("a second backward through a fused pass whose first backward's incoming gradient was 0: "
+                               "its gradients were scaled to 0 in place; use PassOptions(mode='recompute')")
+        return g * (g_loss / earlier)
+    # In place through ``.data``, which autograd's version check on saved tensors does not see
+    # (a later backward reads these buffers knowing they were scaled), as the kernel's writes.
+    if g.device.type != "cuda":
+        return g if float(g_loss) == 1.0 else g.data.mul_(g_loss)
+    if not (triton_available() and g.is_contiguous()):
+        return g.data.mul_(g_loss)
+    from .triton_shared.scale import scale_unless_one_
+
+    return scale_unless_one_(g, g_loss.to(torch.float32))
 
 
 # ----------------------------------------------------------------------------- the entry point
