@@ -29,18 +29,18 @@ def backward(backend, h, w, b, t, tr, plan, saved: SavedStats, grads: StatGrads,
 
 
 def record_layouts(monkeypatch) -> list[str]:
-    """The list each engine pass's ``d weight`` layout (``_weight_grad_plan``) is appended to."""
-    from logitless.ops import engine
+    """The list each engine pass's ``d weight`` layout (``grad_layout.weight_grad_plan``) is appended to."""
+    from logitless.ops import grad_layout
 
     layouts = []
-    real_plan = engine._weight_grad_plan
+    real_plan = grad_layout.weight_grad_plan
 
     def spy(*a):
         planned = real_plan(*a)
         layouts.append(planned[1])
         return planned
 
-    monkeypatch.setattr(engine, "_weight_grad_plan", spy)
+    monkeypatch.setattr(grad_layout, "weight_grad_plan", spy)
     return layouts
 
 

@@ -33,10 +33,10 @@ def _small_row_multiple(case: dict) -> None:
     """Tests of rows without a gradient on tiny batches round the backward's rows to a small
     multiple, and count the rows each decision leaves out (``_SKIPPED``)."""
     if "row_multiple" in case:
-        from logitless.ops import engine
+        from logitless.ops import grad_layout
 
-        engine._ROW_MULTIPLE = case["row_multiple"]
-        real = engine._backward_rows
+        grad_layout._ROW_MULTIPLE = case["row_multiple"]
+        real = grad_layout.backward_rows
 
         def counting(zero, chunks):
             out = real(zero, chunks)
@@ -44,7 +44,7 @@ def _small_row_multiple(case: dict) -> None:
                             for sl, idx in zip(chunks, out, strict=True))
             return out
 
-        engine._backward_rows = counting
+        grad_layout.backward_rows = counting
 
 
 def vocab_parallel(rank: int, world: int, case: dict) -> dict:

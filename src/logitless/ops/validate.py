@@ -6,6 +6,7 @@ import math
 import numbers
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -13,6 +14,9 @@ from .head import Head
 from .lora import HeadLoRA
 from .shard import VocabShard
 from .transform import LogitTransform
+
+if TYPE_CHECKING:
+    from .plan import ChunkPlan
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -396,3 +400,20 @@ class _FiniteTensors:
 
 
 _FINITE_WEIGHTS = _FiniteTensors()
+
+
+def check_rounded_logits(plan: ChunkPlan, dtype: torch.dtype, stats: NamedTuple) -> None:
+    """With ``logits_precision="input"`` the matmul output is rounded to ``dtype`` first; a
+    logit beyond its range (fp16: ±65504) rounds to ±inf and turns the statistics into NaN, so
+    one check per pass (only in that mode: finite inputs give finite fp32 logits).
+
+    Raises:
+        ValueError: a non-finite ``lse``/``logp``/``entropy``, naming the option to change.
+    """
+    if plan.fp32_logits or dtype not in (torch.float16, torch.bfloat16):
+        return
+    checked = [getattr(stats, name) for name in ("lse", "logp", "entropy") if getattr(stats, name, None) is not None]
+    if checked and not bool(torch.stack([torch.isfinite(t).all() for t in checked]).all()):
+        raise ValueError(f"logits_precision='input' with {dtype} inputs: some logits exceed {dtype}'s range "
+                         f"(max {torch.finfo(dtype).max:g}) and round to inf, which makes the log-probs/entropy NaN; "
+                         f"use PassOptions(logits_precision='fp32') (or LOGITLESS_LOGITS_PRECISION=fp32)")

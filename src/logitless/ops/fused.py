@@ -1,0 +1,216 @@
+"""Fused mode: for each chunk the forward computes the statistics, asks the objective for the
+chunk's loss term, differentiates it w.r.t. the chunk's statistics (autograd on ``[chunk]``
+tensors) and runs the gradient GEMMs right away, reusing the chunk's logits when they fit; the
+backward only scales the saved gradients (3 GEMMs of work in all; :mod:`.engine`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from ..distributed import all_reduce
+from . import grad_layout
+from .contract import Accumulators, triton_available
+from .grad_layout import rows_of
+from .lora import LowRank
+from .memory import advise_on_oom, check_workspace_fits
+from .plan import stat_dtype_for
+from .validate import check_rounded_logits
+
+if TYPE_CHECKING:
+    from .engine import ChunkObjective, ChunkStats, PassKind
+
+
+class PassResult(NamedTuple):
+    """``loss`` (the sum of the objective's terms, differentiable), every token's detached
+    ``stats`` and each chunk's collected value, in order."""
+
+    loss: torch.Tensor
+    stats: ChunkStats
+    collected: list[Any]
+
+
+@dataclass
+class _FusedCall:
+    """The non-tensor inputs of one fused pass."""
+
+    p: PassKind
+    objective: ChunkObjective
+    chunks: list[slice]
+    weight_grad: grad_layout.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
+    backward_rows: list[torch.Tensor | None] | None = None  # per chunk (backward_rows); None: all
+    collected: list[Any] = field(default_factory=list)
+    stats: NamedTuple | None = None  # every token's, set by the pass
+
+
+def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None, acc: Accumulators | None,
+               picked: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
+    """A chunk's statistics, its loss term and (``acc`` given) its gradients:
+    ``(loss term, detached stats, d hidden rows | None)``; with ``picked`` (the rows the backward
+    runs on, :func:`backward_rows`) the ``d hidden`` rows are those rows' only."""
+    p = call.p
+    rows = p.rows(hidden, sl, low)
+    plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
+    want_grad = acc is not None
+    stats, saved, kept = p.chunk_stats(rows, plan, keep_logits=want_grad and plan.keep_logits)
+    with torch.enable_grad():
+        def leaf(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or name not in p.DIFFERENTIABLE else t.detach().requires_grad_(want_grad)
+
+        leaves = type(stats)(*(leaf(name, t) for name, t in zip(stats._fields, stats, strict=True)))
+        loss, collected = call.objective(sl, leaves)
+        grads = p.grads_of({})
+        if want_grad and loss.requires_grad:
+            names = [k for k in p.DIFFERENTIABLE if getattr(leaves, k) is not None]
+            got = torch.autograd.grad(loss, [getattr(leaves, k) for k in names], allow_unused=True)
+            grads = p.grads_of(dict(zip(names, got, strict=True)))
+    call.collected.append(collected)
+    grad_hidden = None
+    backward = want_grad and grads.any() and (picked is None or picked.numel() > 0)
+    if backward and picked is not None:
+        rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
+            p.pick_kept(kept, picked)
+    if backward:
+        chunk_acc = dataclasses.replace(acc, lora_x=None if acc.lora_x is None else acc.lora_x[sl])
+        grad_hidden = p.backward(rows, plan, saved, grads, chunk_acc, kept)
+    elif want_grad and acc.write_weight and acc.weight is not None:
+        acc.weight.zero_()  # nothing reaches the logits: d weight is 0, and nothing else writes it
+        if acc.weight_lo is not None:
+            acc.weight_lo.zero_()
+    return loss.detach(), stats, grad_hidden
+
+
+def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
+                acc: Accumulators | None, grad_hidden: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple]:
+    """All chunks in order: the total loss and every token's statistics; with ``acc`` the
+    gradients go into it (``grad_hidden`` rows written per chunk)."""
+    sdt = stat_dtype_for(hidden.dtype)
+    n = hidden.shape[0]
+    total = None
+    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
+    # One chunk keeps its own.
+    out = call.p.empty_stats(n, hidden.device) if len(call.chunks) > 1 else None
+    with advise_on_oom(call.p.plan, hidden.device):
+        for i, sl in enumerate(call.chunks):
+            chunk_acc = None if acc is None else grad_layout.first_stores(call.p, acc, i == 0)
+            picked = None if call.backward_rows is None else call.backward_rows[i]
+            loss, stats, gh = _run_chunk(call, hidden, sl, low, chunk_acc, picked)
+            total = loss.to(sdt) if total is None else total + loss
+            if out is None:
+                out = stats
+            else:
+                for dst, src in zip(out, stats, strict=True):
+                    if dst is not None:
+                        dst[sl] = src
+            if grad_hidden is not None:
+                if gh is None or picked is not None:
+                    grad_hidden[sl].zero_()  # nothing reached these rows' logits
+                if gh is not None and picked is None:
+                    grad_hidden[sl] = gh
+                elif gh is not None:
+                    grad_hidden[sl.start + picked] = gh.to(grad_hidden.dtype)
+    if total is None:  # no rows
+        total, out = torch.zeros((), dtype=sdt, device=hidden.device), call.p.empty_stats(n, hidden.device)
+    check_rounded_logits(call.p.plan, hidden.dtype, out)
+    return total, out
+
+
+class _FusedFn(torch.autograd.Function):
+    """Outputs the summed loss; the gradients are computed in the forward and only scaled by the
+    incoming gradient in the backward (every token's statistics go to ``call.stats``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, lora_x, lora_b, call: _FusedCall):
+        p = call.p
+        # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
+        partial = p.head.reduces_grad_hidden
+        sdt = stat_dtype_for(hidden.dtype)
+        # Every chunk writes its rows (zeros where nothing reached its logits).
+        grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if ctx.needs_input_grad[0] else None
+        full, local = grad_layout.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
+                                    hidden.shape[0])
+        total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
+        grad_x = full.lora_x
+        if partial and grad_hidden is not None:
+            grad_hidden = all_reduce(grad_hidden, "sum", p.head.group).to(hidden.dtype)
+        if partial and grad_x is not None:
+            grad_x = all_reduce(grad_x, "sum", p.head.group)
+        ctx.save_for_backward(grad_hidden, full.weight, full.bias, grad_x, full.lora_b)
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias, lora_x, lora_b))
+        call.stats = stats
+        ctx.first_scale = None
+        return total
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        grads = tuple(_scaled(g, g_loss, dt, ctx.first_scale)
+                      for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True))
+        if ctx.first_scale is None:
+            ctx.first_scale = g_loss.detach().clone()
+        return (*grads, None)
+
+
+def _scaled(g: torch.Tensor | None, g_loss: torch.Tensor, dtype: torch.dtype | None,
+            earlier: torch.Tensor | None) -> torch.Tensor | None:
+    """``g_loss · g`` in ``dtype`` (fp32 arithmetic, rounded once), with no host synchronization.
+
+    ``loss.backward()`` sends exactly 1, where scaling a ``[V, H]`` buffer would be a full extra
+    pass. So a buffer already in ``dtype`` is scaled in place, by a kernel that reads the scalar
+    on the device and does nothing when it is 1 (on the CPU the scalar is read directly); a buffer
+    in another dtype is scaled within its cast and left as it is. A later backward through a
+    retained graph (``earlier``: the first one's ``g_loss``) finds the in-place buffers scaled by
+    ``earlier`` and returns new tensors, so what the first one returned is never changed.
+
+    Raises:
+        RuntimeError: a later backward after a first one whose incoming gradient was 0 (the
+            buffers hold zeros; this check reads the scalar on the host).
+    """
+    if g is None:
+        return None
+    if g.dtype != dtype:
+        return torch.mul(g, g_loss, out=torch.empty_like(g, dtype=dtype))
+    if earlier is not None:
+        if not bool(earlier != 0):
+            raise RuntimeError("a second backward through a fused pass whose first backward's incoming gradient was 0: "
+                               "its gradients were scaled to 0 in place; use PassOptions(mode='recompute')")
+        return g * (g_loss / earlier)
+    # In place through ``.data``, which autograd's version check on saved tensors does not see
+    # (a later backward reads these buffers knowing they were scaled), as the kernel's writes.
+    if g.device.type != "cuda":
+        return g if float(g_loss) == 1.0 else g.data.mul_(g_loss)
+    if not (triton_available() and g.is_contiguous()):
+        return g.data.mul_(g_loss)
+    from .triton_shared.scale import scale_unless_one_
+
+    return scale_unless_one_(g, g_loss.to(torch.float32))
+
+
+def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None, lora_x: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
+              cuts: Sequence[int] | None = None) -> PassResult:
+    """Run ``objective`` chunk by chunk over the kind ``p``'s statistics in fused mode (chunks
+    end only at ``cuts`` when given); the loss carries the gradient to ``hidden``, ``weight``,
+    ``bias`` and the adapter factors. Without a gradient to take, only the forward runs.
+
+    Raises:
+        PassOutOfMemoryError: the workspace does not fit the device, or it ran out of memory.
+        ValueError: ``logits_precision="input"`` and logits beyond the input dtype's range.
+    """
+    tensors = (hidden, weight, bias, lora_x, lora_b)
+    grad = grad_layout.records_graph(tensors)
+    layout: grad_layout.WeightGradLayout = "fp32"
+    if grad and weight.requires_grad:
+        p, layout = grad_layout.weight_grad_plan(p, hidden.shape[0], weight)
+    check_workspace_fits(p.plan, hidden.device)
+    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), weight_grad=layout)
+    if grad and p.zero_rows is not None:
+        call.backward_rows = grad_layout.backward_rows(p.zero_rows, call.chunks)
+    if grad:
+        loss = _FusedFn.apply(*tensors, call)
+        return PassResult(loss, call.stats, call.collected)
+    loss, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), None, None)
+    return PassResult(loss, stats, call.collected)
