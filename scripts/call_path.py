@@ -367,9 +367,10 @@ def report(case: Case, paths: dict[int, CallPath]) -> dict:
 
 def print_report(data: dict, sequence: bool, top: int) -> None:
     c = data["case"]
+    runs = "forward only (no gradient)" if c["function"] == "token_logprobs" else "forward + backward"
     print(
-        f"{c['function']}: CPU, torch backend, fused, fp32, {c['tokens']} tokens, V={c['vocab']}, "
-        f"H={c['hidden_size']}; forward + backward (python {c['python']}, torch {c['torch']})"
+        f"{c['function']}: CPU, fp32, {c['options']}, {c['tokens']} tokens, V={c['vocab']}, "
+        f"H={c['hidden_size']}; {runs} (python {c['python']}, torch {c['torch']})"
     )
     by = data["by_chunks"]
     ks = list(by)
