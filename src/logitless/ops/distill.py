@@ -93,13 +93,13 @@ def check_shards(head: Head, teacher: Head | None) -> None:
 class DistillPass:
     """A two-head :class:`~logitless.ops.engine.PassKind`: the student ``heads.student``
     (differentiable) and a frozen ``heads.teacher`` (``None``: the student's statistics and target
-    log-probs only), run by ``kernels``."""
+    log-probs only), run by ``backend``."""
 
     heads: DistillHeads
     teacher_hidden: torch.Tensor | None  # [n, H_t], detached
     targets: torch.Tensor  # [n, k] int64, local to the head's rows (another rank's ids fall outside)
     plan: ChunkPlan
-    kernels: DistillBackend
+    backend: DistillBackend
 
     DIFFERENTIABLE = ("lse", "logp", "entropy", "forward_kl", "reverse_kl", "jsd")
     zero_rows = None  # every counted token of a distillation loss has a gradient
@@ -135,9 +135,9 @@ class DistillPass:
                                           bias=None if teacher.bias is None else teacher.bias.detach())
             local_teacher = teacher.local()
         local = head.local()
-        kernels = resolve_distill(options.impl, hidden, teacher_hidden, targets.shape[1])
+        backend = resolve_distill(options.impl, hidden, teacher_hidden, targets.shape[1])
         return cls(DistillHeads(local, local_teacher, jsd_beta), teacher_hidden, local.local_targets(targets.long()),
-                   kernels.plan_for(n, local.weight.shape[0], options, hidden.dtype), kernels)
+                   backend.plan_for(n, local.weight.shape[0], options, hidden.dtype), backend)
 
     @property
     def head(self) -> LocalHead:
@@ -145,11 +145,11 @@ class DistillPass:
 
     @property
     def stores_weight_grad(self) -> bool:
-        return self.kernels.CAPS.stores_weight_grad
+        return self.backend.CAPS.stores_weight_grad
 
     @property
     def pairs_weight_grad(self) -> bool:
-        return self.kernels.CAPS.pairs_weight_grad
+        return self.backend.CAPS.pairs_weight_grad
 
     def fields_present(self) -> tuple[bool, ...]:
         t = self.heads.teacher is not None
@@ -164,7 +164,7 @@ class DistillPass:
         """A chunk's statistics over the full vocabulary (both passes, reduced over the group),
         what its backward needs, and the backend's kept logits."""
         with no_autocast(rows.hidden.device):
-            part, kept = self.kernels.chunk_forward(self.heads, rows, plan, keep_logits)
+            part, kept = self.backend.chunk_forward(self.heads, rows, plan, keep_logits)
             part = part.reduce(self.head.group)
             return (*self._finish(part, rows, plan, reduce_jsd=True, kept=kept), kept)
 
@@ -175,7 +175,7 @@ class DistillPass:
         out = part.finalize()
         jsd = kl_pm = None
         if self.heads.beta is not None:
-            jsd, kl_pm = self.kernels.chunk_jsd(self.heads, rows, plan, out["lse"], out["teacher_lse"], kept)
+            jsd, kl_pm = self.backend.chunk_jsd(self.heads, rows, plan, out["lse"], out["teacher_lse"], kept)
             if reduce_jsd and is_active(self.head.group):
                 jsd, kl_pm = all_reduce(torch.stack([jsd, kl_pm]), "sum", self.head.group)
         stats = DistillStats(lse=out["lse"], logp=out["logp"], entropy=out["entropy"],
@@ -204,7 +204,7 @@ class DistillPass:
         parts = DistillPartials.empty(n, self.targets.shape[1], self.heads.teacher is not None, sdt, dev)
         with no_autocast(dev):
             for sl in chunks:
-                parts.write(sl, self.kernels.chunk_forward(self.heads, self.rows(hidden, sl, low), self.plan, False)[0])
+                parts.write(sl, self.backend.chunk_forward(self.heads, self.rows(hidden, sl, low), self.plan, False)[0])
             parts = parts.reduce(self.head.group)
             for sl in chunks:
                 part, part_saved = self._finish(parts.rows(sl), self.rows(hidden, sl, low), self.plan,
@@ -226,7 +226,7 @@ class DistillPass:
     def backward(self, rows: DistillRows, plan: ChunkPlan, saved: DistillSaved, grads: DistillGrads,
                  acc: Accumulators, kept: object | None) -> torch.Tensor | None:
         with no_autocast(rows.hidden.device):
-            return self.kernels.chunk_backward(self.heads, rows, plan, saved, grads, acc, kept)
+            return self.backend.chunk_backward(self.heads, rows, plan, saved, grads, acc, kept)
 
 
 def run_distill(p: DistillPass, objective: ChunkObjective, hidden: torch.Tensor, head: Head, options: PassOptions,
