@@ -55,7 +55,7 @@ def _gather_targets(zy: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, st
 
 
 def chunk_forward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan,
-                  keep: bool = False) -> tuple[DistillPartials, None]:
+                  keep: bool) -> tuple[DistillPartials, None]:
     """First pass over all vocabulary rows for one token chunk (the teacher's sums only with a
     teacher); no logits are kept."""
     student, teacher = heads.student, heads.teacher
@@ -105,7 +105,7 @@ def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch
 
 
 def chunk_jsd(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, lse: torch.Tensor, teacher_lse: torch.Tensor,
-              kept: None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              kept: None) -> tuple[torch.Tensor, torch.Tensor]:
     """Second pass of the generalized JSD for one token chunk, given both final ``lse [n]``.
 
     Returns:
@@ -127,7 +127,7 @@ def chunk_jsd(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, lse: torc
 
 
 def chunk_backward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, saved: DistillSaved, g: DistillGrads,
-                   acc: Accumulators, kept: None = None) -> torch.Tensor | None:
+                   acc: Accumulators, kept: None) -> torch.Tensor | None:
     """Student gradients of one token chunk, recomputing both sides' logits block by block.
 
     With ``p = softmax(zs)``, ``q = softmax(zt)``, ``c = Σ p zs``, ``d = log p - log q``:
