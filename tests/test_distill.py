@@ -30,6 +30,7 @@ import torch
 import logitless.ops.distill as distill_ops
 from logitless import DistillConfig, Head, LogitTransform, PassOptions, VocabShard, distill_loss
 from logitless.ops.torch_backend import backend as torch_backend
+from logitless.ops.torch_backend import distill as torch_distill
 
 N, V, HS, HT = 47, 123, 16, 24
 SMALL_CHUNK = 60_000  # bytes: 32-token chunks, vocabulary blocks of 19 rows (7 per chunk) at these sizes
@@ -235,9 +236,9 @@ def test_ce_mixed_in_costs_no_extra_pass(monkeypatch):
             return fn(*a, **k)
         return wrapper
 
-    monkeypatch.setattr(distill_ops, "chunk_forward", counted("forward", distill_ops.chunk_forward))
-    monkeypatch.setattr(distill_ops, "chunk_jsd", counted("jsd", distill_ops.chunk_jsd))
-    monkeypatch.setattr(distill_ops, "chunk_backward", counted("backward", distill_ops.chunk_backward))
+    monkeypatch.setattr(torch_distill, "chunk_forward", counted("forward", torch_distill.chunk_forward))
+    monkeypatch.setattr(torch_distill, "chunk_jsd", counted("jsd", torch_distill.chunk_jsd))
+    monkeypatch.setattr(torch_distill, "chunk_backward", counted("backward", torch_distill.chunk_backward))
     monkeypatch.setattr(torch_backend, "chunk_forward", counted("single", torch_backend.chunk_forward))
     monkeypatch.setattr(torch_backend, "chunk_backward", counted("single", torch_backend.chunk_backward))
     hs, ws, _, ht, wt, _ = _heads()
@@ -252,7 +253,7 @@ def test_ce_mixed_in_costs_no_extra_pass(monkeypatch):
         loss.backward()
         results[ce_weight] = {k: calls[k] - before[k] for k in calls}
     assert results[0.0] == results[1.0]
-    plan = distill_ops.plan_for(N, V, PassOptions(chunk_bytes=chunk // 4), torch.float64)
+    plan = torch_distill.plan_for(N, V, PassOptions(chunk_bytes=chunk // 4), torch.float64)
     n_chunks = math.ceil(N / plan.token_chunk)
     assert results[1.0] == {"forward": n_chunks, "jsd": n_chunks, "backward": n_chunks, "single": 0}
 

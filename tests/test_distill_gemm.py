@@ -90,8 +90,12 @@ def test_matches_torch_and_float64(monkeypatch, divergence, beta, ce_weight, tra
 
 @interpreted
 def test_scope():
-    """Top-k teacher ids (several target columns) and fp32 heads run on the torch functions."""
+    """Top-k teacher ids (several target columns), fp32 heads, a teacher of another dtype than the
+    student's and a backend without distillation kernels (``impl="triton"``) run on the torch
+    functions, through the resolver."""
     from logitless.ops.distill import DistillPass
+    from logitless.ops.gemm_backend import distill as gemm_distill
+    from logitless.ops.torch_backend import distill as torch_distill
 
     hs, ws, _, _, ht, wt, _, _, labels, _ = _case(False)
     opts = PassOptions(impl="gemm")
@@ -100,8 +104,14 @@ def test_scope():
     two = DistillPass.make(hs.bfloat16(), Head(ws.bfloat16()), torch.stack([labels, labels], 1).clamp_min(0),
                            ht.bfloat16(), Head(wt.bfloat16()), None, opts)
     f32 = DistillPass.make(hs, Head(ws), labels.clamp_min(0)[:, None], ht, Head(wt), None, opts)
-    assert (one.gemm, two.gemm, f32.gemm) == (True, False, False)
+    assert [p.backend is gemm_distill for p in (one, two, f32)] == [True, False, False]
     assert one.plan.bytes_per_logit == 4
+    mixed = DistillPass.make(hs.bfloat16(), Head(ws.bfloat16()), labels.clamp_min(0)[:, None], ht.half(),
+                             Head(wt.half()), None, opts)
+    triton = DistillPass.make(hs.bfloat16(), Head(ws.bfloat16()), labels.clamp_min(0)[:, None], ht.bfloat16(),
+                              Head(wt.bfloat16()), None, PassOptions(impl="triton"))
+    assert mixed.backend is torch_distill and triton.backend is torch_distill
+    assert (one.stores_weight_grad, triton.stores_weight_grad) == (True, False)
 
 
 @pytest.mark.cuda

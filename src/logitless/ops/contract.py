@@ -248,12 +248,16 @@ class Capabilities:
         stores_weight_grad: its backward honours :attr:`Accumulators.write_weight` (stores the
             first chunk's ``d weight`` products instead of adding them to zeros).
         pairs_weight_grad: its backward honours :attr:`Accumulators.weight_lo` (a bf16 pair).
+        distill: its package holds a ``distill`` module that runs the two-head distillation pass
+            (:class:`~logitless.ops.distill_contract.DistillBackend`); without one, distillation
+            runs the torch backend's (:func:`~logitless.ops.distill_contract.resolve_distill`).
     """
 
     dtypes: tuple[torch.dtype, ...]
     lora: bool
     stores_weight_grad: bool = False
     pairs_weight_grad: bool = False
+    distill: bool = False
 
 
 class Backend(Protocol):

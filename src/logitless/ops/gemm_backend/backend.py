@@ -56,7 +56,7 @@ NAME = "gemm"
 PLAN = "gemm"
 # Its GEMM is written for 16-bit tensor-core operands and has no low-rank term.
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True)
+                    pairs_weight_grad=True, distill=True)
 
 
 def operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:

@@ -1,5 +1,6 @@
 """Distillation on the GEMM-epilogue kernels: the same partials, statistics and gradients as
-:mod:`logitless.ops.distill`'s torch functions (the specification), from Triton GEMMs.
+:mod:`logitless.ops.torch_backend.distill` (the specification), from Triton GEMMs: this backend's
+:class:`~logitless.ops.distill_contract.DistillBackend`.
 
 Per vocabulary block (the whole local vocabulary when a chunk's rows fit the plan):
 
@@ -9,13 +10,15 @@ Per vocabulary block (the whole local vocabulary when a chunk's rows fit the pla
 3. a row kernel over both stored tiles writes the cross sums ``sgap``/``tgap`` of both KL
    directions per tile (reading the teacher's tile inside the student's epilogue instead costs
    that GEMM a pipeline stage and doubles its epilogue: 2.6x its time on an H100);
-4. a few torch ops fold the ``[tiles, n]`` partials into :class:`~logitless.ops.distill.DistillPartials`.
+4. a few torch ops fold the ``[tiles, n]`` partials into
+   :class:`~logitless.ops.distill_contract.DistillPartials`.
 
 The JSD's second sweep and the gradient are row kernels over both stored tiles
 (:mod:`logitless.ops.gemm_backend.distill_kernels`); ``d hidden``/``d weight`` are cuBLAS GEMMs as in the
 single-head pass. Kept tiles (fused mode) cost 4 bytes a logit; recompute mode recomputes both
-tiles block by block. Scope: at most one target id per token (a hard label) and bf16/fp16 heads
-of one dtype (``DistillPass.make`` decides); the torch functions run everything else.
+tiles block by block. Scope (:data:`SCOPE`): at most one target id per token (a hard label) and
+bf16/fp16 heads of one dtype; the torch backend's functions run everything else
+(:func:`~logitless.ops.distill_contract.resolve_distill` decides).
 """
 
 from __future__ import annotations
@@ -25,13 +28,30 @@ from typing import NamedTuple
 import torch
 
 from ..contract import Accumulators
-from ..distill import DistillGrads, DistillPartials, DistillRows, DistillSaved, p_coefficient
+from ..distill_contract import (
+    DistillGrads,
+    DistillHeads,
+    DistillPartials,
+    DistillRows,
+    DistillSaved,
+    DistillScope,
+    p_coefficient,
+)
 from ..head import LocalHead
+from ..options import PassOptions
 from ..plan import ChunkPlan
 from ..triton_shared.weight_grad import block_grads
+from .backend import CAPS as CAPS
 from .backend import operands, recompute_tile
 from .distill_kernels import DistillRowCoefficients, launch_cross, launch_distill_grad, launch_jsd
 from .kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
+
+SCOPE = DistillScope(max_targets=1, mixed_dtypes=False)
+
+
+def plan_for(n_tokens: int, vocab: int, options: PassOptions, dtype: torch.dtype) -> ChunkPlan:
+    """The gemm backend's plan for two fp16 tiles, the student's and the teacher's."""
+    return ChunkPlan.make(n_tokens, vocab, options.budget, dtype, "gemm", options.fp32_logits, arrays=2)
 
 
 class DistillTiles(NamedTuple):
@@ -59,12 +79,12 @@ def _tile(ops: TileOperands, fp32_logits: bool, cfg: GemmConfig,
     return parts, None if z is None else CentredTile(z, parts["m"])
 
 
-def chunk_forward(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan,
+def chunk_forward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan,
                   keep: bool) -> tuple[DistillPartials, DistillTiles | None]:
-    """The chunk's :class:`~logitless.ops.distill.DistillPartials` over the local vocabulary and,
-    with ``keep`` (whole rows fit the plan), the stored :class:`DistillTiles`."""
+    """The chunk's :class:`~logitless.ops.distill_contract.DistillPartials` over the local
+    vocabulary and, with ``keep`` (whole rows fit the plan), the stored :class:`DistillTiles`."""
     cfg = gemm_config()
-    s_ops, t_ops = _sides(student, teacher, rows)
+    s_ops, t_ops = _sides(heads.student, heads.teacher, rows)
     vocab = s_ops.weight.shape[0]
     keep = keep and plan.vocab_block >= vocab
     s_parts, t_parts, kept = [], [], None
@@ -98,27 +118,28 @@ def _both_tiles(s_ops: TileOperands, t_ops: TileOperands | None, block: slice, p
     return DistillTiles(recompute_tile(s_ops, block, plan.fp32_logits, cfg), t_tile)
 
 
-def chunk_jsd(student: LocalHead, teacher: LocalHead, rows: DistillRows, plan: ChunkPlan, lse_s: torch.Tensor,
-              lse_t: torch.Tensor, beta: float, kept: DistillTiles | None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_jsd(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, lse: torch.Tensor, teacher_lse: torch.Tensor,
+              kept: DistillTiles | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(jsd [n], kl_pm [n])`` over the local vocabulary, from the kept tiles or recomputed ones."""
     cfg = gemm_config()
+    student, teacher, beta = heads
     sides = None if kept is not None else _sides(student, teacher, rows)
-    jsd = torch.zeros_like(lse_s)
-    kl_pm = torch.zeros_like(lse_s)
+    jsd = torch.zeros_like(lse)
+    kl_pm = torch.zeros_like(lse)
     for block in plan.vocab_blocks(student.weight.shape[0], kept is not None):
         tiles = kept if kept is not None else _both_tiles(*sides, block, plan, cfg)
-        j, k = launch_jsd(tiles.student, tiles.teacher, lse_s, lse_t, beta, cfg)
+        j, k = launch_jsd(tiles.student, tiles.teacher, lse, teacher_lse, beta, cfg)
         jsd += j
         kl_pm += k
     return jsd, kl_pm
 
 
-def chunk_backward(student: LocalHead, teacher: LocalHead | None, rows: DistillRows, plan: ChunkPlan,
-                   beta: float | None, saved: DistillSaved, g: DistillGrads, acc: Accumulators,
-                   kept: DistillTiles | None) -> torch.Tensor | None:
-    """The student's gradients of one chunk (:func:`logitless.ops.distill.chunk_backward`'s formula),
-    from the kept tiles or tiles recomputed block by block; ``kept`` is overwritten."""
+def chunk_backward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, saved: DistillSaved, g: DistillGrads,
+                   acc: Accumulators, kept: DistillTiles | None) -> torch.Tensor | None:
+    """The student's gradients of one chunk (:func:`logitless.ops.torch_backend.distill.chunk_backward`'s
+    formula), from the kept tiles or tiles recomputed block by block; ``kept`` is overwritten."""
     cfg = gemm_config()
+    student, teacher, beta = heads
     teacher_terms = g.teacher_terms()
     s_ops, t_ops = _sides(student, teacher if teacher_terms else None, rows)
     hs = s_ops.hidden

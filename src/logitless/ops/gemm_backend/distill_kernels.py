@@ -4,13 +4,13 @@ Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gem
 (fp16, each tile centred on its row maximum), one program per token row:
 
 * :func:`_cross_kernel`: each (row, tile)'s cross sums ``sgap``/``tgap`` of both KL directions
-  (:class:`~logitless.ops.distill.DistillPartials`), the per-tile partials merged like the GEMM's;
+  (:class:`~logitless.ops.distill_contract.DistillPartials`), the per-tile partials merged like the GEMM's;
 * :func:`_jsd_kernel`: the generalized JSD's per-row sums over a vocabulary range once both
   ``lse`` are known (TRL's ``GKDTrainer.generalized_jsd_loss``: ``m = β q + (1 - β) p``,
   ``JSD_β = β KL(q‖m) + (1 - β) KL(p‖m)``);
 * :func:`_distill_grad_kernel`: overwrites the student's stored tile with ``dy = dL/dy`` in the
   GEMM dtype, for the ``d hidden``/``d weight`` GEMMs. The formula is that of
-  :func:`logitless.ops.distill.chunk_backward` (the specification these kernels are tested against).
+  :func:`logitless.ops.torch_backend.distill.chunk_backward` (the specification these kernels are tested against).
 
 Logits are rebuilt as ``stored + tile max``, and ``log p = stored + (tile max - lse)``, so the
 O(|z|) parts cancel in one per-tile difference rather than per element.
@@ -190,7 +190,7 @@ def _mixture_logs(beta: float | None) -> tuple[float, float]:
 def launch_cross(student: CentredTile, teacher: CentredTile, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sgap, tgap)``, ``[tiles, n]`` fp32 each, of two heads' stored tiles over the same rows and
     tiles: with ``c``/``c'`` the student's/teacher's centred logits, ``sgap = Σ exp(c) (c - c')``
-    and ``tgap = -Σ exp(c') (c - c')`` per tile (:class:`~logitless.ops.distill.DistillPartials`)."""
+    and ``tgap = -Σ exp(c') (c - c')`` per tile (:class:`~logitless.ops.distill_contract.DistillPartials`)."""
     n, width = student.z.shape
     assert teacher.z.shape == student.z.shape and cfg.grad_block_v % cfg.fwd.block_v == 0
     sgap = torch.empty(student.tile_max.shape, dtype=torch.float32, device=student.z.device)

@@ -26,7 +26,7 @@ from ..transform import LogitTransform
 
 NAME = "torch"
 PLAN = "torch"
-CAPS = Capabilities(dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.float16), lora=True)
+CAPS = Capabilities(dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.float16), lora=True, distill=True)
 
 
 def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
