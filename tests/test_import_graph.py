@@ -1,5 +1,6 @@
 """The import graph of ``logitless.ops``, read from the source (every ``import``, at module level or
-inside a function): no circle, no backend sub-package reached from outside it (backends are
+inside a function, except those under ``if TYPE_CHECKING:``, which only annotations read): no
+circle, no backend sub-package reached from outside it (backends are
 reached through the resolvers of the contracts, by ``importlib``), nothing imported from the
 layers above ``ops`` (docs/architecture.md, rules)."""
 
@@ -30,7 +31,13 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     its submodule when it is one)."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    guarded = [b for b in ast.walk(tree)
+               if isinstance(b, ast.If) and getattr(b.test, "id", getattr(b.test, "attr", "")) == "TYPE_CHECKING"]
+    typing_only = {id(n) for block in guarded for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
