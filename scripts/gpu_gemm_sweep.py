@@ -85,7 +85,8 @@ def main() -> None:
     cfg = best[1]
     parts = launch_forward(ops, (True, False), True, z, cfg)
     m = parts["m"]
-    lse, _, sum_pz = RowStats.combine(parts, torch.ones(n, dtype=torch.bool, device="cuda")).finalize()[:3]
+    stats, saved = RowStats.combine(parts, torch.ones(n, dtype=torch.bool, device="cuda")).finalize()
+    lse, sum_pz = stats.lse, saved.sum_pz
     g = torch.randn(n, device="cuda")
     rc = RowCoefficients.make(SavedStats(lse, sum_pz), StatGrads(logp=g, lse=None, entropy=0.01 * g))
     for block, warps in ((1024, 4), (2048, 8), (4096, 8), (2048, 4)):

@@ -73,3 +73,9 @@ def logp_grads(leaves: dict, targets: torch.Tensor, impl: str) -> list[torch.Ten
         logp = vocab_stats(x["hidden"], Head(x["weight"], x["bias"], lora=lora), targets,
                            options=PassOptions(impl=impl)).logp
     return [g.double() for g in torch.autograd.grad(logp.sum(), list(x.values()))]
+
+
+def lse_logp_sum_pz(partials) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(lse, logp, Σ p z)`` of finished :class:`RowStats` partials."""
+    stats, saved = partials.finalize()
+    return stats.lse, stats.logp, saved.sum_pz

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_calls import backward, forward
+from backend_calls import backward, forward, lse_logp_sum_pz
 from interpreter import INTERPRETED, child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
@@ -125,8 +125,8 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
     assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
     assert torch.equal(ours.target_logit >= ours.max_logit, ref.target_logit >= ref.max_logit)  # is_top1
     oracle, _ = _oracle(h, w, b, t, tr)
-    ours_lse, ours_logp, ours_spz = ours.finalize()[:3]
-    ref_lse, ref_logp, ref_spz = ref.finalize()[:3]
+    ours_lse, ours_logp, ours_spz = lse_logp_sum_pz(ours)
+    ref_lse, ref_logp, ref_spz = lse_logp_sum_pz(ref)
     _assert_bounded(ours_lse, ref_lse, oracle[0], _rtol(dtype, "stats"), "lse")
     _assert_bounded(ours_logp, ref_logp, oracle[1], _rtol(dtype, "stats"), "logp")
     if optional:
@@ -166,7 +166,7 @@ def test_chunk_backward(monkeypatch, dtype, transform_key, present, hidden_size,
     results = {}
     for name, backend in (("flash", flash_backend), ("torch", torch_backend)):
         partials, kept = forward(backend, h, w, b, t, tr, _plan(), g_ent is not None, keep_logits=False)
-        lse, _, sum_pz = partials.finalize()[:3]
+        lse, _, sum_pz = lse_logp_sum_pz(partials)
         gw = torch.zeros(V, hidden_size)
         gb = torch.zeros(V) if b is not None else None
         gh = backward(
@@ -218,7 +218,7 @@ def test_fp32_logits_false_rounds_the_matmul_output():
     outs = {}
     for fp32 in (True, False):
         part, _ = forward(flash_backend, h, w, b, t, tr, _plan(fp32_logits=fp32), True, keep_logits=False)
-        ours_lse, _, spz = part.finalize()[:3]
+        ours_lse, _, spz = lse_logp_sum_pz(part)
         gw, gb = torch.zeros(V, H), torch.zeros(V)
         gh = backward(
             flash_backend,
@@ -244,7 +244,7 @@ def test_fp32_logits_false_rounds_the_matmul_output():
             t,
             plain,
             _plan(fp32_logits=fp32),
-            SavedStats(part.finalize()[0], None),
+            SavedStats(part.finalize()[0].lse, None),
             StatGrads(lse=torch.ones(N)),
             Accumulators(None, gb1, hidden=False),
         )
@@ -264,7 +264,7 @@ def test_chunk_backward_accumulates_and_skips_hidden():
 
     h, w, b, t, tr = _inputs(torch.float32, "full")
     partials, _ = forward(flash_backend, h, w, b, t, tr, _plan(), False, keep_logits=False)
-    lse = partials.finalize()[0]
+    lse = partials.finalize()[0].lse
     g = torch.ones(N)
     saved = SavedStats(lse, None)
 
@@ -328,7 +328,7 @@ def _flash_grads(monkeypatch, filtered, h, w, b, t, tr, g_logp, g_ent, g_sz):
     try:
         assert flash_config().filter == filtered
         partials, _ = forward(flash_backend, h, w, b, t, tr, _plan(), True, keep_logits=False)
-        lse, _, sum_pz = partials.finalize()[:3]
+        lse, _, sum_pz = lse_logp_sum_pz(partials)
         gw, gb = torch.zeros(V, H), torch.zeros(V)
         gh = backward(
             flash_backend,

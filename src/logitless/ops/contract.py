@@ -55,6 +55,25 @@ class ChunkRows(NamedTuple):
     low: LowRank | None = None
 
 
+class ChunkStats(NamedTuple):
+    """Per-token statistics of the head's softmax for a set of tokens (``[n]`` each, fp32 — fp64
+    for fp64 inputs — nats): what an objective sees.
+
+    ``logp`` (of the target), ``lse`` (log-partition), ``entropy`` (``None`` unless requested)
+    and ``sum_z`` (``Σ_v z_v``, ``None`` unless requested) are differentiable inside an
+    objective; ``is_top1`` (bool: the target's logit is the largest, ties count) is not.
+    """
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+    entropy: torch.Tensor | None
+    sum_z: torch.Tensor | None
+    is_top1: torch.Tensor
+
+    def detached(self) -> ChunkStats:
+        return ChunkStats(*(None if t is None else t.detach() for t in self))
+
+
 @dataclass
 class RowStats:
     """Per-token partial statistics of a vocabulary range (``[n]`` each, statistics dtype).
@@ -136,24 +155,14 @@ class RowStats:
                         sum_logit=total[-1] if self.sum_logit is not None else None,
                         owned=torch.ones_like(self.owned))
 
-    def finalize(self) -> PassStats:
-        """The full vocabulary's statistics (after :meth:`reduce`)."""
+    def finalize(self) -> tuple[ChunkStats, SavedStats]:
+        """The full vocabulary's statistics (after :meth:`reduce`), and what a backward needs of them."""
         lse = self.max_logit + torch.log(self.sum_exp)
         sum_pz = None if self.sum_exp_logit is None else self.sum_exp_logit / self.sum_exp
-        return PassStats(lse=lse, logp=self.target_logit - lse, sum_pz=sum_pz, sum_z=self.sum_logit,
-                         is_top1=self.target_logit >= self.max_logit)
-
-
-class PassStats(NamedTuple):
-    """Full-vocabulary statistics, ``[n]`` each: ``lse``, ``logp``, ``sum_pz = Σ p z``
-    (``entropy = lse - sum_pz``; ``None`` unless requested), ``sum_z = Σ z`` (``None`` unless
-    requested) and ``is_top1`` (the target's logit is the largest; ties count)."""
-
-    lse: torch.Tensor
-    logp: torch.Tensor
-    sum_pz: torch.Tensor | None
-    sum_z: torch.Tensor | None
-    is_top1: torch.Tensor
+        entropy = None if sum_pz is None else lse - sum_pz
+        stats = ChunkStats(logp=self.target_logit - lse, lse=lse, entropy=entropy, sum_z=self.sum_logit,
+                           is_top1=self.target_logit >= self.max_logit)
+        return stats, SavedStats(lse, sum_pz)
 
 
 class SavedStats(NamedTuple):

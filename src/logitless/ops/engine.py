@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -36,6 +36,7 @@ from .contract import (
     Accumulators,
     Backend,
     ChunkRows,
+    ChunkStats,
     RowStats,
     SavedStats,
     StatGrads,
@@ -51,26 +52,6 @@ from .options import Mode, PassOptions
 from .plan import ChunkPlan, stat_dtype_for
 from .recompute import recompute_stats
 from .validate import check_rounded_logits
-
-
-class ChunkStats(NamedTuple):
-    """Per-token statistics of the head's softmax for a set of tokens (``[n]`` each, fp32 — fp64
-    for fp64 inputs — nats): what an objective sees.
-
-    ``logp`` (of the target), ``lse`` (log-partition), ``entropy`` (``None`` unless requested)
-    and ``sum_z`` (``Σ_v z_v``, ``None`` unless requested) are differentiable inside an
-    objective; ``is_top1`` (bool: the target's logit is the largest, ties count) is not.
-    """
-
-    logp: torch.Tensor
-    lse: torch.Tensor
-    entropy: torch.Tensor | None
-    sum_z: torch.Tensor | None
-    is_top1: torch.Tensor
-
-    def detached(self) -> ChunkStats:
-        return ChunkStats(*(None if t is None else t.detach() for t in self))
-
 
 # objective(token_slice, stats) -> (loss term, anything to collect)
 ChunkObjective = Callable[[slice, ChunkStats], tuple[torch.Tensor, Any]]
@@ -235,7 +216,7 @@ class _Pass:
         """A chunk's statistics over the full vocabulary (reduced over the group), what its
         backward needs, and the backend's kept logits."""
         part, kept = self.forward(rows, plan, keep_logits)
-        stats, saved = _stats_of(part.reduce(self.head.group))
+        stats, saved = part.reduce(self.head.group).finalize()
         return stats, saved, kept
 
     def forward_all(self, hidden: torch.Tensor, low: LowRank | None) -> tuple[ChunkStats, SavedStats]:
@@ -249,12 +230,6 @@ class _Pass:
 
     def grads_of(self, named: dict[str, torch.Tensor]) -> StatGrads:
         return StatGrads(**named)
-
-
-def _stats_of(st: RowStats) -> tuple[ChunkStats, SavedStats]:
-    fin = st.finalize()
-    entropy = None if fin.sum_pz is None else fin.lse - fin.sum_pz
-    return ChunkStats(fin.logp, fin.lse, entropy, fin.sum_z, fin.is_top1), SavedStats(fin.lse, fin.sum_pz)
 
 
 # ----------------------------------------------------------------------------- recompute mode
@@ -276,7 +251,7 @@ def _forward_all(p: _Pass, hidden: torch.Tensor, low: LowRank | None) -> tuple[C
                 part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
                 out.write(sl, part)
                 del part
-    stats, saved = _stats_of(out.reduce(p.head.group))
+    stats, saved = out.reduce(p.head.group).finalize()
     check_rounded_logits(p.plan, hidden.dtype, stats)
     return stats, saved
 
