@@ -41,10 +41,10 @@ def _log(rank: int, msg: str) -> None:
 
 
 def _inputs(n, h, v, dev, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = (torch.randn(v, h, generator=g) / h**0.5 * 2).to(torch.bfloat16).to(dev)
-    hid = (torch.randn(n, h, generator=g) * 2).to(torch.bfloat16).to(dev)
-    tgt = torch.randint(0, v, (n,), generator=g).to(dev)
+    g = torch.Generator(device=dev).manual_seed(seed)  # on the device: the same numbers on every rank
+    w = (torch.randn(v, h, generator=g, device=dev) / h**0.5 * 2).to(torch.bfloat16)
+    hid = (torch.randn(n, h, generator=g, device=dev) * 2).to(torch.bfloat16)
+    tgt = torch.randint(0, v, (n,), generator=g, device=dev)
     return hid, w, tgt
 
 

@@ -62,13 +62,13 @@ class Batch:
 
 def make_batch(n: int, h: int, v: int, dev: torch.device, b: int = 16, seed: int = 2) -> tuple[Batch, torch.Tensor]:
     """The batch (``n`` tokens in ``b`` sequences) and the whole ``[v, h]`` bf16 head, the same on every rank."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)  # on the device: the same numbers on every rank
     t = n // b
-    weight = (torch.randn(v, h, generator=g) / h**0.5 * 2).to(torch.bfloat16).to(dev)
-    hidden = (torch.randn(b, t, h, generator=g) * 2).to(torch.bfloat16).to(dev).requires_grad_()
-    ids = torch.randint(0, v, (b, t), generator=g).to(dev)
-    adv = torch.randn(b, generator=g).to(dev)
-    old, ref = ((torch.randn(2, b, t, generator=g) * 0.1 - 3).to(dev)).unbind(0)
+    weight = (torch.randn(v, h, generator=g, device=dev) / h**0.5 * 2).to(torch.bfloat16)
+    hidden = (torch.randn(b, t, h, generator=g, device=dev) * 2).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, v, (b, t), generator=g, device=dev)
+    adv = torch.randn(b, generator=g, device=dev)
+    old, ref = (torch.randn(2, b, t, generator=g, device=dev) * 0.1 - 3).unbind(0)
     return Batch(hidden, ids, torch.ones(b, t, device=dev), adv, old, ref), weight
 
 
@@ -226,9 +226,21 @@ def trace_summary(events: list[dict], mark: str = MARK) -> dict:
     top = collections.Counter()
     for s, e, name in gpu:
         top[name[:70]] += (e - s) / 1e3
+    gpu.sort()
+    # the pass's first large kernel (>= 5% of the compute time): the host work before it is not
+    # hidden in a plain step; the longest idle gaps, with the kernels around them
+    big = next(s for s, e, name in gpu if e - s >= 0.05 * compute or (e - s) == max(b - a for a, b, _ in gpu))
+    gaps, end = [], start
+    prev = "(step start)"
+    for s, e, name in gpu:
+        if s > end:
+            gaps.append((round((s - end) / 1e3, 3), prev[:50], name[:50]))
+        if e > end:
+            end, prev = e, name
     out.update(wall_ms=wall / 1e3, busy_ms=busy / 1e3, compute_ms=compute / 1e3, nccl_exposed_ms=(busy - compute) / 1e3,
-               idle_ms=(wall - busy) / 1e3, lead_ms=(min(s for s, _, _ in gpu) - start) / 1e3, kernels=len(gpu),
-               top_kernels=[(name, round(ms, 3)) for name, ms in top.most_common(8)])
+               idle_ms=(wall - busy) / 1e3, lead_ms=(gpu[0][0] - start) / 1e3, big_lead_ms=(big - start) / 1e3,
+               kernels=len(gpu), top_kernels=[(name, round(ms, 3)) for name, ms in top.most_common(8)],
+               idle_gaps=sorted(gaps, reverse=True)[:6])
     return out
 
 
@@ -358,16 +370,17 @@ def _cell(x: float | int | None, width: int) -> str:
 
 # (header, row key, width) of the per-rank table. *: launched right after a GPU-only filler
 # (the model's forward in a trainer) that hides the step's host work before its first kernel;
-# busy: GPU time in compute kernels; idle: GPU waiting for the host; lead: host time before the
-# step's first kernel; nccl-exp: NCCL time not overlapped by compute; AR: all-reduce (event ms
-# in the step, and alone: iso); dh: d hidden.
+# busy: GPU time in compute kernels; idle: GPU waiting for the host; lead, 1stbig: from the
+# step's start to its first kernel, and to its first large kernel (>= 5% of busy: the pass's
+# first GEMM); nccl-exp: NCCL time not overlapped by compute; AR: all-reduce (event ms in the
+# step, and alone: iso); dh: d hidden.
 _COLUMNS = [("rank", "rank", 4), ("tp1", "tp1", 7), ("tp1/k", "ideal", 7), ("local", "local", 7), ("tp", "tp", 7),
             ("tp-nodh", "tp_nodh", 7), ("speedup", "speedup", 7), ("tp1*", "tp1_b", 7), ("tp*", "tp_b", 7),
-            ("speedup*", "speedup_b", 8), ("busy1/k", "busy_ideal", 7),
-            ("busyloc", "busy_local", 7), ("busytp", "busy_tp", 7), ("idle1/k", "idle_ideal", 7),
-            ("idletp", "idle_tp", 7), ("lead", "lead_tp", 6), ("nccl-exp", "nccl_exposed", 8),
-            ("statAR#", "stats_n", 7), ("statAR", "stats_ms", 7), ("iso", "stats_iso", 6), ("dhAR", "dh_ms", 6),
-            ("iso", "dh_iso", 6), ("syncs", "syncs", 5)]
+            ("speedup*", "speedup_b", 8), ("busy1/k", "busy_ideal", 7), ("busyloc", "busy_local", 7),
+            ("busytp", "busy_tp", 7), ("idle1/k", "idle_ideal", 7), ("idletp", "idle_tp", 7), ("lead", "lead_tp", 6),
+            ("1stbig", "big_lead_tp", 6), ("nccl-exp", "nccl_exposed", 8), ("statAR#", "stats_n", 7),
+            ("statAR", "stats_ms", 7), ("iso", "stats_iso", 6), ("dhAR", "dh_ms", 6), ("iso", "dh_iso", 6),
+            ("syncs", "syncs", 5)]
 
 
 def report(ranks: list[dict]) -> tuple[str, dict]:
@@ -391,7 +404,8 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
                        busy_ideal=p1["compute_ms"] / k if "compute_ms" in p1 else None,
                        busy_local=pl.get("compute_ms"), busy_tp=pt.get("compute_ms"),
                        idle_ideal=p1["idle_ms"] / k if "idle_ms" in p1 else None, idle_tp=pt.get("idle_ms"),
-                       lead_tp=pt.get("lead_ms"), nccl_exposed=pt.get("nccl_exposed_ms"),
+                       lead_tp=pt.get("lead_ms"), big_lead_tp=pt.get("big_lead_ms"),
+                       nccl_exposed=pt.get("nccl_exposed_ms"),
                        stats_n=len(stats), stats_ms=sum(c["ms"] for c in stats),
                        stats_iso=sum(c["isolated_ms"] for c in stats),
                        dh_ms=sum(c["ms"] for c in dh), dh_iso=sum(c["isolated_ms"] for c in dh),
@@ -424,7 +438,8 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
             # T(k) = F + C/k + comm: the fixed per-step cost that TP1's time and TP k's imply
             fixed = (k * (avg["tp"] - avg["nccl_exposed"]) - avg["tp1"]) / (k - 1)
             lines.append(f"   a step cost that does not shrink with k (F in T(k) = F + C/k + comm): {fixed:.2f} ms; "
-                         f"lead idle before the first kernel {avg['lead_tp']:.2f} ms, {avg['syncs']:.0f} host syncs")
+                         f"first large kernel {avg['big_lead_tp']:.2f} ms after the step's start; "
+                         f"{avg['syncs']:.0f} host syncs")
         probe = ranks[0][key].get("overlap")
         if probe:
             lines.append("   rank 0 probe: d-hidden all-reduce fp32 {all_reduce_fp32_ms:.2f} ms, bf16 "
@@ -440,6 +455,10 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
             top = ranks[0][key][name]["profile"].get("top_kernels")
             if top:
                 lines.append(f"top kernels {key} {name} (rank 0, ms): " + "; ".join(f"{t} {ms}" for t, ms in top))
+        gaps = ranks[0][key]["tp"]["profile"].get("idle_gaps")
+        if gaps:
+            lines.append(f"longest GPU idle gaps {key} (rank 0; ms, after, before): "
+                         + "; ".join(f"{ms} {a} -> {b}" for ms, a, b in gaps))
     top = ranks[0]["tp1"]["profile"].get("top_kernels")
     if top:
         lines.append("top kernels tp1 (rank 0, ms): " + "; ".join(f"{t} {ms}" for t, ms in top))
