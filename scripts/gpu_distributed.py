@@ -124,7 +124,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     result = {"checks": out}
     if cfg["diagnose"]:
         result["diagnose"] = tp_diagnose.diagnose(rank, world, scale, dev, cfg["reps"], cfg["out"],
-                                                  lambda msg: _log(rank, msg))
+                                                  lambda msg: _log(rank, msg), cfg["impl"])
     dist.barrier()
     return result
 
@@ -135,6 +135,7 @@ def main() -> int:
     ap.add_argument("--diagnose", action="store_true", help="also measure where TP=k loses time (tp_diagnose.py)")
     ap.add_argument("--dry-run", action="store_true", help="CPU processes over gloo at tiny shapes")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON (default: $OUT)")
+    ap.add_argument("--impl", default="auto", help="backend of the diagnosed pass (PassOptions.impl)")
     ap.add_argument("--reps", type=int, default=5, help="timed steps per measurement")
     ap.add_argument("--time-limit", type=float, default=420, help="seconds before the ranks are killed")
     args = ap.parse_args()
@@ -148,7 +149,7 @@ def main() -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     cfg = dict(device=device, shapes="dry-run" if args.dry_run else "gpu", diagnose=args.diagnose, out=args.out,
-               reps=args.reps)
+               reps=args.reps, impl=args.impl)
     print(f"{world} ranks over {backend}; shapes (N, H, V) {SHAPES[cfg['shapes']]}", flush=True)
     res = run_ranks(worker, world, cfg, timeout_s=args.time_limit, backend=backend)
     checks = {r: o["checks"] for r, o in enumerate(res)}

@@ -26,6 +26,7 @@ On the CPU (gloo, ``--dry-run``) the same code runs without the CUDA-only parts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gzip
 import json
 import os
@@ -72,17 +73,19 @@ def make_batch(n: int, h: int, v: int, dev: torch.device, b: int = 16, seed: int
     return Batch(hidden, ids, torch.ones(b, t, device=dev), adv, old, ref), weight
 
 
-def make_step(batch: Batch, rows: torch.Tensor, shard: VocabShard | None, ids: torch.Tensor) -> Callable[[], None]:
-    """One training step over the head rows ``rows`` (a leaf of their own)."""
+def make_step(batch: Batch, rows: torch.Tensor, shard: VocabShard | None, ids: torch.Tensor,
+              impl: str = "auto") -> Callable[[], None]:
+    """One training step over the head rows ``rows`` (a leaf of their own) on the backend ``impl``."""
     weight = rows.detach().requires_grad_()
 
     def step() -> None:
         batch.hidden.grad = weight.grad = None
         loss, _ = logitless.policy_loss(batch.hidden, Head(weight, transform=TRANSFORM, shard=shard), ids, batch.mask,
                                         batch.adv, batch.old, batch.ref, config=CONFIG,
-                                        options=PassOptions(mode="fused"))
+                                        options=PassOptions(mode="fused", impl=impl))
         loss.backward()
 
+    step.weight = weight  # the leaf whose .grad a step writes
     return step
 
 
@@ -179,23 +182,89 @@ def isolated_all_reduce_ms(call: dict, dev: torch.device, reps: int = 10) -> flo
     return timed(lambda: dist.all_reduce(x, op=op, group=call["group"]), dev, reps)
 
 
-def overlap_probe(n: int, h: int, rows: int, group, dev: torch.device, reps: int = 10) -> dict:
-    """The fp32 ``[n, h]`` d hidden all-reduce alone, the bf16 ``d weight = dyᵀ h`` GEMM of a
-    ``rows``-row shard alone, and both at once (all-reduce launched async, GEMM, wait)."""
+def collective_probe(n: int, h: int, rows: int, group, dev: torch.device, reps: int = 10) -> dict:
+    """Collectives of a TP step alone and their alternatives (ms), for the proposals:
+
+    * the fp32 ``[n, h]`` d hidden all-reduce; in bf16; as an fp32 reduce-scatter + bf16
+      all-gather (the same fp32 sum, cast once, 3/4 of the bytes);
+    * the bf16 ``d weight = dyᵀ h`` GEMM of a ``rows``-row shard alone, and at once with the fp32
+      all-reduce (launched async before it): can the engine hide the all-reduce there?
+    * the statistics' MAX ``[n]`` + SUM ``[3, n]`` all-reduces against one all-gather of every
+      rank's ``[4, n]`` partials (merged locally as the gemm backend merges its tiles).
+    """
+    k = dist.get_world_size(group)
     dy = torch.randn(n, rows, device=dev).to(torch.bfloat16)
     hid = torch.randn(n, h, device=dev).to(torch.bfloat16)
     dh = torch.ones(n, h, device=dev)
     dh_bf16 = dh.to(torch.bfloat16)
+    m, st, mine = torch.ones(n, device=dev), torch.ones(3, n, device=dev), torch.ones(4, n, device=dev)
+    gathered = torch.empty(k * 4, n, device=dev)
 
     def both():
         work = dist.all_reduce(dh, group=group, async_op=True)
         torch.mm(dy.t(), hid)
         work.wait()
 
-    return {"all_reduce_fp32_ms": timed(lambda: dist.all_reduce(dh, group=group), dev, reps),
-            "all_reduce_bf16_ms": timed(lambda: dist.all_reduce(dh_bf16, group=group), dev, reps),
-            "d_weight_gemm_ms": timed(lambda: torch.mm(dy.t(), hid), dev, reps),
-            "both_ms": timed(both, dev, reps)}
+    out = {"all_reduce_fp32_ms": timed(lambda: dist.all_reduce(dh, group=group), dev, reps),
+           "all_reduce_bf16_ms": timed(lambda: dist.all_reduce(dh_bf16, group=group), dev, reps),
+           "d_weight_gemm_ms": timed(lambda: torch.mm(dy.t(), hid), dev, reps),
+           "both_ms": timed(both, dev, reps),
+           "stats_max_sum_ms": timed(lambda: (dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group),
+                                              dist.all_reduce(st, group=group)), dev, reps),
+           "stats_all_gather_ms": timed(lambda: dist.all_gather_into_tensor(gathered, mine, group=group), dev, reps)}
+    if n % k == 0:
+        part = torch.empty(n // k, h, device=dev)
+        full = torch.empty(n, h, device=dev, dtype=torch.bfloat16)
+
+        def rs_ag():
+            dist.reduce_scatter_tensor(part, dh, group=group)
+            dist.all_gather_into_tensor(full, part.to(torch.bfloat16), group=group)
+
+        out["rs_fp32_ag_bf16_ms"] = timed(rs_ag, dev, reps)
+    return out
+
+
+class OverlapGradHidden:
+    """Experiment, by patching (``ops`` unchanged): the ``d hidden`` all-reduce starts (async)
+    right after the ``d hidden`` GEMM, so it runs during the ``d weight`` GEMM, and the engine's
+    own all-reduce after the pass is skipped. Only a pass of one chunk of all ``n`` rows whose
+    backward runs one vocabulary block takes it (``taken`` counts them); others run unchanged."""
+
+    def __init__(self, group, n: int):
+        self.group, self.n, self.taken, self._reduced, self._saved = group, n, 0, False, []
+
+    def __enter__(self) -> OverlapGradHidden:
+        from logitless.ops import engine, gemm_backend, triton_backend
+
+        block_grads, engine_all_reduce = triton_backend.block_grads, engine.all_reduce
+
+        def overlapped(dy, weight, hidden, block, acc, grad_hidden):
+            if not (acc.hidden and grad_hidden is None and block.start == 0 and block.stop == weight.shape[0]
+                    and hidden.shape[0] == self.n):
+                return block_grads(dy, weight, hidden, block, acc, grad_hidden)
+            gh = block_grads(dy, weight, hidden, block,
+                             dataclasses.replace(acc, weight=None, bias=None, weight_lo=None), None)
+            work = dist.all_reduce(gh, group=self.group, async_op=True)
+            block_grads(dy, weight, hidden, block, dataclasses.replace(acc, hidden=False), None)
+            work.wait()
+            self._reduced, self.taken = True, self.taken + 1
+            return gh
+
+        def all_reduce(t, op, group):
+            if self._reduced and op == "sum" and t.dim() == 2 and t.shape[0] == self.n:
+                self._reduced = False  # reduced above
+                return t
+            return engine_all_reduce(t, op, group)
+
+        self._saved = [(gemm_backend, "block_grads", gemm_backend.block_grads),
+                       (triton_backend, "block_grads", block_grads), (engine, "all_reduce", engine_all_reduce)]
+        gemm_backend.block_grads = triton_backend.block_grads = overlapped
+        engine.all_reduce = all_reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, value in self._saved:
+            setattr(module, name, value)
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
@@ -290,6 +359,25 @@ def host_syncs(step: Callable[[], None], dev: torch.device) -> list[tuple[str, i
     return sites.most_common()
 
 
+def overlap_experiment(step: Callable[[], None], batch: Batch, group, n: int, dev: torch.device, reps: int,
+                       behind: Callable[[Callable[[], None]], float]) -> dict:
+    """``step`` under :class:`OverlapGradHidden`: its ms (plain and behind the filler), how many
+    passes took the overlapped path, and its gradients' relative difference from ``step``'s own."""
+    step()
+    want = batch.hidden.grad.clone(), step.weight.grad.clone()
+    try:
+        with OverlapGradHidden(group, n) as patch:
+            step()
+            got = batch.hidden.grad.clone(), step.weight.grad.clone()
+            out = {"ms": timed(step, dev, reps), "behind_ms": behind(step)}
+    except (ImportError, AttributeError) as e:  # the ops modules it patches moved
+        return {"error": f"{type(e).__name__}: {e}"}
+    out["taken"] = patch.taken
+    out["rel_diff"] = [((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+                       for a, b in zip(got, want, strict=True)]
+    return out
+
+
 def _rows(v: int, k: int, j: int) -> tuple[int, int]:
     """Rows ``(start, count)`` of part ``j`` of ``v`` split over ``k`` (the first ``v % k`` one longer)."""
     sizes = [v // k + (1 if r < v % k else 0) for r in range(k)]
@@ -297,8 +385,9 @@ def _rows(v: int, k: int, j: int) -> tuple[int, int]:
 
 
 def diagnose(rank: int, world: int, shape: tuple[int, int, int], dev: torch.device, reps: int,
-             out_dir: str | None, log: Callable[[str], None]) -> dict:
-    """This rank's measurements for TP=1 and every k in {2, world} (see the module docstring)."""
+             out_dir: str | None, log: Callable[[str], None], impl: str = "auto") -> dict:
+    """This rank's measurements for TP=1 and every k in {2, world} (see the module docstring),
+    the pass on the backend ``impl``."""
     n, h, v = shape
     sizes = sorted({k for k in (2, world) if 1 < k <= world and world % k == 0})
     # every rank joins every group's creation, in the same order
@@ -313,7 +402,7 @@ def diagnose(rank: int, world: int, shape: tuple[int, int, int], dev: torch.devi
     def behind(step):  # ms of ``step`` launched right after the filler (its host work hidden)
         return timed(lambda: (filler(), step()), dev, reps) - filler_ms
 
-    tp1 = make_step(batch, weight, None, batch.ids)
+    tp1 = make_step(batch, weight, None, batch.ids, impl)
     out["tp1"] = {"ms": timed(tp1, dev, reps), "behind_ms": behind(tp1), "profile": profile_step(tp1, dev),
                   "syncs": host_syncs(tp1, dev)}
     del tp1
@@ -322,10 +411,10 @@ def diagnose(rank: int, world: int, shape: tuple[int, int, int], dev: torch.devi
         start, rows = _rows(v, k, j)
         part = weight[start:start + rows]
         shard = VocabShard(group=group, vocab_start=start, vocab_size=v)
-        steps = {"local": make_step(batch, part, None, batch.ids % rows),
-                 "tp": make_step(batch, part, shard, batch.ids),
-                 "tp-nodh": make_step(batch, part, VocabShard(group=group, vocab_start=start, vocab_size=v,
-                                                              reduce_grad_hidden=False), batch.ids)}
+        no_dh = VocabShard(group=group, vocab_start=start, vocab_size=v, reduce_grad_hidden=False)
+        steps = {"local": make_step(batch, part, None, batch.ids % rows, impl),
+                 "tp": make_step(batch, part, shard, batch.ids, impl),
+                 "tp-nodh": make_step(batch, part, no_dh, batch.ids, impl)}
         res: dict = {"rows": rows}
         for name, step in steps.items():
             log(f"diagnose: tp{k} {name}")
@@ -344,9 +433,11 @@ def diagnose(rank: int, world: int, shape: tuple[int, int, int], dev: torch.devi
             del c["group"]
         res["all_reduces"] = calls
         res["tp"]["syncs"] = host_syncs(steps["tp"], dev)
+        log(f"diagnose: tp{k} with the d hidden all-reduce overlapped (experiment)")
+        res["tp-overlap"] = overlap_experiment(steps["tp"], batch, group, n, dev, reps, behind)
         if dev.type == "cuda":
-            log(f"diagnose: tp{k} overlap probe")
-            res["overlap"] = overlap_probe(n, h, rows, group, dev)
+            log(f"diagnose: tp{k} collective probe")
+            res["overlap"] = collective_probe(n, h, rows, group, dev)
         out[f"tp{k}"] = res
         del steps
     return out
@@ -440,11 +531,24 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
             lines.append(f"   a step cost that does not shrink with k (F in T(k) = F + C/k + comm): {fixed:.2f} ms; "
                          f"first large kernel {avg['big_lead_tp']:.2f} ms after the step's start; "
                          f"{avg['syncs']:.0f} host syncs")
+        exp = [r[key].get("tp-overlap", {}) for r in ranks]
+        if all("ms" in e for e in exp):
+            ms, ms_b = _mean([e["ms"] for e in exp]), _mean([e["behind_ms"] for e in exp])
+            worst = max(max(e["rel_diff"]) for e in exp)
+            verdict = "same gradients" if worst <= 1e-6 else "INVALID: gradients differ"
+            lines.append(f"   experiment, d hidden all-reduce started before the d weight GEMM (patched; "
+                         f"{min(e['taken'] for e in exp)} pass(es) took it): TP{k} {ms:.2f} ms = "
+                         f"{avg['tp1'] / ms:.2f}x, behind the filler {ms_b:.2f} ms = {avg['tp1_b'] / ms_b:.2f}x "
+                         f"({verdict}, max rel diff {worst:.1e})")
+        elif exp and "error" in exp[0]:
+            lines.append(f"   experiment not run: {exp[0]['error']}")
         probe = ranks[0][key].get("overlap")
         if probe:
-            lines.append("   rank 0 probe: d-hidden all-reduce fp32 {all_reduce_fp32_ms:.2f} ms, bf16 "
-                         "{all_reduce_bf16_ms:.2f} ms; d-weight GEMM {d_weight_gemm_ms:.2f} ms; both at once "
-                         "{both_ms:.2f} ms".format(**probe))
+            lines.append("   rank 0 collectives alone: d hidden all-reduce fp32 {all_reduce_fp32_ms:.2f} ms, bf16 "
+                         "{all_reduce_bf16_ms:.2f} ms, fp32 reduce-scatter + bf16 all-gather {rs:.2f} ms; "
+                         "d weight GEMM {d_weight_gemm_ms:.2f} ms, with the fp32 all-reduce at once {both_ms:.2f} ms; "
+                         "statistics MAX+SUM {stats_max_sum_ms:.3f} ms, one all-gather {stats_all_gather_ms:.3f} ms"
+                         .format(rs=probe.get("rs_fp32_ag_bf16_ms", float("nan")), **probe))
         summary[key] = {"mean": avg, "gap_ms": gap, "gap_parts_ms": parts, "fixed_cost_ms": fixed,
                         "target_3.6x_ms": avg["tp1"] / 3.6 if k == 4 else None}
     syncs = ranks[0]["tp1"].get("syncs") or []
