@@ -516,6 +516,8 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
             "(b+c) NCCL kernel time not overlapped by compute (profile)": avg["nccl_exposed"],
             "(d) GPU idle beyond tp1's share (idle tp - idle tp1/k, profile)": None if avg["idle_tp"] is None
             else avg["idle_tp"] - avg["idle_ideal"],
+            "(d) waiting for the slowest rank at the collectives (in-step event ms - alone)":
+                avg["stats_ms"] - avg["stats_iso"] + avg["dh_ms"] - avg["dh_iso"],
         }
         lines.append(f"-- mean over ranks: TP{k} {avg['tp']:.2f} ms = {avg['speedup']:.2f}x TP1 "
                      f"({100 * avg['speedup'] / k:.0f}% efficiency); gap to TP1/{k}: {gap:.2f} ms; the parts "
