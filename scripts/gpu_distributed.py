@@ -1,29 +1,50 @@
-"""Two GPUs with NCCL: vocabulary-parallel and sequence-parallel results equal the one-GPU
-ones, and a TP=2 vs TP=1 scaling row (time, per-GPU memory) for fused GRPO.
+"""Vocabulary-parallel (TP) heads on several GPUs over NCCL: results equal the one-GPU ones, the
+TP=world vs TP=1 scaling row (time, per-GPU memory) of fused GRPO, and with ``--diagnose`` where
+TP=k loses time against TP1/k (``scripts/tp_diagnose.py``: per-rank GEMM shape, statistics
+all-reduces, the ``d hidden`` all-reduce, GPU idle and host synchronizations).
 
-    python3 scripts/gpu_distributed.py            # spawns one process per visible GPU (2)
+    python3 scripts/gpu_distributed.py                          # one process per visible GPU
+    python3 scripts/gpu_distributed.py --diagnose --out "$OUT"  # + the diagnosis table and JSON
+    python3 scripts/gpu_distributed.py --dry-run --world 4 --diagnose --out /tmp/tp   # CPU, gloo, tiny shapes
+
+Exits non-zero when a TP result is off TP1's (relative error above 2e-2, losses above 1e-4).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tp_diagnose
+from gloo_ranks import run_ranks
 
 import logitless
 from logitless import Head, LogitTransform, PassOptions, PolicyConfig, VocabShard
 
+# (correctness shape, scaling/diagnosis shape) as N tokens, H, V
+SHAPES = {"gpu": ((4096, 2048, 32000), (8192, 4096, 128256)), "dry-run": ((256, 32, 1000), (512, 64, 4000))}
+_T0 = time.monotonic()
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[{time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
+
 
 def _inputs(n, h, v, dev, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = (torch.randn(v, h, generator=g) / h**0.5 * 2).to(torch.bfloat16).to(dev)
-    hid = (torch.randn(n, h, generator=g) * 2).to(torch.bfloat16).to(dev)
-    tgt = torch.randint(0, v, (n,), generator=g).to(dev)
+    g = torch.Generator(device=dev).manual_seed(seed)  # on the device: the same numbers on every rank
+    w = (torch.randn(v, h, generator=g, device=dev) / h**0.5 * 2).to(torch.bfloat16)
+    hid = (torch.randn(n, h, generator=g, device=dev) * 2).to(torch.bfloat16)
+    tgt = torch.randint(0, v, (n,), generator=g, device=dev)
     return hid, w, tgt
 
 
@@ -47,14 +68,19 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-def worker(rank, world, port, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    dev = torch.device("cuda", rank)
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def worker(rank: int, world: int, cfg: dict) -> dict:
+    """This rank's errors against TP1 and scaling row (and its diagnosis with ``cfg["diagnose"]``)."""
+    dev = torch.device("cuda", rank) if cfg["device"] == "cuda" else torch.device("cpu")
+    check, scale = SHAPES[cfg["shapes"]]
     out = {}
     # correctness at a real shape: TP=world vs the same computation on one GPU (this rank alone)
-    n, h, v = 4096, 2048, 32000
+    _log(rank, f"correctness at N, H, V = {check}")
+    n, h, v = check
     hid, w, tgt = _inputs(n, h, v, dev)
     rows = v // world
     shard = VocabShard(group=dist.group.WORLD)
@@ -73,44 +99,76 @@ def worker(rank, world, port, q):
     lp_tp = logitless.token_logprobs(hid, Head(w[rank * rows:(rank + 1) * rows], shard=shard), tgt)
     out["rollout logp"] = rel(lp_tp, logitless.token_logprobs(hid, w, tgt))
 
-    # scaling: fused GRPO at N=8k, H=4096, V=128256, TP=world vs TP=1 on this GPU
-    n, h, v = 8192, 4096, 128256
+    # scaling: fused GRPO, TP=world vs TP=1 on this GPU, each call making its inputs (as measured before)
+    _log(rank, f"scaling at N, H, V = {scale}")
+    n, h, v = scale
     hid, w, tgt = _inputs(n, h, v, dev, seed=2)
     rows = v // world
     for name, weight, sh in (("tp1", w, None), (f"tp{world}", w[rank * rows:(rank + 1) * rows].clone(), shard)):
         for _ in range(2):
             _grpo(hid, weight, tgt, sh, "fused")
-        torch.cuda.synchronize()
+        _sync(dev)
         dist.barrier()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
-        reps = 5
+        reps = cfg["reps"]
         for _ in range(reps):
             _grpo(hid, weight, tgt, sh, "fused")
-        torch.cuda.synchronize()
+        _sync(dev)
         out[f"scaling {name} ms"] = 1e3 * (time.perf_counter() - t0) / reps
-        out[f"scaling {name} peak extra GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    q.put((rank, out))
+        if dev.type == "cuda":
+            out[f"scaling {name} peak extra GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    del hid, w, tgt
+    result = {"checks": out}
+    if cfg["diagnose"]:
+        result["diagnose"] = tp_diagnose.diagnose(rank, world, scale, dev, cfg["reps"], cfg["out"],
+                                                  lambda msg: _log(rank, msg), cfg["impl"])
     dist.barrier()
-    dist.destroy_process_group()
+    return result
 
 
 def main() -> int:
-    world = torch.cuda.device_count()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, 29512, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=400) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
-    print(json.dumps(res, indent=1))
-    bad = [k for r in res.values() for k, e in r.items() if not k.startswith("scaling") and not e <= 2e-2]
-    bad += [k for r in res.values() for k, e in r.items() if k.endswith("loss") and not e <= 1e-4]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=None, help="processes (default: visible GPUs; dry run: 2)")
+    ap.add_argument("--diagnose", action="store_true", help="also measure where TP=k loses time (tp_diagnose.py)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU processes over gloo at tiny shapes")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON (default: $OUT)")
+    ap.add_argument("--impl", default="auto", help="backend of the diagnosed pass (PassOptions.impl)")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps per measurement")
+    ap.add_argument("--time-limit", type=float, default=420, help="seconds before the ranks are killed")
+    args = ap.parse_args()
+    if args.dry_run:
+        backend, device, world = "gloo", "cpu", args.world or 2
+    else:
+        backend, device, world = "nccl", "cuda", args.world or torch.cuda.device_count()
+        if world < 2 or world > torch.cuda.device_count():
+            print(f"needs 2..{torch.cuda.device_count()} GPUs for --world, got {world} (use --dry-run on a CPU)")
+            return 2
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    cfg = dict(device=device, shapes="dry-run" if args.dry_run else "gpu", diagnose=args.diagnose, out=args.out,
+               reps=args.reps, impl=args.impl)
+    print(f"{world} ranks over {backend}; shapes (N, H, V) {SHAPES[cfg['shapes']]}", flush=True)
+    res = run_ranks(worker, world, cfg, timeout_s=args.time_limit, backend=backend)
+    checks = {r: o["checks"] for r, o in enumerate(res)}
+    print(json.dumps(checks, indent=1))
+    bad = [k for r in checks.values() for k, e in r.items() if not k.startswith("scaling") and not e <= 2e-2]
+    bad += [k for r in checks.values() for k, e in r.items() if k.endswith("loss") and not e <= 1e-4]
     print("world", world, "FAILED:", bad or "none")
-    return 1 if bad or any(p.exitcode for p in procs) else 0
+    doc = {"world": world, "backend": backend, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+           "torch": torch.__version__, "shapes": SHAPES[cfg["shapes"]], "checks": checks}
+    if args.diagnose:
+        table, summary = tp_diagnose.report([o["diagnose"] for o in res])
+        print(table)
+        doc.update(diagnose_summary=summary, diagnose=[o["diagnose"] for o in res])
+    if args.out:
+        path = os.path.join(args.out, "gpu_distributed.json")
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        print("wrote", path)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""Worker bodies of tests/test_distributed.py: each runs in one gloo process and returns
-numpy-free plain tensors; the single-process reference is computed in the test itself."""
+"""Worker bodies of the multi-process tests (tests/test_distributed.py, tests/test_vocab_parallel_gpu.py):
+each runs in one gloo (or NCCL) process and returns numpy-free plain tensors or floats; the
+single-process reference is computed in the test itself unless the worker says otherwise."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -307,3 +310,69 @@ def preference_vocab_parallel(rank: int, world: int, case: dict) -> dict:
     loss.backward()
     return dict(loss=loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad, start=start, rows=rows,
                 metrics={k: v.detach() for k, v in metrics.items()})
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+# The runs of tp_against_tp1: (name, mode, PolicyConfig fields); None: the rollout log-probs.
+TP_RUNS = (
+    ("rollout", None, None),
+    ("fused dapo kl", "fused", dict(loss_type="dapo", beta=0.04)),
+    # TRL's default beta = 0: the zero-advantage rows leave the gradient GEMMs (compacted rows per rank)
+    ("fused dapo zero-adv rows", "fused", dict(loss_type="dapo", beta=0.0)),
+    ("recompute grpo kl", "recompute", dict(loss_type="grpo", beta=0.04, epsilon_high=0.28)),
+)
+
+
+def tp_against_tp1(rank: int, world: int, case: dict) -> dict:
+    """TP=``world`` (this rank's rows of a bf16 head, uneven shards when ``world`` does not divide
+    ``V``) and TP1 (the whole head on this process alone), each against float64 on the whole head
+    (the torch backend, the specification), for each of :data:`TP_RUNS`. Returns, per run and
+    quantity, the relative errors ``{"tp_tp1", "tp1_64", "tp_64"}`` (floats; ``d weight`` is this
+    rank's rows) and the shard's rows."""
+    dev = torch.device("cuda", rank) if case["device"] == "cuda" else torch.device("cpu")
+    b, t, h, v = case["b"], case["t"], case["h"], case["v"]
+    g = torch.Generator().manual_seed(case["seed"])  # the same inputs on every rank
+    weight = (torch.randn(v, h, generator=g) * 2 / h**0.5).to(torch.bfloat16).to(dev)
+    hidden = (torch.randn(b, t, h, generator=g) * 2).to(torch.bfloat16).to(dev)
+    ids = torch.randint(0, v, (b, t), generator=g).to(dev)
+    mask = (torch.rand(b, t, generator=g) > 0.1).to(dev, torch.float32)
+    mask[:, 0] = 1.0
+    adv = torch.randn(b, generator=g)
+    adv[::4] = 0.0  # reward-constant groups
+    adv = adv.to(dev)
+    noise = (0.2 * torch.randn(2, b, t, generator=g)).to(dev)
+    start, rows = _shard_rows(v, world, rank, None)
+    shard = VocabShard(group=dist.group.WORLD, vocab_start=start, vocab_size=v)
+    transform = LogitTransform(temperature=0.9)
+    heads = {"64": (hidden.double(), Head(weight.double(), transform=transform), "torch"),
+             "tp1": (hidden, Head(weight, transform=transform), "auto"),
+             "tp": (hidden, Head(weight[start:start + rows].clone(), transform=transform, shard=shard), "auto")}
+    with torch.no_grad():
+        cur = token_logprobs(hidden.double(), heads["64"][1], ids, options=PassOptions(impl="torch"))
+    old, ref = cur + noise[0], cur + noise[1]
+    out: dict = {"start": start, "rows": rows, "runs": {}}
+    for name, mode, config in TP_RUNS:
+        res = {}
+        for key, (hid, head, impl) in heads.items():
+            opts = PassOptions(impl=impl, mode=mode or "auto")
+            if mode is None:
+                with torch.no_grad():
+                    logp, ent = token_logprobs(hid, head, ids, return_entropy=True, options=opts)
+                res[key] = {"logp": logp, "entropy": ent}
+                continue
+            stat_dtype = torch.float64 if hid.dtype == torch.float64 else torch.float32
+            hh = hid.clone().requires_grad_()
+            ww = head.weight.clone().requires_grad_()
+            loss, metrics = policy_loss(hh, dataclasses.replace(head, weight=ww), ids, mask, adv, old.to(stat_dtype),
+                                        ref.to(stat_dtype), config=PolicyConfig(**config), options=opts)
+            loss.backward()
+            gw = ww.grad if key == "tp" else ww.grad[start:start + rows]
+            res[key] = {"loss": loss.detach(), "entropy": metrics["entropy"], "d hidden": hh.grad, "d weight": gw}
+        tp, tp1, f64 = res["tp"], res["tp1"], res["64"]
+        out["runs"][name] = {q: {"tp_tp1": _rel(tp[q], tp1[q]), "tp1_64": _rel(tp1[q], f64[q]),
+                                 "tp_64": _rel(tp[q], f64[q])} for q in tp}
+    return out

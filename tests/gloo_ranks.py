@@ -1,4 +1,5 @@
-"""Run a function in ``world`` gloo processes (CPU) and collect each rank's result.
+"""Run a function in ``world`` gloo processes (CPU), or NCCL processes (one GPU each), and
+collect each rank's result.
 
 ``fn(rank, world, arg)`` must be a module-level function (the spawned processes import its
 module by name) whose result ``torch.save`` can write. Results cross back as bytes: a tensor
@@ -20,10 +21,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[[int, int, Any], Any], arg: Any, queue) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[[int, int, Any], Any], arg: Any, queue,
+           backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":  # rank r on GPU r, bound at init so collectives need no lazy device guess
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         buf = io.BytesIO()
         torch.save(fn(rank, world, arg), buf)
@@ -32,16 +38,18 @@ def _entry(rank: int, world: int, port: int, fn: Callable[[int, int, Any], Any],
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[[int, int, Any], Any], world: int, arg: Any, timeout_s: float = 240) -> list[Any]:
+def run_ranks(fn: Callable[[int, int, Any], Any], world: int, arg: Any, timeout_s: float = 240,
+              backend: str = "gloo") -> list[Any]:
     """``[fn(0, world, arg), ..., fn(world - 1, world, arg)]``, each in its own process of one
-    gloo group. Fails as soon as a rank dies (its traceback is in the captured stderr), or after
-    ``timeout_s`` (e.g. a rank left out of a collective); kills ranks left waiting."""
+    ``backend`` group ("gloo", or "nccl" with rank ``r`` on GPU ``r``). Fails as soon as a rank
+    dies (its traceback is in the captured stderr), or after ``timeout_s`` (e.g. a rank left out
+    of a collective); kills ranks left waiting."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, arg, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, arg, queue, backend)) for r in range(world)]
     for p in procs:
         p.start()
     try:
