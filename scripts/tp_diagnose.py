@@ -234,9 +234,11 @@ class OverlapGradHidden:
         self.group, self.n, self.taken, self._reduced, self._saved = group, n, 0, False, []
 
     def __enter__(self) -> OverlapGradHidden:
-        from logitless.ops import engine, gemm_backend, triton_backend
+        from logitless.ops import fused
+        from logitless.ops.gemm_backend import backend as gemm_backend
+        from logitless.ops.triton_backend import backend as triton_backend
 
-        block_grads, engine_all_reduce = triton_backend.block_grads, engine.all_reduce
+        block_grads, engine_all_reduce = triton_backend.block_grads, fused.all_reduce
 
         def overlapped(dy, weight, hidden, block, acc, grad_hidden):
             if not (acc.hidden and grad_hidden is None and block.start == 0 and block.stop == weight.shape[0]
@@ -257,9 +259,9 @@ class OverlapGradHidden:
             return engine_all_reduce(t, op, group)
 
         self._saved = [(gemm_backend, "block_grads", gemm_backend.block_grads),
-                       (triton_backend, "block_grads", block_grads), (engine, "all_reduce", engine_all_reduce)]
+                       (triton_backend, "block_grads", block_grads), (fused, "all_reduce", engine_all_reduce)]
         gemm_backend.block_grads = triton_backend.block_grads = overlapped
-        engine.all_reduce = all_reduce
+        fused.all_reduce = all_reduce
         return self
 
     def __exit__(self, *exc) -> None:
