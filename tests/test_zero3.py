@@ -34,9 +34,16 @@ def _tiny_llama(tie: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tie)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # an untrained head is near uniform; make the softmax matter
         model.get_output_embeddings().weight.normal_(0.0, 1.0)
@@ -65,11 +72,16 @@ def _rank(rank: int, world: int, tie: bool):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     model = _tiny_llama(tie)
     add_hidden_states_forward(model)
-    config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=config, dist_init_required=False)
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config, dist_init_required=False
+    )
     head = find_head(engine.module)
     partitioned = head.zero3 and head.weight.numel() == 0
     ids, labels = _batch(rank)
@@ -111,8 +123,9 @@ def test_zero3_head_gradient_is_reduced_once_by_deepspeed(tie):
     torch.stack(losses).mean().backward()
     for rank, r in enumerate(results):
         assert r["partitioned"] and r["steps"][0]["before"] == "NOT_AVAILABLE"
-        torch.testing.assert_close(r["logps"].double().masked_fill(_batch(rank)[1][:, 1:] == -100, 0.0), logps[rank],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            r["logps"].double().masked_fill(_batch(rank)[1][:, 1:] == -100, 0.0), logps[rank], rtol=1e-5, atol=1e-5
+        )
         for step in r["steps"]:
             assert step["after"] == ("NOT_AVAILABLE", 0)  # partitioned again once its gradient is reduced
             assert step["loss"] == pytest.approx(float(losses[rank]), rel=1e-5)
