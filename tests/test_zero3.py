@@ -63,6 +63,7 @@ def _nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _rank(rank: int, world: int, tie: bool):
+    os.environ["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's CPU path on any machine (the group is gloo)
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
