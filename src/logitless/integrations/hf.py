@@ -39,12 +39,15 @@ class ModelHead(Head):
             ``weight``/``bias`` are whatever FSDP had registered when :func:`find_head` ran
             (a sharded DTensor outside the owning module's forward) and :func:`head_inputs`
             gives the unsharded ones.
+        zero3: the head's parameters are DeepSpeed ZeRO-3 parameters (``ds_id`` set; their
+            ``.data`` is empty while partitioned); :func:`head_inputs` gathers them.
 
     Pass it to the losses after :func:`head_inputs` (which gives the tensors to compute with),
     with the sampling temperature set by :meth:`~logitless.Head.at_temperature`.
     """
 
     fsdp: FSDPHeadParams | None = None
+    zero3: bool = False
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,8 @@ def find_head(model: nn.Module) -> ModelHead:
     FSDP2 (``fully_shard``) models are accepted, the head sharded with the root, on its own
     or grouped with tied embeddings: ``Head.fsdp`` then says where FSDP keeps the head's
     parameters and :func:`head_inputs` unshards them (docs/frameworks.md, FSDP section).
+    DeepSpeed ZeRO-3 models too: ``Head.zero3`` is set and :func:`head_inputs` gathers the
+    partitioned parameters (docs/frameworks.md, ZeRO-3 section).
 
     Raises:
         UnsupportedModelError: a class not in the verified list, no output head, a head that
@@ -249,7 +254,11 @@ def find_head(model: nn.Module) -> ModelHead:
         raise UnsupportedModelError(f"{name} scales hidden states before a biased head; not reproducible as a "
                                     "logit scale")
     transform = LogitTransform(logit_scale=family.logit_scale(base), softcap=family.softcap(base))
-    return ModelHead(weight=head.weight, bias=head.bias, transform=transform, lora=lora, fsdp=fsdp)
+    zero3 = any(_is_zero3(t) for t in (head.weight, head.bias))
+    if zero3 and lora is not None:
+        raise UnsupportedModelError(f"{name}'s head has a LoRA adapter under DeepSpeed ZeRO-3; not supported yet "
+                                    "(its adapter weights are partitioned too)")
+    return ModelHead(weight=head.weight, bias=head.bias, transform=transform, lora=lora, fsdp=fsdp, zero3=zero3)
 
 
 def _unwrap_adapters(head: nn.Module, name: str) -> tuple[nn.Module, HeadLoRA | None]:
@@ -430,7 +439,13 @@ def head_inputs(hidden: torch.Tensor, head: ModelHead) -> tuple[torch.Tensor, He
     autocast dtype when autocast is on (as the model's own head would run), else the weight's
     dtype — as a plain :class:`logitless.Head` (transform and adapter kept).
 
-    Call it after the model's forward. With FSDP2 (``head.fsdp`` set) the weight and bias are
+    Call it after the model's forward. With DeepSpeed ZeRO-3 (parameters with ``ds_id``,
+    whether or not ``head.zero3`` was recorded) the weight and bias are gathered
+    (``deepspeed.zero.GatheredParameters``, skipped for those already available, e.g. tied
+    embeddings still held by the forward) and given back as tensors that keep the gathered values
+    after DeepSpeed re-partitions the parameters; their gradient flows to the parameters
+    themselves, so ZeRO-3's gradient hook on each parameter reduces and partitions it, once per
+    backward, as for the model's own head. With FSDP2 (``head.fsdp`` set) the weight and bias are
     the unsharded parameters, in FSDP's ``param_dtype``. When FSDP holds them sharded (the head
     is ``fully_shard``-ed apart from the root, or the root reshards after forward), they are
     all-gathered with ``FSDPModule.unshard()``. With gradients enabled they stay unsharded
@@ -458,6 +473,8 @@ def head_inputs(hidden: torch.Tensor, head: ModelHead) -> tuple[torch.Tensor, He
     elif _is_dtensor(weight):
         raise UnsupportedModelError("the head weight is a DTensor but the Head does not say which FSDP2 module "
                                     "holds it; get the Head from find_head(model)")
+    elif _is_zero3(weight) or _is_zero3(bias):
+        weight, bias = _zero3_gathered(weight, bias)
     hidden = hidden.to(weight.device)
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
@@ -466,3 +483,78 @@ def head_inputs(hidden: torch.Tensor, head: ModelHead) -> tuple[torch.Tensor, He
     def cast(t):
         return (t if t is None or t.dtype == dtype else t.to(dtype))
     return cast(hidden), Head(cast(weight), cast(bias), head.transform, head.lora, head.shard)
+
+
+# ---- DeepSpeed ZeRO-3 -----------------------------------------------------------------------
+# A ZeRO-3 parameter keeps its nn.Parameter object; DeepSpeed swaps its .data between the local
+# partition (an empty tensor; the values live in ds_tensor) and the gathered [ds_shape] tensor, and
+# marks it with ds_id / ds_status / ds_shape / ds_numel (deepspeed/runtime/zero/partition_parameters.py).
+
+def _is_zero3(t: torch.Tensor | None) -> bool:
+    return t is not None and hasattr(t, "ds_id") and hasattr(t, "ds_status")
+
+
+class _ZeroGathered(torch.autograd.Function):
+    """Identity from a gathered ZeRO-3 parameter to a tensor holding its gathered storage.
+
+    The output keeps the gathered values alive after DeepSpeed re-partitions the parameter (which
+    only re-points ``param.data`` at an empty tensor, ``free_param``), and its gradient goes to the
+    parameter itself: autograd accumulates it into ``param.grad`` (the ``[ds_shape]`` gradient of
+    the full parameter), where ZeRO-3's post-accumulate-grad hook (``stage3.py``,
+    ``create_reduce_and_remove_grad_hooks``) reduces and partitions it, once per backward.
+    Autograd accumulates only into a parameter whose data has the gradient's shape, so the backward
+    gathers the parameter again (as DeepSpeed's pre-backward hook does for a module's parameters)
+    and :func:`_release_after_grad` partitions it once its gradient is accumulated.
+    """
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor) -> torch.Tensor:
+        ctx.param = param
+        return param.data
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        param = ctx.param
+        if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            param.all_gather()  # a collective: every rank runs this backward
+            param._logitless_release_after_grad = True
+            if not getattr(param, "_logitless_release_hook", False):
+                # Registered now, after DeepSpeed's own hook, so that it runs after the reduction's.
+                param.register_post_accumulate_grad_hook(_release_after_grad)
+                param._logitless_release_hook = True
+        return grad
+
+
+def _release_after_grad(param: torch.Tensor) -> None:
+    """Partition a ZeRO-3 parameter that :class:`_ZeroGathered` gathered for its gradient, unless
+    a module's forward or backward holds it (DeepSpeed releases it then)."""
+    if getattr(param, "_logitless_release_after_grad", False):
+        param._logitless_release_after_grad = False
+        if not param.ds_active_sub_modules:
+            param.partition()
+
+
+def _zero3_gathered(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` of a ZeRO-3 head as full tensors (see :func:`head_inputs`); every rank
+    must call it (the gather is a collective)."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = [t for t in (weight, bias) if t is not None]
+    # Already available ones stay as DeepSpeed holds them: re-partitioning a tied embedding on exit
+    # would break the forward's own bookkeeping of the module that gathered it (TRL's
+    # maybe_gather_lm_head_ctx skips them for the same reason).
+    missing = list({id(p): p for p in params if _is_zero3(p) and p.ds_status != ZeroParamStatus.AVAILABLE}.values())
+
+    def full(p: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None or not _is_zero3(p):
+            return p
+        if tuple(p.data.shape) != tuple(p.ds_shape):
+            raise UnsupportedModelError(f"the ZeRO-3 head parameter (ds_id {p.ds_id}) is not gathered: its data has "
+                                        f"shape {tuple(p.data.shape)}, expected {tuple(p.ds_shape)}")
+        return _ZeroGathered.apply(p) if torch.is_grad_enabled() and p.requires_grad else p.data.detach()
+
+    with deepspeed.zero.GatheredParameters(missing, enabled=bool(missing)):
+        return full(weight), full(bias)
