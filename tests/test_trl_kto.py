@@ -136,6 +136,31 @@ def test_reference_cache_matches_trls_reference_float64(tmp_path, loss_type):
     _assert_same_step(ours, theirs, loss_type)
 
 
+def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
+    """``peft_config`` with ``lm_head`` (refused by TRL): the fused route's loss, gradients and
+    metrics equal TRL's own KTO code on the model's own full float64 logits, the reference and its
+    KL pairs being the model with adapters disabled."""
+    from trl import KTOTrainer
+
+    from logitless.integrations.trl_head import lora_head_admitted
+
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    with lora_head_admitted(KTOTrainer, (), {}):  # the oracle: TRL's trainer on the same PEFT model
+        tr = _kto(tmp_path, 6, peft_config=cfg, loss_type="kto", beta=0.3)
+    assert tr.ref_model is None
+    tr.model.double()
+    install_plain_head(tr.model.get_base_model())
+    tr = patch_kto_trainer(tr)
+    assert tr.logitless.fused_loss
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    ours = _step(tr, batch)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    _assert_same_step(ours, theirs, "peft")
+
+
 def test_peft_config_with_lm_head_is_accepted(tmp_path):
     # TRL's own trainer refuses peft_config with lm_head ("Remove 'lm_head'"); the drop-in takes it,
     # with logitless behind the head (the adapter's term computed; DPO / SFT check the numbers).
