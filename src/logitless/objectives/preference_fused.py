@@ -18,9 +18,9 @@ engine's fused mode runs the gradient GEMMs on the logits it still holds.
   recompute mode (one chunk of every pair, the backward recomputes the logits), with the same results.
 * The metrics are taken once after the pass from every token's detached statistics, by the
   two-call path's own code, so they are those of :func:`~logitless.dpo_loss` & co.
-* :func:`dpo_fused_pass` and :func:`kto_fused_pass` are the same passes for a caller that logs its
-  own metrics (the TRL drop-ins): every sequence's sums and the :class:`TokenSums` of the mean
-  logit and the top-1 hits, from the same pass, instead of the metrics.
+* :func:`dpo_fused_pass`, :func:`kto_fused_pass` and :func:`cpo_fused_pass` are the same passes
+  for a caller that logs its own metrics (the TRL drop-ins): every sequence's sums (DPO, KTO: and
+  the :class:`TokenSums` of the mean logit and the top-1 hits), instead of the metrics.
 """
 
 from __future__ import annotations
@@ -392,8 +392,41 @@ def cpo_loss_fused(
         TypeError, ValueError: as :func:`sequence_logps`.
     """
     cfg = CPOLossConfig() if config is None else config
-    head, options = as_head(head), as_options(options)
-    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    loss, policy, _ = _cpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), cfg, as_options(options))
+    with torch.no_grad():
+        _, metrics = cpo_loss(policy, config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def cpo_fused_pass(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    config: CPOLossConfig | None = None,
+    options: PassOptions | None = None,
+) -> PreferencePass:
+    """:func:`cpo_loss_fused`'s pass for a caller that logs its own metrics (the TRL CPO drop-in):
+    the loss and every sequence's sums (the NLL tokens are the chosen completion tokens).
+
+    Args:
+        hidden, head, labels, completion_mask, config, options: as :func:`cpo_loss_fused`.
+
+    Returns:
+        :class:`PreferencePass` (``tokens`` is ``None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`cpo_loss_fused`.
+    """
+    cfg = CPOLossConfig() if config is None else config
+    return _cpo(hidden, as_head(head), _Batch(labels, completion_mask), cfg, as_options(options))
+
+
+def _cpo(hidden: torch.Tensor, head: Head, batch: _Batch, cfg: CPOLossConfig, options: PassOptions) -> PreferencePass:
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {})
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 
@@ -403,10 +436,7 @@ def cpo_loss_fused(
             term = term + cfg.cpo_alpha * (_chosen_nll_parts(part)[0].sum() / chosen_tokens)
         return term
 
-    loss, policy, _ = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
-    with torch.no_grad():
-        _, metrics = cpo_loss(policy, config=cfg)
-    return loss, metrics
+    return _run(h_flat, head, t_flat, units, loss_of_pairs, options)
 
 
 def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: torch.Tensor,
