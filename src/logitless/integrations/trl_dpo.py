@@ -141,9 +141,9 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
         if mode == "train":
             self._total_train_tokens += gather_m(inputs["attention_mask"].sum()).sum().item() // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
-        for name, logits, n in zip(("logits/chosen", "logits/rejected"), tokens.mean_logit.chunk(2),
-                                   count.chunk(2), strict=True):
-            s, n = gather_m(logits.sum()).sum().item(), gather_m(n.sum()).sum().item()
+        for name, logit_sums, counts in zip(("logits/chosen", "logits/rejected"), tokens.mean_logit.chunk(2),
+                                            count.chunk(2), strict=True):
+            s, n = gather_m(logit_sums.sum()).sum().item(), gather_m(counts.sum()).sum().item()
             metrics[name].append(s / n if n > 0 else 0.0)
         correct = gather_m(tokens.top1.chunk(2)[0].round().long().sum())
         chosen_total = gather_m(count.chunk(2)[0].sum()).sum()
