@@ -120,3 +120,31 @@ def test_off_on_purpose_runs_trls_code_without_a_warning(tmp_path):
         warnings.simplefilter("error", UserWarning)
         tr = _cpo(tmp_path, 2, cls=LogitlessCPOTrainer, logitless_config=LogitlessConfig(fused_loss=False))
     assert not tr.logitless.active
+
+
+def test_soft_capped_head_runs_trls_code_and_says_why(tmp_path):
+    # TRL's logits/* averages every soft-capped logit: not a matrix-vector product, so TRL's own code runs.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=256, final_logit_softcapping=5.0,
+                       pad_token_id=V - 3, eos_token_id=V - 2, bos_token_id=None)
+    path = tmp_path / "gemma"
+    Gemma2ForCausalLM(cfg).save_pretrained(path)
+    word_tokenizer(V).save_pretrained(path)
+    from datasets import Dataset
+    from trl.experimental.cpo import CPOConfig
+
+    rows = [dict(prompt="t1 t2", chosen=" t3 t4", rejected=" t5") for _ in range(4)]
+    args = CPOConfig(output_dir=str(tmp_path / "out2"), per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                     bf16=False, max_steps=1, max_length=32)
+    with pytest.warns(UserWarning, match="soft-capped"):
+        tr = LogitlessCPOTrainer(model=str(path), args=args, train_dataset=Dataset.from_list(rows),
+                                 processing_class=word_tokenizer(V))
+    assert not tr.logitless.fused_loss and "soft-capped" in tr.logitless.why_not["fused_loss"]
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    ours = _step(tr, batch)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
