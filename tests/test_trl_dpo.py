@@ -122,6 +122,8 @@ def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed, fused
     assert tr.logitless.fused_logprobs, tr.logitless.why_not
     route = fused_loss is None and "ld_alpha" not in opts
     assert tr.logitless.fused_loss == route, tr.logitless.why_not
+    if fused_loss is None and not route:  # the reason, logged at construction
+        assert "ld_alpha" in tr.logitless.why_not["fused_loss"]
     tr.model.train()
     batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
     if opts.get("precompute_ref_log_probs"):
