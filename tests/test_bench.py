@@ -48,7 +48,9 @@ def test_json_has_every_row_and_timings(quick_run):
             "rollout": ["floor", "logitless", "torch-plain"],
             "distill": ["floor", "logitless", "torch-plain"],
             "jsd": ["floor", "logitless", "torch-plain"],
-            "dpo": ["floor", "logitless-fused", "logitless-recompute", "logitless-fused-bf16", "torch-plain"]}
+            "dpo": ["floor", "logitless-fused", "logitless-recompute", "logitless-fused-bf16", "torch-plain"],
+            "kto": ["floor", "logitless-fused", "logitless-recompute", "logitless-fused-bf16", "torch-plain"],
+            "simpo": ["floor", "logitless-fused", "logitless-recompute", "logitless-fused-bf16", "torch-plain"]}
     if importlib.util.find_spec("trl") is not None:
         for rows in must.values():
             rows.append("trl-chunked")
@@ -60,7 +62,8 @@ def test_json_has_every_row_and_timings(quick_run):
                 assert rec["status"] == "ok", rec
                 assert rec["time_ms"] > 0 and rec["tflops"] > 0 and math.isfinite(rec["ratio_to_floor"])
         for objective, row in (("grpo", "liger"), ("ce", "cce"), ("ce", "torch-compile"), ("dpo", "liger"),
-                               ("dpo", "torch-compile")):  # recorded, with why
+                               ("dpo", "torch-compile"), ("kto", "liger"), ("kto", "torch-compile"),
+                               ("simpo", "liger"), ("simpo", "torch-compile")):  # recorded, with why
             rec = _rec(case, objective, row)
             assert rec["status"] == "skipped" and rec["reason"]
 
@@ -84,7 +87,9 @@ def test_rows_agree_with_logitless(quick_run):
             assert plain["agrees"] is True, plain
             assert 0 < plain["grad_weight_rel_diff"] < 5e-2
         assert _rec(case, "rollout", "torch-plain")["logp_rel_diff"] < 1e-2
-        assert _rec(case, "dpo", "torch-plain")["agrees"] is True
+        for objective in ("dpo", "kto", "simpo"):
+            assert _rec(case, objective, "torch-plain")["agrees"] is True
+            assert _rec(case, objective, "logitless-recompute")["loss_rel_diff"] < 1e-5  # same fp32 math
         for objective in ("distill", "jsd"):  # each plain row computes its own divergence
             plain = _rec(case, objective, "torch-plain")
             assert plain["agrees"] is True and 0 < plain["loss_rel_diff"] < 5e-2, plain
@@ -187,5 +192,66 @@ def test_dpo_cuda_only_rows_say_why_on_cpu(dpo_case):
     x, _ = dpo_case
     for name in ("liger", "torch-compile"):
         (row,) = [r for r in ROWS if r.objective == "dpo" and r.name == name]
+        with pytest.raises(Unavailable, match="CUDA"):
+            row.prepare(x, "auto")
+
+
+# ---------------------------------------------------------------- KTO and SimPO rows against float64
+
+
+def _kto_oracle(x: Inputs) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """KTO (``kto``, beta 0.1; every other row desirable; the bench's reference sums and KL
+    estimate) from float64 materialized logits, and its gradients."""
+    from logitless.bench.competitors import _kto_batch
+
+    k = _kto_batch(x)
+    h = x.hidden.detach().double().requires_grad_(True)
+    w = x.weight.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(h @ w.t(), dim=-1).gather(-1, x.targets[..., None]).squeeze(-1)
+    ratio = (logp * x.mask).sum(-1) - k.ref_logps.double()
+    kl = k.kl.double()
+    per = torch.where(k.label, 1 - torch.sigmoid(0.1 * (ratio - kl)), 1 - torch.sigmoid(0.1 * (kl - ratio)))
+    loss = per.mean()
+    loss.backward()
+    return float(loss.detach()), h.grad, w.grad
+
+
+def _simpo_oracle(x: Inputs) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """SimPO (beta 2, gamma 0.5, per-token mean log-probs; chosen = first half of the rows) from
+    float64 materialized logits, and its gradients."""
+    h = x.hidden.detach().double().requires_grad_(True)
+    w = x.weight.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(h @ w.t(), dim=-1).gather(-1, x.targets[..., None]).squeeze(-1)
+    c, r = ((logp * x.mask).sum(-1) / x.mask.sum(-1)).chunk(2)
+    loss = -F.logsigmoid(2.0 * (c - r) - 0.5).mean()
+    loss.backward()
+    return float(loss.detach()), h.grad, w.grad
+
+
+@pytest.fixture(scope="module")
+def preference_cases(dpo_case) -> dict[str, tuple[float, torch.Tensor, torch.Tensor]]:
+    x, _ = dpo_case
+    return {"kto": _kto_oracle(x), "simpo": _simpo_oracle(x)}
+
+
+@pytest.mark.parametrize("objective", ["kto", "simpo"])
+@pytest.mark.parametrize("row", ["logitless-fused", "logitless-recompute", "torch-plain", "trl-chunked"])
+def test_kto_simpo_rows_match_float64_oracle(dpo_case, preference_cases, objective, row):
+    if row == "trl-chunked":
+        pytest.importorskip("trl.kernels.chunked_logprob", reason="trl is not installed: no TRL row to check")
+    x, _ = dpo_case
+    loss64, gh64, gw64 = preference_cases[objective]
+    (r,) = [r for r in ROWS if r.objective == objective and r.name == row]
+    x.hidden.grad = x.weight.grad = None
+    loss = float(r.prepare(x, "auto").step()["loss"])
+    assert abs(loss - loss64) <= 1e-5 * abs(loss64), (loss, loss64)
+    assert _rel(x.hidden.grad.double(), gh64) < 1e-4 and _rel(x.weight.grad.double(), gw64) < 1e-4
+
+
+@pytest.mark.parametrize("objective", ["kto", "simpo"])
+def test_kto_simpo_cuda_only_rows_say_why_on_cpu(dpo_case, objective):
+    x, _ = dpo_case
+    for name in ("liger", "torch-compile"):
+        (row,) = [r for r in ROWS if r.objective == objective and r.name == name]
         with pytest.raises(Unavailable, match="CUDA"):
             row.prepare(x, "auto")

@@ -400,3 +400,52 @@ def test_kernel_backends(seed, impl):
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-3)
     for k, v in ref_metrics.items():
         torch.testing.assert_close(metrics[k], v, rtol=1e-4, atol=1e-4, msg=k)
+
+
+# ---------------------------------------------------------------- the passes the TRL drop-ins call
+
+
+@pytest.mark.parametrize("mode", ["fused", "recompute"])
+def test_passes_return_the_sums_of_the_materialized_logits(mode):
+    """``dpo_fused_pass`` / ``kto_fused_pass``: the loss of ``dpo_loss_fused`` / ``kto_loss_fused``,
+    and every sequence's log-prob, entropy and mean-logit sums and top-1 counts equal to the float64
+    materialized logits' (the head with a bias and a temperature, so that the mean logit sees both)."""
+    from logitless.objectives.preference_fused import dpo_fused_pass, kto_fused_pass
+
+    hidden, weight, bias, labels, mask = _batch()
+    ref = torch.randn(2 * B, dtype=torch.float64) - 15
+    opts = PassOptions(chunk_bytes=CHUNK, mode=mode)
+    head = Head(weight, bias=bias).at_temperature(0.7)
+    z = (hidden @ weight.t() + bias) / 0.7  # [S, T, V]
+    logsm = torch.log_softmax(z, -1)
+    m = mask.double()
+    logp = logsm.gather(-1, labels[..., None]).squeeze(-1)
+    want = dict(logps=(logp * m).sum(1), entropy_sum=(-(logsm.exp() * logsm).sum(-1) * m).sum(1),
+                mean_logit=(z.mean(-1) * m).sum(1), top1=((z.argmax(-1) == labels) * m).sum(1))
+
+    def check(out, loss):
+        _close(out.loss, loss, "loss")
+        for k in ("logps", "entropy_sum"):
+            _close(getattr(out.policy, k), want[k], k)
+        _close(out.policy.lengths, m.sum(1), "lengths")
+        _close(out.tokens.mean_logit, want["mean_logit"], "mean_logit")
+        assert torch.equal(out.tokens.top1, want["top1"])
+
+    cfg = DPOLossConfig(loss_type=("sigmoid", "sft"))
+    check(dpo_fused_pass(hidden, head, labels, mask, ref[:B], ref[B:], config=cfg, options=opts),
+          dpo_loss_fused(hidden, head, labels, mask, ref[:B], ref[B:], config=cfg, options=opts)[0])
+    label = torch.arange(2 * B) % 3 == 0
+    kl_logps = (torch.randn(2 * B, dtype=torch.float64) - 15, torch.randn(2 * B, dtype=torch.float64) - 16)
+    kl = (kl_logps[0] - kl_logps[1]).mean().clamp(min=0)
+    check(kto_fused_pass(hidden, head, labels, mask, label, ref, kl, options=opts),
+          kto_loss_fused(hidden, head, labels, mask, label, ref, kl_logps, options=opts)[0])
+
+
+def test_kto_pass_names_a_missing_or_bad_kl():
+    from logitless.objectives.preference_fused import kto_fused_pass
+
+    hidden, weight, _, labels, mask = _batch()
+    label, ref = torch.arange(2 * B) % 2 == 0, torch.randn(2 * B, dtype=torch.float64)
+    for kl in (None, torch.zeros(2), torch.tensor(float("nan"), dtype=torch.float64)):
+        with pytest.raises(ValueError, match="needs kl"):
+            kto_fused_pass(hidden, weight, labels, mask, label, ref, kl)

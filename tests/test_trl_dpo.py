@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
-from trl_head_oracle import PassCounter, install_plain_head, rel_err, trainer_step
+from trl_head_oracle import PassCounter, flat_grads, install_plain_head, rel_err, trainer_step
 
 from logitless.integrations.config import LogitlessConfig
 from logitless.integrations.trl_dpo import LogitlessDPOTrainer, patch_dpo_trainer, reference_records, trl_own_path
@@ -38,54 +38,67 @@ def _dpo(tmp_path, seed, cls=None, logitless_config=None, peft_config=None, **op
 
 
 def _float64_oracle_trainer(tr):
-    """The trainer in float64, TRL's head replaced by the full-logits oracle, then patched."""
+    """The trainer in float64, TRL's head replaced by the full-logits oracle, the policy moved
+    away from its reference (:func:`_move_policy`)."""
     for m in (tr.model, tr.ref_model):
         if m is not None:
             m.double()
             install_plain_head(m)
+    _move_policy(tr.model)
     return tr
+
+
+def _move_policy(model):
+    """Move the policy away from its reference (a trained step's worth): at the reference itself
+    every reward is 0 up to rounding, and ``rewards/accuracies`` would compare rounding noise."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 1e-2)
 
 
 def _step(tr, batch):
     return trainer_step(tr, lambda model: tr.compute_loss(model, batch))
 
 
+class FusedPassCounter:
+    """Counts the drop-in's fused DPO passes (``trl_dpo.dpo_fused_pass`` calls)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import logitless.integrations.trl_dpo as trl_dpo
+
+        self.n = 0
+        inner = trl_dpo.dpo_fused_pass
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(trl_dpo, "dpo_fused_pass", counted)
+
+
 # Seeded draws over TRL's DPO options that change the loss (loss types, their mixture and weights,
-# beta, label smoothing, LD-DPO's ld_alpha, the RPO NLL term, precomputed reference log-probs).
+# beta, label smoothing, LD-DPO's ld_alpha, precomputed reference log-probs). The pool holds the
+# batch-coupled aot types and the sft NLL term too (the fused route runs them in one chunk / as a
+# per-pair share); f_divergence_type is left at reverse_kl: TRL's alpha-divergence has no float64 clamp.
 def _options(seed):
     rng = random.Random(seed)
     types_ = rng.sample(["sigmoid", "hinge", "ipo", "robust", "bco_pair", "exo_pair", "nca_pair", "apo_zero",
-                         "sppo_hard", "sigmoid_norm", "discopop"], k=rng.choice([1, 2]))
+                         "apo_down", "sppo_hard", "sigmoid_norm", "discopop", "sft", "aot", "aot_unpaired"],
+                        k=rng.choice([1, 2]))
     opts = dict(loss_type=types_, beta=rng.choice([0.05, 0.1, 0.5]))
     if len(types_) == 2:
         opts["loss_weights"] = [rng.uniform(0.2, 1.0), rng.uniform(0.2, 1.0)]
-    if rng.random() < 0.5 and set(types_) <= {"sigmoid", "robust", "exo_pair", "bco_pair"}:
+    if "exo_pair" in types_ or (rng.random() < 0.5 and set(types_) <= {"sigmoid", "robust", "bco_pair", "aot"}):
         opts["label_smoothing"] = 0.1
-    if rng.random() < 0.4:
-        opts["ld_alpha"] = rng.uniform(0.3, 0.9)
     if rng.random() < 0.3:
-        opts["rpo_alpha"] = 0.5
+        opts["ld_alpha"] = rng.uniform(0.3, 0.9)
     if rng.random() < 0.4:
         opts["precompute_ref_log_probs"] = True
     return opts
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed):
-    opts = _options(seed)
-    calls = PassCounter(monkeypatch)
-    tr = patch_dpo_trainer(_float64_oracle_trainer(_dpo(tmp_path, seed, **opts)))
-    assert tr.logitless.fused_logprobs, tr.logitless.why_not
-    tr.model.train()
-    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
-    if opts.get("precompute_ref_log_probs"):
-        assert "ref_chosen_logps" in batch
-    ours = _step(tr, batch)
-    # policy, and the reference unless TRL precomputed it
-    assert calls.n == (1 if opts.get("precompute_ref_log_probs") else 2)
-    with trl_own_path(tr):
-        theirs = _step(tr, batch)
-    assert calls.n == (1 if opts.get("precompute_ref_log_probs") else 2)
+def _assert_same_step(ours, theirs, opts):
     assert abs(float(ours[0] - theirs[0])) <= 1e-10 * max(1.0, abs(float(theirs[0]))), opts
     assert rel_err(ours[1], theirs[1]) <= 1e-10, opts
     assert set(ours[2]) == set(theirs[2])
@@ -93,6 +106,68 @@ def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed):
         if k == "num_tokens":  # a running count of the trainer, not of this step
             continue
         assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), (k, opts)
+
+
+# fused_loss None: the fused route wherever the options allow (not with ld_alpha); False: TRL's loss
+# code on logitless log-probs. Both against TRL's own trainer step on the float64 full-logits head.
+_SEEDS = (0, 2, 5, 7, 11, 13, 16)
+
+
+@pytest.mark.parametrize(("seed", "fused_loss"), [*((s, None) for s in _SEEDS), (0, False), (11, False)])
+def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed, fused_loss):
+    opts = _options(seed)
+    calls, fused = PassCounter(monkeypatch), FusedPassCounter(monkeypatch)
+    tr = patch_dpo_trainer(_float64_oracle_trainer(_dpo(tmp_path, seed, **opts)),
+                           LogitlessConfig(fused_loss=fused_loss))
+    assert tr.logitless.fused_logprobs, tr.logitless.why_not
+    route = fused_loss is None and "ld_alpha" not in opts
+    assert tr.logitless.fused_loss == route, tr.logitless.why_not
+    if fused_loss is None and not route:  # the reason, logged at construction
+        assert "ld_alpha" in tr.logitless.why_not["fused_loss"]
+    tr.model.train()
+    batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    if opts.get("precompute_ref_log_probs"):
+        assert "ref_chosen_logps" in batch
+    ours = _step(tr, batch)
+    # the policy (one fused pass, or a pass behind TRL's head), and the reference unless TRL precomputed it
+    assert (fused.n, calls.n) == (int(route), int(not route) + (not opts.get("precompute_ref_log_probs"))), opts
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
+    assert fused.n == int(route)
+    _assert_same_step(ours, theirs, opts)
+
+
+def test_seeds_cover_the_fused_routes_cases():
+    # The draws above reach what the fused route treats apart: a batch-coupled type, the sft term,
+    # precomputed references, and ld_alpha (TRL's loss code instead).
+    drawn = [_options(s) for s in _SEEDS]
+    types_ = {t for o in drawn for t in o["loss_type"]}
+    assert types_ & {"aot", "aot_unpaired"} and "sft" in types_
+    assert any(o.get("precompute_ref_log_probs") and "ld_alpha" not in o for o in drawn)
+    assert any("ld_alpha" in o for o in drawn)
+
+
+def test_gradient_accumulation_training_step_matches_trl_float64(tmp_path):
+    """``Trainer.training_step`` with gradient accumulation (it scales the loss; DPO takes no
+    ``num_items_in_batch``): the fused route's step equals TRL's own."""
+    tr = patch_dpo_trainer(_float64_oracle_trainer(_dpo(tmp_path, 9, loss_type=["sigmoid", "sft"], beta=0.1,
+                                                        gradient_accumulation_steps=2)))
+    assert tr.logitless.fused_loss
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = 2  # as Trainer's loop sets it
+    batch = next(iter(tr.get_train_dataloader()))
+    results = []
+    for own in (False, True):
+        tr.model.zero_grad(set_to_none=True)
+        if own:
+            with trl_own_path(tr):
+                loss = tr.training_step(tr.model, batch)
+        else:
+            loss = tr.training_step(tr.model, batch)
+        results.append((loss, flat_grads(tr.model)))
+    (ours, g_ours), (theirs, g_theirs) = results
+    assert abs(float(ours - theirs)) <= 1e-10 * max(1.0, abs(float(theirs)))
+    assert rel_err(g_ours, g_theirs) <= 1e-10
 
 
 def test_matches_trls_own_fp32_head(tmp_path):
@@ -182,7 +257,7 @@ def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
     tr.model.double()
     install_plain_head(tr.model.get_base_model())
     tr = patch_dpo_trainer(tr)
-    assert tr.logitless.fused_logprobs
+    assert tr.logitless.fused_logprobs and tr.logitless.fused_loss  # the adapter's term inside the fused pass
     tr.model.train()
     batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
     ours = _step(tr, batch)
@@ -202,12 +277,12 @@ def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
     assert direct.logitless.fused_logprobs
 
 
-def test_logprobs_off_on_purpose_does_not_warn(tmp_path):
-    # DPO has no fused_loss path: fused_logprobs=False alone is a deliberate "all off", not a no-op
-    # to warn about.
+def test_everything_off_on_purpose_does_not_warn(tmp_path):
+    # fused_loss and fused_logprobs both False is a deliberate "all off", not a no-op to warn about.
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        tr = _dpo(tmp_path, 2, cls=LogitlessDPOTrainer, logitless_config=LogitlessConfig(fused_logprobs=False))
+        tr = _dpo(tmp_path, 2, cls=LogitlessDPOTrainer,
+                  logitless_config=LogitlessConfig(fused_loss=False, fused_logprobs=False))
     assert not tr.logitless.active

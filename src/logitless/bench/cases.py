@@ -58,7 +58,7 @@ class Case:
 
     def flops(self, objective: str) -> float:
         """GEMM FLOPs of the head: ``2NHV`` rollout, ``6NHV`` forward + backward (``grpo``,
-        ``ce``, ``dpo``: reference log-probs precomputed), ``8NHV`` distillation (``distill``,
+        ``ce``, ``dpo``, ``kto``, ``simpo``: reference log-probs precomputed), ``8NHV`` distillation (``distill``,
         ``jsd``: the teacher's logits GEMM too)."""
         per = {"rollout": 2.0, "distill": 8.0, "jsd": 8.0}.get(objective, 6.0)
         return per * self.n_tokens * self.hidden_size * self.vocab_size

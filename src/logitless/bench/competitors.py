@@ -19,6 +19,12 @@ Objectives:
   log-probs: per-sequence log-prob sums of the chosen (first half of the batch rows) and
   rejected (second half) completions + the loss, forward + backward; logitless fused
   (``dpo_loss_fused``, the reference row) and recompute (``sequence_logps`` + ``dpo_loss``).
+* ``kto``: KTO (``loss_type="kto"``, ``beta=0.1``, mean over sequences) with precomputed
+  reference log-probs and KL estimate, every other sequence desirable: per-sequence log-prob sums
+  + the loss, forward + backward; logitless fused (``kto_loss_fused``) and recompute.
+* ``simpo``: SimPO (``beta=2``, ``gamma=0.5``, per-token mean log-probs, no reference, no NLL
+  term), chosen = first half of the batch rows; logitless fused (``simpo_loss_fused``) and
+  recompute (``sequence_logps`` + ``simpo_loss``).
 """
 
 from __future__ import annotations
@@ -42,17 +48,24 @@ from .cases import Inputs
 from .plain import (
     DPO_BETA,
     GRPO_CONFIG,
+    KTO_BETA,
+    SIMPO_BETA,
+    SIMPO_GAMMA,
     dpo_sigmoid_loss,
     grpo_args,
     grpo_from_logp,
+    kto_loss_from_logps,
     plain_ce,
     plain_dpo,
     plain_grpo,
+    plain_kto,
     plain_logp_entropy,
+    plain_simpo,
+    simpo_loss_from_logps,
 )
 
-Objective = Literal["grpo", "ce", "rollout", "distill", "jsd", "dpo"]
-OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill", "jsd", "dpo")
+Objective = Literal["grpo", "ce", "rollout", "distill", "jsd", "dpo", "kto", "simpo"]
+OBJECTIVES: tuple[Objective, ...] = ("grpo", "ce", "rollout", "distill", "jsd", "dpo", "kto", "simpo")
 JSD_BETA = 0.5  # the jsd objective's mixture weight
 Outputs = dict[str, torch.Tensor]
 
@@ -603,6 +616,212 @@ def dpo_liger(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
+# ---------------------------------------------------------------- KTO and SimPO
+
+# What TRL 1.16 KTOTrainer.__init__ asks its fused LM head for (it logs entropy and mean logits).
+_KTO_TRL_OUTPUTS = ("log_probs", "entropy", "mean_logits")
+
+
+@dataclass(frozen=True)
+class _KTOBatch:
+    """KTO's per-sequence inputs, made once outside the timing: ``label [B]`` (every other
+    sequence desirable), the reference sums ``ref_logps [B]`` (precomputed, as TRL's
+    ``precompute_ref_log_probs``), and the KL completions' sums ``kl_logps``, ``ref_kl_logps``
+    ``[B]`` (the policy's no-grad pass and the reference's on the mismatched pairs, a rollout-like
+    pass outside the measured step) with the batch's KL estimate ``kl`` (0-dim, clamped at 0)."""
+
+    label: torch.Tensor
+    ref_logps: torch.Tensor
+    kl_logps: torch.Tensor
+    ref_kl_logps: torch.Tensor
+    kl: torch.Tensor
+
+
+def _kto_batch(x: Inputs) -> _KTOBatch:
+    m = x.mask.to(x.ref_logp.dtype)
+    ref_logps = (x.ref_logp * m).sum(-1)
+    # The KL pairs are the batch's completions under other prompts: the old policy's sums stand in
+    # for the policy's no-grad pass, the reference's rolled by one row for a mismatched pairing.
+    kl_logps, ref_kl_logps = (x.old_logp * m).sum(-1), ref_logps.roll(1)
+    kl = (kl_logps - ref_kl_logps).mean().clamp(min=0)
+    label = torch.arange(x.targets.shape[0], device=x.targets.device) % 2 == 0
+    return _KTOBatch(label, ref_logps, kl_logps, ref_kl_logps, kl)
+
+
+def kto_logitless(x: Inputs, impl: str, mode: str = "fused", fp32_logits: bool = True) -> Prepared:
+    """logitless KTO (``kto``, beta 0.1, TRL's metrics and entropy) over the ``[B, T]`` batch.
+    ``fused``: ``kto_loss_fused``, one call whose chunks hold whole sequences, gradients inside the
+    forward (3 GEMMs); ``recompute``: ``sequence_logps`` then ``kto_loss`` (4 GEMMs).
+    ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
+    k = _kto_batch(x)
+    cfg = logitless.KTOLossConfig(beta=KTO_BETA, loss_type="kto")
+    options = _options(mode, impl, fp32_logits)
+
+    def step() -> Outputs:
+        if mode == "fused":
+            loss, metrics = logitless.kto_loss_fused(x.hidden, x.weight, x.targets, x.mask, k.label, k.ref_logps,
+                                                     (k.kl_logps, k.ref_kl_logps), config=cfg, options=options)
+        else:
+            policy = logitless.sequence_logps(x.hidden, x.weight, x.targets, x.mask, options=options)
+            loss, metrics = logitless.kto_loss(policy, k.label, k.ref_logps, k.kl_logps, k.ref_kl_logps, config=cfg)
+        return _train_outputs(loss, metrics)
+
+    return Prepared(step, _impl_name(impl, x.hidden.device))
+
+
+def kto_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL 1.16 ``KTOTrainer``'s own path: its fused LM head (``ChunkedLogProbFunction``, the
+    trainer's vocabulary chunk and outputs: log-probs, entropy, mean logit), masked sum per
+    sequence, then ``KTOTrainer._compute_loss``'s ``kto`` loss (``plain.kto_loss_from_logps``)."""
+    fn, chunk = _trl_function()
+    k = _kto_batch(x)
+    b, t, h = x.hidden.shape
+
+    def step() -> Outputs:
+        per_token_logps, entropy, *_ = fn.apply(x.hidden.reshape(-1, h), x.weight, None, x.targets.reshape(-1), 1.0,
+                                                chunk, None, 1.0, _KTO_TRL_OUTPUTS)
+        logps = per_token_logps.view(b, t).masked_fill(x.mask == 0, 0.0).sum(dim=1)
+        loss = kto_loss_from_logps(logps, k.label, k.ref_logps, k.kl)
+        m = x.mask.to(entropy.dtype)
+        return _train_outputs(loss, {"entropy": (entropy.detach().view(b, t) * m).sum() / m.sum()})
+
+    return Prepared(step)
+
+
+def kto_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch: materialized bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → gather → masked
+    sum per sequence → TRL's ``kto`` loss."""
+    k = _kto_batch(x)
+
+    def step() -> Outputs:
+        return _train_outputs(plain_kto(x.hidden, x.weight, x.targets, x.mask, k.label, k.ref_logps, k.kl))
+
+    return Prepared(step)
+
+
+def kto_torch_compile(x: Inputs, impl: str) -> Prepared:
+    """``torch.compile`` of the plain PyTorch KTO path (Inductor, default mode); compile time is
+    excluded (warm-up)."""
+    if x.hidden.device.type != "cuda":
+        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+    k = _kto_batch(x)
+    compiled = torch.compile(plain_kto, dynamic=False)
+
+    def step() -> Outputs:
+        return _train_outputs(compiled(x.hidden, x.weight, x.targets, x.mask, k.label, k.ref_logps, k.kl))
+
+    return Prepared(step)
+
+
+def kto_liger(x: Inputs, impl: str) -> Prepared:
+    """Liger-Kernel ``LigerFusedLinearKTOLoss`` (beta 0.1, summed log-probs, default chunk, its
+    ``torch.compile``'d loss math, the KL estimate passed where its ``forward`` takes ``kl``).
+    Like its DPO loss it takes no precomputed reference log-probs (only a reference model's hidden
+    states and weight, whose head it would run itself: a fourth GEMM), so it runs reference-free:
+    same head work, different loss and gradients (does not agree by construction)."""
+    _need_cuda(x, "Liger-Kernel")
+    mod = _import("liger_kernel.chunked_loss", "liger-kernel")
+    k = _kto_batch(x)
+    init = inspect.signature(mod.LigerFusedLinearKTOLoss).parameters
+    loss_fn = mod.LigerFusedLinearKTOLoss(beta=KTO_BETA, use_ref_model=False,
+                                          **({"average_log_prob": False} if "average_log_prob" in init else {}))
+    extra = {"kl": k.kl} if "kl" in inspect.signature(mod.LigerFusedLinearKTOLoss.forward).parameters else {}
+    target = torch.where(x.mask != 0, x.targets, -100)  # Liger's ignore_index marks the non-completion tokens
+
+    def step() -> Outputs:
+        out = loss_fn(x.hidden, x.weight, target, preference_labels=k.label, **extra)
+        return _train_outputs(out[0] if isinstance(out, tuple) else out)
+
+    return Prepared(step)
+
+
+def _pairs(x: Inputs, objective: str) -> None:
+    if x.targets.shape[0] % 2:
+        raise ValueError(f"{objective} needs an even number of sequences (chosen = first half of the batch rows, "
+                         f"rejected = second half), got B={x.targets.shape[0]}; pick N a multiple of 2 * T")
+
+
+def simpo_logitless(x: Inputs, impl: str, mode: str = "fused", fp32_logits: bool = True) -> Prepared:
+    """logitless SimPO (beta 2, gamma 0.5, TRL's CPO metrics and entropy) over the ``[B, T]``
+    batch (chosen + rejected). ``fused``: ``simpo_loss_fused``, chunks of whole pairs, 3 GEMMs;
+    ``recompute``: ``sequence_logps`` then ``simpo_loss`` (4 GEMMs). ``fp32_logits=False``:
+    logits rounded to bf16 as the plain path's."""
+    _pairs(x, "simpo")
+    options = _options(mode, impl, fp32_logits)
+
+    def step() -> Outputs:
+        if mode == "fused":
+            loss, metrics = logitless.simpo_loss_fused(x.hidden, x.weight, x.targets, x.mask, beta=SIMPO_BETA,
+                                                       simpo_gamma=SIMPO_GAMMA, options=options)
+        else:
+            policy = logitless.sequence_logps(x.hidden, x.weight, x.targets, x.mask, options=options)
+            loss, metrics = logitless.simpo_loss(policy, beta=SIMPO_BETA, simpo_gamma=SIMPO_GAMMA)
+        return _train_outputs(loss, metrics)
+
+    return Prepared(step, _impl_name(impl, x.hidden.device))
+
+
+def simpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
+    """TRL 1.16's chunked LM head (``ChunkedLogProbFunction``, log-probs + entropy, the head its
+    DPO and KTO trainers run) → masked mean per sequence → ``CPOTrainer.cpo_loss``'s ``simpo``
+    loss. TRL's own ``CPOTrainer`` (``trl.experimental``) materializes the logits instead, as the
+    ``torch-plain`` row does."""
+    _pairs(x, "simpo")
+    fn, chunk = _trl_function()
+    b, t, h = x.hidden.shape
+
+    def step() -> Outputs:
+        per_token_logps, entropy, *_ = fn.apply(x.hidden.reshape(-1, h), x.weight, None, x.targets.reshape(-1), 1.0,
+                                                chunk, None, 1.0, ("log_probs", "entropy"))
+        m = x.mask.to(per_token_logps.dtype)
+        logps = (per_token_logps.view(b, t) * m).sum(dim=1) / m.sum(dim=1)
+        loss = simpo_loss_from_logps(*logps.chunk(2, dim=0))
+        return _train_outputs(loss, {"entropy": (entropy.detach().view(b, t) * m).sum() / m.sum()})
+
+    return Prepared(step)
+
+
+def simpo_torch_plain(x: Inputs, impl: str) -> Prepared:
+    """Plain PyTorch (what TRL's ``CPOTrainer`` does): materialized bf16 logits ``[N, V]`` → fp32
+    ``log_softmax`` → gather → masked mean per sequence → SimPO's loss."""
+    _pairs(x, "simpo")
+
+    def step() -> Outputs:
+        return _train_outputs(plain_simpo(x.hidden, x.weight, x.targets, x.mask))
+
+    return Prepared(step)
+
+
+def simpo_torch_compile(x: Inputs, impl: str) -> Prepared:
+    """``torch.compile`` of the plain PyTorch SimPO path (Inductor, default mode); compile time is
+    excluded (warm-up)."""
+    if x.hidden.device.type != "cuda":
+        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+    _pairs(x, "simpo")
+    compiled = torch.compile(plain_simpo, dynamic=False)
+
+    def step() -> Outputs:
+        return _train_outputs(compiled(x.hidden, x.weight, x.targets, x.mask))
+
+    return Prepared(step)
+
+
+def simpo_liger(x: Inputs, impl: str) -> Prepared:
+    """Liger-Kernel ``LigerFusedLinearSimPOLoss`` (beta 2, gamma 0.5, no NLL term, its default
+    chunk and per-token mean log-probs, its ``torch.compile``'d loss math): the same loss."""
+    _need_cuda(x, "Liger-Kernel")
+    _pairs(x, "simpo")
+    mod = _import("liger_kernel.chunked_loss", "liger-kernel")
+    loss_fn = mod.LigerFusedLinearSimPOLoss(beta=SIMPO_BETA, gamma=SIMPO_GAMMA, compute_nll_loss=False)
+    target = torch.where(x.mask != 0, x.targets, -100)
+
+    def step() -> Outputs:
+        out = loss_fn(x.weight, x.hidden, target)
+        return _train_outputs(out[0] if isinstance(out, tuple) else out)
+
+    return Prepared(step)
+
+
 # Peak bytes per (token, vocab) element of the materializing rows, as measured on an H200 (torch 2.11)
 # plus 10%: predicts OOM before trying (a wrong guess only costs the try, which is caught).
 _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
@@ -613,7 +832,9 @@ _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-com
           # Not measured: the DPO plain path holds the same [N, V] tensors as the CE one (bf16 logits, their fp32
           # copy, the fp32 log_softmax saved for backward, its fp32 gradient, the bf16 logits gradient), and no
           # entropy (GRPO's 15.0 has an exp(log_softmax) more); compiled, as CE's.
-          "dpo-plain": 13.0, "dpo-compile": 2.5}
+          "dpo-plain": 13.0, "dpo-compile": 2.5,
+          # Not measured: KTO's and SimPO's plain paths hold DPO's [N, V] tensors.
+          "kto-plain": 13.0, "kto-compile": 2.5, "simpo-plain": 13.0, "simpo-compile": 2.5}
 
 
 def _on_flash(prepare: Callable[[Inputs, str], Prepared]) -> Callable[[Inputs, str], Prepared]:
@@ -666,6 +887,22 @@ ROWS: tuple[Row, ...] = (
     Row("liger", "dpo", dpo_liger),
     Row("torch-plain", "dpo", dpo_torch_plain, logit_bytes=_BYTES["dpo-plain"]),
     Row("torch-compile", "dpo", dpo_torch_compile, logit_bytes=_BYTES["dpo-compile"]),
+    Row("floor", "kto", floor_three_gemms, role="floor"),
+    Row("logitless-fused", "kto", partial(kto_logitless, mode="fused"), role="reference"),
+    Row("logitless-recompute", "kto", partial(kto_logitless, mode="recompute")),
+    Row("logitless-fused-bf16", "kto", partial(kto_logitless, mode="fused", fp32_logits=False)),
+    Row("trl-chunked", "kto", kto_trl_chunked),
+    Row("liger", "kto", kto_liger),
+    Row("torch-plain", "kto", kto_torch_plain, logit_bytes=_BYTES["kto-plain"]),
+    Row("torch-compile", "kto", kto_torch_compile, logit_bytes=_BYTES["kto-compile"]),
+    Row("floor", "simpo", floor_three_gemms, role="floor"),
+    Row("logitless-fused", "simpo", partial(simpo_logitless, mode="fused"), role="reference"),
+    Row("logitless-recompute", "simpo", partial(simpo_logitless, mode="recompute")),
+    Row("logitless-fused-bf16", "simpo", partial(simpo_logitless, mode="fused", fp32_logits=False)),
+    Row("trl-chunked", "simpo", simpo_trl_chunked),
+    Row("liger", "simpo", simpo_liger),
+    Row("torch-plain", "simpo", simpo_torch_plain, logit_bytes=_BYTES["simpo-plain"]),
+    Row("torch-compile", "simpo", simpo_torch_compile, logit_bytes=_BYTES["simpo-compile"]),
 )
 
 def _group_rows(objective: str) -> tuple[Row, ...]:

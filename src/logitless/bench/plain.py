@@ -5,7 +5,9 @@ materialized-logits heads the competitor rows build on.
 (``loss_type="dapo"``, token-level importance sampling, k3 KL to the reference with the bias
 correction, ``num_items_in_batch`` = the counted tokens), so every row that only produces
 log-probs (TRL's chunked head, plain PyTorch, ``torch.compile``) finishes with the same math.
-``dpo_sigmoid_loss`` is likewise TRL 1.16 ``DPOTrainer._compute_loss`` for ``loss_type="sigmoid"``.
+``dpo_sigmoid_loss`` is likewise TRL 1.16 ``DPOTrainer._compute_loss`` for ``loss_type="sigmoid"``,
+``kto_loss_from_logps`` ``KTOTrainer._compute_loss`` for ``loss_type="kto"`` and
+``simpo_loss_from_logps`` ``CPOTrainer.cpo_loss`` for ``loss_type="simpo"`` (``cpo_alpha=0``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from .cases import Inputs
 GRPO_CONFIG = PolicyConfig(loss_type="dapo", beta=0.04)
 # DPO's beta (TRL's DPOConfig default); the loss is sigmoid, mean over pairs.
 DPO_BETA = 0.1
+# KTO's beta (TRL's KTOConfig default); loss_type "kto", weights 1, mean over sequences.
+KTO_BETA = 0.1
+# SimPO's beta and target reward margin (the SimPO paper's typical values, as logitless.simpo_loss).
+SIMPO_BETA = 2.0
+SIMPO_GAMMA = 0.5
 
 
 def grpo_from_logp(logp: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor, advantages: torch.Tensor,
@@ -118,3 +125,60 @@ def plain_dpo(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     logps = (per_token_logps * mask).sum(dim=1)
     chosen_logps, rejected_logps = logps.chunk(2, dim=0)
     return dpo_sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+
+
+# ---------------------------------------------------------------- KTO
+
+
+def kto_loss_from_logps(logps: torch.Tensor, label: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor,
+                        beta: float = KTO_BETA) -> torch.Tensor:
+    """TRL's KTO loss (``loss_type="kto"``, desirable / undesirable weights 1) from per-sequence
+    log-prob sums ``[B]``, ``label [B]`` (True = desirable) and the batch's KL estimate (0-dim,
+    detached, clamped at 0).
+
+    Transcribed from TRL 1.16 ``trl/trainer/kto_trainer.py``, ``KTOTrainer._compute_loss``; its
+    split into chosen and rejected rows (``index_select`` of data-dependent size) is written as a
+    ``where`` over the batch, the same mean with static shapes (so it compiles without graph breaks).
+    """
+    logratios = logps - ref_logps
+    chosen_losses = 1 - torch.sigmoid(beta * (logratios - kl))
+    rejected_losses = 1 - torch.sigmoid(beta * (kl - logratios))
+    return torch.where(label, chosen_losses, rejected_losses).mean()
+
+
+def plain_kto(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+              label: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """Plain-path KTO from ``hidden [B, T, H]``: bf16 logits ``[N, V]`` → fp32 ``log_softmax`` →
+    gather → masked sum per sequence → :func:`kto_loss_from_logps` (tensor arguments only)."""
+    return kto_loss_from_logps((_plain_token_logps(hidden, weight, targets) * mask).sum(dim=1), label, ref_logps, kl)
+
+
+# ---------------------------------------------------------------- SimPO
+
+
+def simpo_loss_from_logps(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, beta: float = SIMPO_BETA,
+                          simpo_gamma: float = SIMPO_GAMMA) -> torch.Tensor:
+    """SimPO's loss from per-token **mean** log-probs of the chosen and rejected completions
+    (``[B]`` each), mean over pairs: TRL 1.16 ``trl/experimental/cpo/cpo_trainer.py``,
+    ``CPOTrainer.cpo_loss`` for ``loss_type="simpo"``, no label smoothing, ``cpo_alpha=0`` (no NLL
+    term); names as TRL's."""
+    logits = chosen_logps - rejected_logps
+    gamma_logratios = simpo_gamma / beta
+    logits = logits - gamma_logratios
+    return (-F.logsigmoid(beta * logits)).mean()
+
+
+def plain_simpo(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+    """Plain-path SimPO from ``hidden [2B, T, H]`` (chosen rows first): bf16 logits ``[N, V]`` →
+    fp32 ``log_softmax`` → gather → masked mean per sequence (``CPOTrainer.get_batch_logps`` with
+    ``average_log_prob``) → :func:`simpo_loss_from_logps`."""
+    logps = (_plain_token_logps(hidden, weight, targets) * mask).sum(dim=1) / mask.sum(dim=1)
+    return simpo_loss_from_logps(*logps.chunk(2, dim=0))
+
+
+def _plain_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` fp32 log-probs of ``targets`` from bf16 logits ``[N, V]``."""
+    b, t, h = hidden.shape
+    logits = hidden.reshape(-1, h) @ weight.t()  # [N, V] in the input dtype
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.reshape(-1, 1)).view(b, t)

@@ -20,6 +20,9 @@ OBJECTIVE_TITLES = {
     "jsd": "Distillation, generalized JSD (beta=0.5) token mean, forward + backward (floor: 4 GEMMs)",
     "dpo": ("DPO (sigmoid, beta=0.1, precomputed reference log-probs): sequence log-probs of chosen + rejected, "
             "forward + backward"),
+    "kto": ("KTO (kto, beta=0.1, precomputed reference log-probs and KL estimate): sequence log-probs, "
+            "forward + backward"),
+    "simpo": "SimPO (beta=2, gamma=0.5, no reference): mean log-probs of chosen + rejected, forward + backward",
 }
 _DIFF_KEYS = ("loss_rel_diff", "logp_rel_diff", "entropy_rel_diff", "grad_hidden_rel_diff", "grad_weight_rel_diff")
 

@@ -14,17 +14,22 @@ engine's fused mode runs the gradient GEMMs on the logits it still holds.
   blocks shrink to stay within the workspace budget (``ChunkPlan.fit``), so its logits are not
   kept and its gradient recomputes them: 4 GEMMs for that chunk only, as recompute mode.
 * Loss types that couple the pairs of a batch (DPO's ``aot`` and ``aot_unpaired`` sort over the
-  batch) cannot be split into per-chunk terms: :func:`dpo_loss_fused` runs them as
-  :func:`sequence_logps` + :func:`~logitless.dpo_loss` (recompute), with the same results.
+  batch) cannot be split into per-chunk terms: :func:`dpo_loss_fused` runs the same objective in
+  recompute mode (one chunk of every pair, the backward recomputes the logits), with the same results.
 * The metrics are taken once after the pass from every token's detached statistics, by the
   two-call path's own code, so they are those of :func:`~logitless.dpo_loss` & co.
+* :func:`dpo_fused_pass`, :func:`kto_fused_pass` and :func:`cpo_fused_pass` are the same passes
+  for a caller that logs its own metrics (the TRL drop-ins): every sequence's sums (DPO, KTO: and
+  the :class:`TokenSums` of the mean logit and the top-1 hits), instead of the metrics.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,7 +65,6 @@ from .preference import (
     dpo_loss,
     kto_loss,
     orpo_loss,
-    sequence_logps,
 )
 
 # DPO loss types whose loss is not a mean of per-pair terms: they sort over the batch.
@@ -204,15 +208,44 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
                   size=size), h_flat, t_flat
 
 
+class TokenSums(NamedTuple):
+    """Per-sequence sums over the completion tokens of the statistics TRL's trainers log beside
+    the loss (``[S]`` each, the caller's order, detached, statistics dtype).
+
+    Attributes:
+        mean_logit: ``Σ_t mean_logit_t`` (``mean_logit = Σ_v z_v / V``; TRL's ``logits/*``).
+        top1: how many tokens' label has the largest logit, ties counted (TRL's ``is_top1``).
+    """
+
+    mean_logit: torch.Tensor
+    top1: torch.Tensor
+
+
+class PreferencePass(NamedTuple):
+    """What one fused preference pass returns to a caller that logs its own metrics (a trainer).
+
+    Attributes:
+        loss: the scalar loss, differentiable w.r.t. ``hidden`` and the head.
+        policy: every sequence's sums (:class:`SequenceLogps`, ``[S]``, the caller's order,
+            detached; ``entropy_sum`` included).
+        tokens: :class:`TokenSums`.
+    """
+
+    loss: torch.Tensor
+    policy: SequenceLogps
+    tokens: TokenSums
+
+
 def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units, loss_of_units: UnitLoss,
-         options: PassOptions) -> tuple[torch.Tensor, SequenceLogps]:
-    """The pass: ``(loss, every sequence's detached sums in the caller's order)``."""
+         options: PassOptions, token_sums: bool = False) -> PreferencePass:
+    """The pass: the loss, every sequence's detached sums in the caller's order and, with
+    ``token_sums``, their :class:`TokenSums` (else ``tokens`` is ``None``)."""
 
     def objective(sl: slice, stats: ChunkStats):
         return loss_of_units(*units.span(sl), units.part(sl, stats.logp)), None
 
     cuts = sorted({e for e in units.ends if e > 0})
-    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=cuts)
+    spec = ObjectiveSpec(want=StatRequest(entropy=True, sum_z=token_sums), cuts=cuts)
     loss, stats, collected = run_objective(hidden, head, targets, objective, spec, options)
     if not collected:  # no token, so no chunk: every unit's loss is a constant
         loss = loss + loss_of_units(0, len(units.ends), units.part(slice(0, 0), loss.new_zeros(0)))
@@ -222,7 +255,11 @@ def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units,
                            nll_sum=-units.caller_sums(stats.logp * units.nll) if nll else None,
                            nll_count=units.caller_order(units.nll_count) if nll else None,
                            entropy_sum=units.caller_sums(stats.entropy * units.completion))
-    return loss, policy
+    tokens = None
+    if token_sums:
+        tokens = TokenSums(mean_logit=units.caller_sums(stats.sum_z / head.vocab_size() * units.completion),
+                           top1=units.caller_sums(stats.is_top1.to(units.completion.dtype) * units.completion))
+    return PreferencePass(loss, policy, tokens)
 
 
 def _chosen_tokens(units: _Units) -> torch.Tensor:
@@ -254,7 +291,7 @@ def dpo_loss_fused(
         completion_mask: ``[2B, T]`` tokens whose log-probs are summed.
         ref_chosen_logps, ref_rejected_logps: ``[B]`` reference log-prob sums (nats).
         config: :class:`DPOLossConfig`; ``aot`` / ``aot_unpaired`` (which sort over the batch) run
-            as the two-call path in recompute mode.
+            the same objective in recompute mode (one chunk of every pair).
         options: :class:`logitless.PassOptions` (``mode="recompute"`` runs the same objective
             after one forward over every token).
 
@@ -267,14 +304,55 @@ def dpo_loss_fused(
             inf in the reference log-probs.
     """
     cfg = DPOLossConfig() if config is None else config
-    head, options = as_head(head), as_options(options)
+    refs = (ref_chosen_logps, ref_rejected_logps)
+    batch = _Batch(labels, completion_mask)
+    loss, policy, _ = _dpo(hidden, as_head(head), batch, refs, cfg, as_options(options), False)
+    with torch.no_grad():
+        _, metrics = dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def dpo_fused_pass(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    ref_chosen_logps: torch.Tensor,  # [B]
+    ref_rejected_logps: torch.Tensor,  # [B]
+    *,
+    config: DPOLossConfig | None = None,
+    options: PassOptions | None = None,
+) -> PreferencePass:
+    """:func:`dpo_loss_fused`'s pass for a caller that logs its own metrics (the TRL drop-in):
+    the loss, every sequence's sums and the :class:`TokenSums` of TRL's ``logits/*`` and
+    ``mean_token_accuracy``, from the same pass (the mean logit costs one more sum per logit).
+
+    Args:
+        hidden, head, labels, completion_mask, ref_chosen_logps, ref_rejected_logps, config,
+            options: as :func:`dpo_loss_fused`.
+
+    Returns:
+        :class:`PreferencePass`.
+
+    Raises:
+        TypeError, ValueError: as :func:`dpo_loss_fused`.
+    """
+    cfg = DPOLossConfig() if config is None else config
+    return _dpo(hidden, as_head(head), _Batch(labels, completion_mask), (ref_chosen_logps, ref_rejected_logps), cfg,
+                as_options(options), True)
+
+
+def _dpo(hidden: torch.Tensor, head: Head, batch: _Batch, refs: tuple[torch.Tensor, torch.Tensor],
+         cfg: DPOLossConfig, options: PassOptions, token_sums: bool) -> PreferencePass:
     if BATCH_COUPLED_DPO_LOSS_TYPES & set(cfg.loss_type):
-        policy = sequence_logps(hidden, head, labels, completion_mask, options=options)
-        return dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
-    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 2, {
-        "ref_chosen_logps": ref_chosen_logps, "ref_rejected_logps": ref_rejected_logps})
+        # The loss sorts over the batch: the objective must see every pair at once.
+        options = dataclasses.replace(options, mode="recompute")
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {"ref_chosen_logps": refs[0],
+                                                               "ref_rejected_logps": refs[1]})
     sdt = stat_dtype_for(hidden.dtype)
-    ref_c, ref_r = ref_chosen_logps.to(sdt), ref_rejected_logps.to(sdt)
+    ref_c, ref_r = refs[0].to(sdt), refs[1].to(sdt)
     pairs = ref_c.shape[0]
     sft_scale = pairs / _chosen_tokens(units) if "sft" in cfg.loss_type else None
 
@@ -283,10 +361,7 @@ def dpo_loss_fused(
         terms = _dpo_pair_losses(c, r, c_len, r_len, ref_c[u0:u1], ref_r[u0:u1], cfg, sft_scale)
         return sum(per.sum() * w for per, w in terms) / pairs
 
-    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
-    with torch.no_grad():
-        _, metrics = dpo_loss(policy, ref_c, ref_r, config=cfg)
-    return loss, metrics
+    return _run(h_flat, head, t_flat, units, loss_of_pairs, options, token_sums)
 
 
 @graph_break
@@ -317,8 +392,41 @@ def cpo_loss_fused(
         TypeError, ValueError: as :func:`sequence_logps`.
     """
     cfg = CPOLossConfig() if config is None else config
-    head, options = as_head(head), as_options(options)
-    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    loss, policy, _ = _cpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), cfg, as_options(options))
+    with torch.no_grad():
+        _, metrics = cpo_loss(policy, config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def cpo_fused_pass(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    config: CPOLossConfig | None = None,
+    options: PassOptions | None = None,
+) -> PreferencePass:
+    """:func:`cpo_loss_fused`'s pass for a caller that logs its own metrics (the TRL CPO drop-in):
+    the loss and every sequence's sums (the NLL tokens are the chosen completion tokens).
+
+    Args:
+        hidden, head, labels, completion_mask, config, options: as :func:`cpo_loss_fused`.
+
+    Returns:
+        :class:`PreferencePass` (``tokens`` is ``None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`cpo_loss_fused`.
+    """
+    cfg = CPOLossConfig() if config is None else config
+    return _cpo(hidden, as_head(head), _Batch(labels, completion_mask), cfg, as_options(options))
+
+
+def _cpo(hidden: torch.Tensor, head: Head, batch: _Batch, cfg: CPOLossConfig, options: PassOptions) -> PreferencePass:
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {})
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 
@@ -328,10 +436,7 @@ def cpo_loss_fused(
             term = term + cfg.cpo_alpha * (_chosen_nll_parts(part)[0].sum() / chosen_tokens)
         return term
 
-    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
-    with torch.no_grad():
-        _, metrics = cpo_loss(policy, config=cfg)
-    return loss, metrics
+    return _run(h_flat, head, t_flat, units, loss_of_pairs, options)
 
 
 def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: torch.Tensor,
@@ -394,21 +499,78 @@ def kto_loss_fused(
             inf in ``ref_logps`` or the KL sums.
     """
     cfg = KTOLossConfig() if config is None else config
-    head, options = as_head(head), as_options(options)
     if cfg.loss_type == "kto" and kl_logps is None:
         raise ValueError("loss_type='kto' needs kl_logps=(kl_logps, ref_kl_logps) (the KL completions' sums)")
-    named = {"ref_logps": ref_logps}
-    if kl_logps is not None:
-        named.update(kl_logps=kl_logps[0], ref_kl_logps=kl_logps[1])
-    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask), 1, named)
+    named = {} if kl_logps is None else {"kl_logps": kl_logps[0], "ref_kl_logps": kl_logps[1]}
+    sdt = stat_dtype_for(hidden.dtype) if isinstance(hidden, torch.Tensor) else torch.float32
+
+    def kl_estimate() -> torch.Tensor | None:  # after _prepare's shape and finiteness checks
+        if cfg.loss_type != "kto":
+            return None
+        return (kl_logps[0].detach().to(sdt) - kl_logps[1].to(sdt)).mean().detach().clamp(min=0)
+
+    loss, policy, _ = _kto(hidden, as_head(head), _Batch(labels, completion_mask), (label, ref_logps), kl_estimate,
+                           named, cfg, as_options(options), False)
+    with torch.no_grad():
+        _, metrics = kto_loss(policy, label, ref_logps.to(policy.logps.dtype), *(kl_logps or (None, None)),
+                              config=cfg)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def kto_fused_pass(
+    hidden: torch.Tensor,  # [B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [B, T]
+    completion_mask: torch.Tensor,  # [B, T]
+    label: torch.Tensor,  # [B] bool, True = desirable
+    ref_logps: torch.Tensor,  # [B]
+    kl: torch.Tensor | None = None,  # [] the batch's KL estimate, clamped at 0
+    *,
+    config: KTOLossConfig | None = None,
+    options: PassOptions | None = None,
+) -> PreferencePass:
+    """:func:`kto_loss_fused`'s pass for a caller that logs its own metrics (the TRL drop-in),
+    given the batch's KL estimate itself (a trainer may average it over its data-parallel ranks
+    first, as TRL's ``KTOTrainer`` does).
+
+    Args:
+        hidden, head, labels, completion_mask, label, ref_logps, config, options: as
+            :func:`kto_loss_fused`.
+        kl: the 0-dim KL estimate ``max(0, mean(kl_logps - ref_kl_logps))`` (nats; detached
+            here); used by ``kto`` only, which needs it.
+
+    Returns:
+        :class:`PreferencePass` (``loss``: the mean over the ``B`` sequences of the weighted
+        losses; ``tokens``: :class:`TokenSums`).
+
+    Raises:
+        TypeError, ValueError: as :func:`kto_loss_fused`; ``kto`` without ``kl``, or a ``kl``
+            that is not a finite 0-dim tensor.
+    """
+    cfg = KTOLossConfig() if config is None else config
+    if cfg.loss_type == "kto" and (not isinstance(kl, torch.Tensor) or kl.dim() != 0
+                                   or not bool(torch.isfinite(kl))):
+        raise ValueError(f"loss_type='kto' needs kl, the batch's KL estimate as a finite 0-dim tensor, got "
+                         f"{kl if not isinstance(kl, torch.Tensor) else f'shape {tuple(kl.shape)}'}")
+    return _kto(hidden, as_head(head), _Batch(labels, completion_mask), (label, ref_logps),
+                lambda: None if kl is None else kl.detach(), {}, cfg, as_options(options), True)
+
+
+def _kto(hidden: torch.Tensor, head: Head, batch: _Batch, labelled: tuple[torch.Tensor, torch.Tensor],
+         kl_estimate: Callable[[], torch.Tensor | None], named: dict[str, torch.Tensor], cfg: KTOLossConfig,
+         options: PassOptions, token_sums: bool) -> PreferencePass:
+    """KTO's pass; ``labelled`` is ``(label, ref_logps)``, ``named`` more ``[B]`` inputs to check
+    finite in the same synchronization."""
+    label, ref_logps = labelled
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 1, {"ref_logps": ref_logps, **named})
     _check_pairs(ref_logps, label=label)
     check_device("label", label, hidden.device)
     sdt = stat_dtype_for(hidden.dtype)
     label, ref = label.to(torch.bool), ref_logps.to(sdt)
-    if cfg.loss_type == "kto":
-        kl = (kl_logps[0].detach().to(sdt) - kl_logps[1].to(sdt)).mean().detach().clamp(min=0)
-    else:
-        kl = ref.new_zeros(())
+    kl = kl_estimate() if cfg.loss_type == "kto" else None
+    kl = ref.new_zeros(()) if kl is None else kl.to(sdt)
     count = hidden.shape[0]
 
     def loss_of_sequences(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
@@ -418,10 +580,7 @@ def kto_loss_fused(
         losses = torch.where(desirable, cfg.desirable_weight * chosen, cfg.undesirable_weight * rejected)
         return losses.sum() / count
 
-    loss, policy = _run(h_flat, head, t_flat, units, loss_of_sequences, options)
-    with torch.no_grad():
-        _, metrics = kto_loss(policy, label, ref, *(kl_logps or (None, None)), config=cfg)
-    return loss, metrics
+    return _run(h_flat, head, t_flat, units, loss_of_sequences, options, token_sums)
 
 
 @graph_break
@@ -462,7 +621,7 @@ def orpo_loss_fused(
         ratio = _orpo_log_odds(part)[3]
         return _chosen_nll_parts(part)[0].sum() / chosen_tokens - (beta * ratio).sum() / pairs
 
-    loss, policy = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
+    loss, policy, _ = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
     with torch.no_grad():
         _, metrics = orpo_loss(policy, beta=beta)
     return loss, metrics

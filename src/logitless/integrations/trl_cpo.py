@@ -1,0 +1,147 @@
+"""``LogitlessCPOTrainer``: TRL 1.16's ``CPOTrainer`` (``trl.experimental.cpo``: CPO, SimPO,
+AlphaPO) with its loss computed by logitless.
+
+    from logitless.integrations.trl_cpo import LogitlessCPOTrainer as CPOTrainer
+
+TRL's ``CPOTrainer`` materializes the logits of the chosen and rejected sequences (``[2B, L, V]``).
+With ``fused_loss`` the loss (``sigmoid``, ``hinge``, ``ipo``, ``simpo``; label smoothing, AlphaPO's
+``alpha``, the ``cpo_alpha`` NLL term), its gradient and the metrics come from one fused
+vocabulary pass over the completion tokens instead (:func:`~logitless.objectives.preference_fused.
+cpo_fused_pass`, 3 GEMMs of work, no logits); the rewards are TRL's ``cpo_loss`` on the pass's
+sequence scores. TRL's ``logits/chosen|rejected`` average every logit of every position (prompt
+and padding included): for a head whose logits are linear in the hidden state (no soft-cap) that
+is ``Σ_v z_v = h · Σ_v w_v + Σ_v b_v`` (scaled), a matrix-vector product. Where that does not hold
+(a soft-capped or vocabulary-sharded head, a LoRA adapter with dropout), or for an encoder-decoder
+model or the MoE aux loss, TRL's own code runs (``fused_loss`` resolves off, the reason logged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from trl.experimental.cpo import CPOTrainer
+
+from ..objectives import CPOLossConfig
+from ..objectives.preference_fused import cpo_fused_pass
+from ..ops import Head
+from .config import LogitlessConfig, Switches
+from .hf import add_hidden_states_forward, find_head
+from .trl_head import ActiveMetric, check_config, discover_heads, finish, head_pass, trl_own_path
+
+__all__ = ["LogitlessCPOTrainer", "patch_cpo_trainer", "trl_own_path"]
+
+
+def _unsupported(trainer: CPOTrainer) -> list[str]:
+    """The trainer's options (and head) the fused loss does not reproduce."""
+    out = []
+    if trainer.is_encoder_decoder:
+        out.append("an encoder-decoder model")
+    if trainer.aux_loss_enabled:
+        out.append("MoE router aux loss (output_router_logits)")
+    head = find_head(trainer.accelerator.unwrap_model(trainer.model))
+    if head.transform.softcap is not None:
+        out.append("a soft-capped head (TRL's logits/* metric averages every logit, which logitless sums as a "
+                   "matrix-vector product for heads linear in the hidden state only)")
+    if head.shard is not None:
+        out.append("a vocabulary-sharded or padded head (TRL's logits/* metric averages the model's own logits)")
+    if head.lora is not None and head.lora.dropout is not None:
+        out.append("a LoRA adapter on lm_head with dropout (TRL's logits/* metric)")
+    return out
+
+
+class LogitlessCPOTrainer(ActiveMetric, CPOTrainer):
+    """``trl.experimental.cpo.CPOTrainer`` whose loss and metrics come from one logitless pass.
+
+    Extra keyword argument: ``logitless_config`` (:class:`LogitlessConfig`), resolved into
+    ``trainer.logitless``: ``fused_loss`` is the switch (``fused_logprobs`` does not apply: the
+    trainer has no reference and no separate log-prob pass). ``return_outputs`` and evaluation
+    run the same path.
+
+    Raises:
+        TypeError, ValueError: an invalid :class:`LogitlessConfig`; everything ``CPOTrainer`` raises.
+    """
+
+    def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _attach(self, logitless_config)
+
+    def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+        if not self.logitless.fused_loss:
+            return CPOTrainer.get_batch_loss_metrics(self, model, batch, train_eval)
+        cb = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.pad_token_id,
+                                      device=self.accelerator.device)
+        len_chosen = batch["chosen_labels"].shape[0]
+        hidden = model(cb["concatenated_input_ids"], attention_mask=cb["concatenated_attention_mask"], use_cache=False,
+                       logitless_hidden_states=True)
+        hidden, head = head_pass(self, model, hidden)  # [2B, L, H]
+        labels = cb["concatenated_labels"][:, 1:]
+        mask = labels != -100
+        out = cpo_fused_pass(hidden[:, :-1], head, labels.clamp(min=0), mask, config=self.cpo_loss_config(),
+                             options=self.logitless.options)
+        policy = out.policy
+        scores = policy.mean_logps if self.loss_type in ("ipo", "simpo") else policy.logps
+        chosen_logps, rejected_logps = scores[:len_chosen], scores[len_chosen:]
+        with torch.no_grad():
+            _, chosen_rewards, rejected_rewards = self.cpo_loss(chosen_logps, rejected_logps)
+            count = policy.lengths[:len_chosen].sum()
+            nll = -policy.logps[:len_chosen].sum() / count if self.cpo_alpha != 0 else count.new_zeros(())
+            logits_sum = _sum_logits(hidden.detach(), head)  # [2B, L]
+        gather = self.accelerator.gather_for_metrics
+        prefix = "eval_" if train_eval == "eval" else ""
+        per_logit = logits_sum.shape[1] * head.vocab_size()
+        metrics = {
+            "rewards/chosen": gather(chosen_rewards).mean().item(),
+            "rewards/rejected": gather(rejected_rewards).mean().item(),
+            "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean().item(),
+            "rewards/margins": gather(chosen_rewards - rejected_rewards).mean().item(),
+            "logps/rejected": gather(rejected_logps).mean().item(),
+            "logps/chosen": gather(chosen_logps).mean().item(),
+            "logits/rejected": gather(logits_sum[len_chosen:].sum() / (per_logit * (scores.shape[0] - len_chosen)))
+            .mean().item(),
+            "logits/chosen": gather(logits_sum[:len_chosen].sum() / (per_logit * len_chosen)).mean().item(),
+            "nll_loss": gather(nll.to(self.accelerator.device)).mean().item(),
+        }
+        return out.loss, {prefix + k: v for k, v in metrics.items()}
+
+    def cpo_loss_config(self) -> CPOLossConfig:
+        """This trainer's loss options as a :class:`logitless.CPOLossConfig`."""
+        return CPOLossConfig(beta=self.beta, label_smoothing=self.label_smoothing, loss_type=self.loss_type,
+                             cpo_alpha=self.cpo_alpha, simpo_gamma=getattr(self, "simpo_gamma", 0.5), alpha=self.alpha)
+
+
+def _sum_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
+    """``Σ_v z_v`` at every position of ``hidden [..., H]`` for a head linear in the hidden state
+    (no soft-cap, no shard): ``(h · Σ_v w_v + Σ_v b_v + s · (h A^T) · Σ_v B_v) · scale / temperature``,
+    accumulated in fp32 (fp64 for fp64 inputs)."""
+    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    h = hidden.to(dt)
+    total = h @ head.weight.detach().to(dt).sum(0)
+    if head.bias is not None:
+        total = total + head.bias.detach().to(dt).sum()
+    if head.lora is not None:
+        low = h @ head.lora.a.detach().to(dt).t()
+        total = total + head.lora.scaling * (low @ head.lora.b.detach().to(dt).sum(0))
+    return total * (head.transform.logit_scale / head.transform.temperature)
+
+
+def _attach(trainer: CPOTrainer, config: LogitlessConfig | None) -> None:
+    config = check_config(config)
+    # No reference and no separate log-prob pass in CPO: only the loss switch applies.
+    resolved = dataclasses.replace(config, fused_logprobs=False)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    head_problem, _ = discover_heads([model], config)  # admits an unverified class first, if allowed
+    problems = _unsupported(trainer) if head_problem is None else []
+    trainer.logitless = Switches.resolve(resolved, head_problem, problems)
+    trainer.logitless.config = config
+    if trainer.logitless.fused_loss:
+        add_hidden_states_forward(model)
+    finish(trainer, trainer.logitless, ("fused_loss",))
+
+
+def patch_cpo_trainer(trainer: CPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessCPOTrainer:
+    """Turn an existing ``CPOTrainer`` into a :class:`LogitlessCPOTrainer` in place."""
+    _attach(trainer, logitless_config)
+    trainer.__class__ = LogitlessCPOTrainer
+    return trainer
