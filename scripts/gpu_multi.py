@@ -284,7 +284,7 @@ def run_case(case: Case, out_dir: Path) -> None:
 def _engine_facts(trainer) -> dict:
     """What the engine did to the model, as evidence that the case ran under it: the wrapper's
     class, and how the head's parameters are held (FSDP2 DTensor / ZeRO-3 partitioned)."""
-    from logitless.integrations.hf import find_head
+    from logitless.model_heads import find_head
 
     wrapped = trainer.model_wrapped
     head = find_head(trainer.accelerator.unwrap_model(trainer.model))

@@ -16,7 +16,7 @@ import torch
 
 import logitless
 from logitless import PolicyConfig
-from logitless.integrations.hf import add_hidden_states_forward, find_head
+from logitless.model_heads import add_hidden_states_forward, find_head
 from logitless.refcache import BuildOptions, RefCache, build, free_reference
 
 

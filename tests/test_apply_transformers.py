@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from logitless import PassOptions, apply_logitless
-from logitless.integrations.hf import UnsupportedModelError
+from logitless.model_heads import UnsupportedModelError
 
 TOL = dict(rtol=0, atol=1e-10)
 # One config per family (the first tie setting listed there): 27 verified classes.

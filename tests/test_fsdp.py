@@ -100,7 +100,7 @@ def _rank_step(rank: int, world: int, case: dict) -> dict:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from logitless import PolicyConfig, policy_loss, token_logprobs
-    from logitless.integrations.hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
+    from logitless.model_heads import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
 
     mesh = init_device_mesh("cpu", (world,))
     per = B // world

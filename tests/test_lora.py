@@ -15,7 +15,7 @@ import torch
 
 import logitless
 from logitless import Head, HeadLoRA, LogitTransform, PassOptions, PolicyConfig, VocabShard
-from logitless.integrations.hf import UnsupportedModelError, add_hidden_states_forward, find_head
+from logitless.model_heads import UnsupportedModelError, add_hidden_states_forward, find_head
 from logitless.objectives.reference import reference_stats
 
 V, H, N, R = 123, 16, 47, 5

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from logitless import Head, LogitTransform, token_logprobs
-from logitless.integrations.hf import (
+from logitless.model_heads import (
     UnsupportedModelError,
     add_hidden_states_forward,
     find_head,

@@ -7,8 +7,8 @@ import torch
 from tiny_models import save_tiny_qwen2, word_tokenizer
 
 from logitless.integrations.config import LogitlessConfig
-from logitless.integrations.hf import UnsupportedModelError, find_head
 from logitless.integrations.trl import LogitlessGRPOTrainer, UnsupportedConfigError, patch_grpo_trainer, trl_own_path
+from logitless.model_heads import UnsupportedModelError, find_head
 
 V = 64
 

@@ -164,7 +164,7 @@ def test_peft_config_with_lm_head_matches_the_adapted_head_float64(tmp_path):
 def test_peft_config_with_lm_head_is_accepted(tmp_path):
     # TRL's own trainer refuses peft_config with lm_head ("Remove 'lm_head'"); the drop-in takes it,
     # with logitless behind the head (the adapter's term computed; DPO / SFT check the numbers).
-    from logitless.integrations.hf import find_head
+    from logitless.model_heads import find_head
 
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)

@@ -68,7 +68,7 @@ def _rank(rank: int, world: int, tie: bool):
     from deepspeed.utils import safe_get_full_grad
 
     import logitless
-    from logitless.integrations.hf import add_hidden_states_forward, find_head, head_inputs
+    from logitless.model_heads import add_hidden_states_forward, find_head, head_inputs
 
     os.environ.setdefault("LOCAL_RANK", str(rank))
     model = _tiny_llama(tie)

@@ -318,7 +318,7 @@ def parity(trainers: dict[str, Any], model: torch.nn.Module, batch: dict[str, to
     """Loss, gradient norm and head gradient of every path on the same weights and batch (no
     optimizer step), with old log-probs 0.1 nats off the current ones (so ratios differ from 1
     and the loss depends on the log-probs)."""
-    from ..integrations.hf import find_head
+    from ..model_heads import find_head
 
     b, c = batch["completion_ids"].shape
     batch = _off_policy(trainers["logitless"], model, batch, device, seed=1234)

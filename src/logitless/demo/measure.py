@@ -147,7 +147,7 @@ def head_memory(trainer: Any, inputs: dict) -> dict:
     forward and backward, on the batch's final hidden states and the model's head weight:
     logits materialized as TRL does vs ``logitless.policy_loss``. Also the batch's token count
     and vocabulary size."""
-    from ..integrations.hf import find_head
+    from ..model_heads import find_head
 
     model = trainer.model
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..model_heads import UnsupportedModelError, _is_dtensor, _unwrap_adapters
 from ..objectives import vocab_stats
 from ..ops import Head, LogitTransform, PassOptions
-from .hf import UnsupportedModelError, _is_dtensor, _unwrap_adapters
 
 _PREFIX = "Logitless__"
 _CLASSES: dict[type, type] = {}

@@ -7,7 +7,7 @@ through forward hooks, and copies no model's ``forward``: the model's own forwar
 written, its output head is swapped for a ``[..., 0]`` placeholder for the length of the call (its
 input, the final hidden states, is kept), and its ``loss_function`` is swapped for one that
 computes :func:`logitless.cross_entropy` from those hidden states and the head that
-:func:`~logitless.integrations.hf.find_head` finds (with the family's logit scale / soft-cap). What
+:func:`~logitless.model_heads.find_head` finds (with the family's logit scale / soft-cap). What
 the forward does around the loss (the MoE router aux loss, the output fields) is the model's.
 Between fused calls ``loss_function`` is a stand-in for the model's own that notices calls which
 bypassed the hooks.
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..model_heads import _base, _family, _own_class, find_head, head_inputs
 from ..objectives import cross_entropy
 from ..ops import Head, PassOptions, as_options
-from .hf import _base, _family, _own_class, find_head, head_inputs
 
 __all__ = ["LogitlessPatch", "apply_logitless"]
 
@@ -302,7 +302,7 @@ def apply_logitless(
 
     Args:
         model: one of the verified causal LM classes
-            (:func:`logitless.integrations.hf.supported_models`), optionally PEFT-wrapped.
+            (:func:`logitless.model_heads.supported_models`), optionally PEFT-wrapped.
         z_loss: coefficient of ``lse²`` (``>= 0``; PaLM used 1e-4).
         label_smoothing: ``ε`` in ``[0, 1]``.
         options: :class:`logitless.PassOptions` (backend, mode, chunk budget); ``None``: defaults.

@@ -7,7 +7,7 @@ for ``PolicyLoss``, the KL loss and, with ``entropy_coef``, the entropy), the ol
 log-probs of the actor group and the reference model's log-probs. It runs the model to
 ``(B, T, V)`` logits, casts them to fp32, divides by the sampling temperature, and takes
 ``log_softmax`` at ``roll(sequences, -1)`` (and the entropy at every position). The switched
-forward runs the model's backbone only (``logitless.integrations.hf.add_hidden_states_forward``)
+forward runs the model's backbone only (``logitless.model_heads.add_hidden_states_forward``)
 and computes the same log-probs (and entropy) with :func:`logitless.vocab_stats`, without the
 logits; ``PolicyLoss``, ``compute_approx_kl`` and ``aggregate_loss`` are OpenRLHF's own,
 unchanged, on top. Statistics are fp32 (fp64 for fp64 models), as OpenRLHF's fp32 logits;
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from ..model_heads import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
 from ..objectives import vocab_stats
 from ..ops import PassOptions
-from .hf import UnsupportedModelError, add_hidden_states_forward, find_head, head_inputs
 
 _IGNORE = -100
 
@@ -155,7 +155,7 @@ def use_logitless(actor: torch.nn.Module, *, options: PassOptions | None = None)
     OpenRLHF's own ``Actor.forward``, with one warning per actor saying why: a call that asks
     for the logits (no ``action_mask`` and no ``return_logprobs``), a vision-language model, an
     MoE model with router logits, a DeepSpeed ZeRO-3 partitioned head, a model class
-    ``logitless.integrations.hf`` does not verify.
+    ``logitless.model_heads`` does not verify.
 
     Args:
         actor: an ``openrlhf.models.Actor`` (anything with ``model``, ``temperature`` and

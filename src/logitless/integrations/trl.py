@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from trl import GRPOTrainer
 
+from ..model_heads import add_hidden_states_forward, find_head, head_inputs
 from ..objectives import PolicyConfig, policy_loss, token_logprobs, vocab_stats
 from .config import LogitlessConfig, Switches
-from .hf import add_hidden_states_forward, find_head, head_inputs
 from .trl_head import ActiveMetric, UnsupportedConfigError, check_config, discover_heads, finish, lora_head_admitted
 from .trl_skip import counted_mask, loss_without_zero_advantage, skip_problem
 

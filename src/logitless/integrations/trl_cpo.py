@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from trl.experimental.cpo import CPOTrainer
 
+from ..model_heads import add_hidden_states_forward, find_head
 from ..objectives import CPOLossConfig
 from ..objectives.preference_fused import cpo_fused_pass
 from ..ops import Head
 from .config import LogitlessConfig, Switches
-from .hf import add_hidden_states_forward, find_head
 from .trl_head import ActiveMetric, check_config, discover_heads, finish, head_pass, trl_own_path
 
 __all__ = ["LogitlessCPOTrainer", "patch_cpo_trainer", "trl_own_path"]

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from trl.trainer.distillation_trainer import DistillationTrainer
 
+from ..model_heads import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head
 from ..objectives import DistillConfig, distill_loss
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, add_hidden_states_forward, admit_unverified, find_head
 from .trl_head import ActiveMetric, check_config, finish, head_pass, trl_own_path
 
 if TYPE_CHECKING:

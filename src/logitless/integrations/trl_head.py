@@ -5,7 +5,7 @@ TRL 1.16's trainers other than GRPO get every log-prob they use from one call,
 which returns a ``FusedCausalLMOutput`` of per-token ``log_probs`` / ``entropy`` / ``mean_logits``
 / ``is_top1`` computed by TRL's chunked head. :func:`attach` puts logitless behind that call:
 the backbone's final hidden states and the model's head (found by
-:func:`~logitless.integrations.hf.find_head`) go through :func:`logitless.vocab_stats` (one
+:func:`~logitless.model_heads.find_head`) go through :func:`logitless.vocab_stats` (one
 blocked vocabulary pass, fp32 statistics, no logits), and the trainer's own loss code runs on
 the result unchanged — so every loss type, reference model, precomputed reference log-prob and
 metric of the trainer is TRL's own code. A call logitless does not take (multimodal inputs, MoE
@@ -33,11 +33,18 @@ import torch
 import trl
 from trl.trainer.utils import FusedCausalLMOutput
 
+from ..model_heads import (
+    UnsupportedModelError,
+    _base,
+    add_hidden_states_forward,
+    admit_unverified,
+    find_head,
+    head_inputs,
+)
 from ..objectives import head_loss, vocab_stats
 from ..ops import Head, resolve_backend
 from . import TESTED_TRL
 from .config import LogitlessConfig, Switches
-from .hf import UnsupportedModelError, _base, add_hidden_states_forward, admit_unverified, find_head, head_inputs
 
 
 class UnsupportedConfigError(ValueError):

@@ -53,10 +53,10 @@ class ReferenceModel:
         """Wrap a Hugging Face causal LM (PEFT-wrapped ones included).
 
         Raises:
-            UnsupportedModelError: see ``logitless.integrations.hf.find_head``/``backbone``; an
+            UnsupportedModelError: see ``logitless.model_heads.find_head``/``backbone``; an
                 active LoRA adapter on the head (merge it first).
         """
-        from ..integrations.hf import UnsupportedModelError, backbone, find_head
+        from ..model_heads import UnsupportedModelError, backbone, find_head
 
         head = find_head(model)
         if head.lora is not None:

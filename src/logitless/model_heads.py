@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..objectives import token_logprobs
-from ..ops import Head, HeadLoRA, LogitTransform
+from .objectives import token_logprobs
+from .ops import Head, HeadLoRA, LogitTransform
 
 
 class UnsupportedModelError(ValueError):
