@@ -11,8 +11,12 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def graph_break(fn: F) -> F:
-    """``fn`` run eagerly, as an explicit graph break, when called from code under ``torch.compile``.
+_REASON = "logitless runs its vocabulary pass eagerly by design (docs/frameworks.md)"
+
+
+def graph_break(fn: F, *, reason: str = _REASON) -> F:
+    """``fn`` run eagerly, as an explicit graph break, when called from code under ``torch.compile``;
+    ``reason`` is shown in dynamo's report (and its ``Unsupported`` error under ``fullgraph=True``).
 
     Why: the entry points are custom autograd Functions driven by Python loops over token and
     vocabulary chunks whose sizes depend on the data (the number of counted tokens, the memory
@@ -31,7 +35,6 @@ def graph_break(fn: F) -> F:
         from torch import _dynamo
 
         disable = _dynamo.disable
-    reason = "logitless runs its vocabulary pass eagerly by design (docs/frameworks.md)"
     try:
         disabled = disable(fn, recursive=True, reason=reason)
     except TypeError:  # older torch: no reason argument
