@@ -63,16 +63,17 @@ def step_and_grads(step, model: TinyModel, params: list[torch.Tensor], *args):
     return loss.detach(), {k: v.detach() for k, v in metrics.items()}, [p.grad for p in params]
 
 
-def assert_same(got, want) -> None:
+def assert_same(got, want, tol: float = TOL) -> None:
     loss, metrics, grads = got
-    assert torch.allclose(loss, want[0], rtol=TOL, atol=TOL * want[0].abs().max().item())
+    assert torch.allclose(loss, want[0], rtol=tol, atol=tol * want[0].abs().max().item())
     assert list(metrics) == list(want[1])  # the same keys in the same order
     for k, v in metrics.items():
-        assert v.dtype == want[1][k].dtype and torch.allclose(v, want[1][k], rtol=TOL, atol=1e-14, equal_nan=True), k
+        assert v.dtype == want[1][k].dtype, k
+        assert torch.allclose(v, want[1][k], rtol=tol, atol=tol / 100, equal_nan=True), k
     for g, w in zip(grads, want[2], strict=True):
         assert (g is None) == (w is None)
         if w is not None:
-            assert torch.allclose(g, w, rtol=TOL, atol=TOL * w.abs().max().item())
+            assert torch.allclose(g, w, rtol=tol, atol=tol * w.abs().max().item())
 
 
 def compiled_equals_eager(step, model, params, backend: str, *args) -> None:
@@ -215,6 +216,27 @@ def test_no_grad_compiled_equals_eager(seed):
         got = torch.compile(step, backend="aot_eager", fullgraph=True)(model, x)
     assert not got[0].requires_grad
     assert_same((got[0], got[1], []), (want[0], want[1], []))
+
+
+def test_autocast_and_a_head_built_inside(seed):
+    """An fp32 model under bf16 autocast, its ``Head(weight, bias)`` built inside the compiled
+    step: the head operands are cast in the graph as eagerly (``amp.autocast_head_inputs``), and
+    loss, metrics and fp32 gradients equal eager's."""
+    model = TinyModel().float()
+    x = policy_batch(seed)
+
+    def step(model, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.mix(model.embed(x["ids"][:, :-1]))  # bf16 out of the autocast Linear
+            return logitless.policy_loss(h, Head(model.lm_head.weight, model.lm_head.bias), x["ids"][:, 1:],
+                                         x["mask"], x["adv"], x["old"].float(), x["ref"].float(),
+                                         config=PolicyConfig(beta=0.04))
+
+    params = list(model.parameters())
+    want = step_and_grads(step, model, params, x)
+    got = step_and_grads(torch.compile(step, backend="aot_eager", fullgraph=True), model, params, x)
+    assert all(g.dtype == torch.float32 for g in got[2])
+    assert_same(got, want, tol=1e-6)  # fp32: AOTAutograd may round the backbone's backward otherwise
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
