@@ -26,6 +26,9 @@ def graph_break(fn: F, *, reason: str = _REASON) -> F:
     materialize the logits. So the whole call is one opaque eager region: the model code around
     it is still compiled (one graph break per call), the numbers are the eager ones, and
     ``fullgraph=True`` fails at compile time with dynamo's own error naming the function.
+    ``policy_loss``, ``cross_entropy``, ``vocab_stats`` and ``token_logprobs`` are custom ops
+    under compile instead (``objectives/compiled.py``, no break); this stays for the entry points
+    that take Python callables or have no op, and for the calls those ops cannot take.
 
     Applying it imports ``torch._dynamo`` (about 2 s on CPU, once per process; libraries such as
     transformers import it anyway). Signature, docstring and name of ``fn`` are kept.
