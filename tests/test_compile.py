@@ -239,6 +239,26 @@ def test_autocast_and_a_head_built_inside(seed):
     assert_same(got, want, tol=1e-6)  # fp32: AOTAutograd may round the backbone's backward otherwise
 
 
+def test_bad_inputs_raise_the_eager_errors(seed):
+    """Inside the compiled step the op's kernel runs eager validation: a bad shape or value raises
+    eager's named ``ValueError`` when the step runs; a bad type runs eagerly behind a graph break
+    and raises eager's ``TypeError`` there."""
+    model = TinyModel()
+    x = policy_batch(seed)
+
+    def step(model, x, mask, config):
+        return logitless.policy_loss(model.hidden(x["ids"][:, :-1]), head_of(model), x["ids"][:, 1:], mask, x["adv"],
+                                     x["old"], x["ref"], config=config)[0]
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match="completion_mask must have shape"):
+        compiled(model, x, x["mask"][:, :-1], PolicyConfig())
+    with pytest.raises(ValueError, match="completion_mask"):
+        compiled(model, x, x["mask"] - 2, PolicyConfig())  # negative weights
+    with pytest.raises(TypeError, match="PolicyConfig"):
+        torch.compile(step, backend="aot_eager")(model, x, x["mask"], {"beta": 0.1})
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_new_token_count(seed, dynamic):
     """Calls with other batch and token counts: with ``dynamic=None`` (the default) dynamo compiles

@@ -129,15 +129,13 @@ def _inputs(kind: str, args: Args, tensors: Args, values: Args) -> tuple[list, l
     """The op's differentiable tensors (hidden, the head's weight, bias, LoRA ``a``, ``b``), its
     other tensors, its text and numbers; ``None`` for a call the op cannot take."""
     head, options = args["head"], args["options"]
-    if isinstance(head, Tensor):  # (not Head(head): dynamo cannot call its default_factory)
-        weight, bias, transform, lora, shard = head, None, None, None, None
-    elif isinstance(head, Head):
-        weight, bias, transform, lora, shard = head.weight, head.bias, head.transform, head.lora, head.shard
-    else:
+    head = Head(head) if isinstance(head, Tensor) else head
+    if not isinstance(head, Head):
         return None
+    lora, shard = head.lora, head.shard
     if (lora is not None and lora.dropout is not None) or (shard is not None and shard.group is not None):
         return None
-    if not (isinstance(args["hidden"], Tensor) and isinstance(weight, Tensor)):
+    if not (isinstance(args["hidden"], Tensor) and isinstance(head.weight, Tensor)):
         return None
     if not (options is None or isinstance(options, PassOptions)):
         return None
@@ -147,8 +145,8 @@ def _inputs(kind: str, args: Args, tensors: Args, values: Args) -> tuple[list, l
     if not all(v is None or type(v) in (bool, int, float, str) or isinstance(v, tuple(_RECORDS.values()))
                for v in values.values()):
         return None
-    diff = [args["hidden"], weight, bias, None if lora is None else lora.a, None if lora is None else lora.b]
-    text, numbers = _encode({"kind": kind, "tensors": ",".join(tensors), "transform": transform,
+    diff = [args["hidden"], head.weight, head.bias, None if lora is None else lora.a, None if lora is None else lora.b]
+    text, numbers = _encode({"kind": kind, "tensors": ",".join(tensors), "transform": head.transform,
                              "shard": shard, "lora_scaling": None if lora is None else lora.scaling,
                              "options": options, **values})
     return diff, list(tensors.values()), text, numbers
@@ -211,9 +209,9 @@ def route(compiled: Callable[[Callable, Args], Any]) -> Callable[[F], F]:
 
 
 def _encode(values: Args) -> tuple[str, list[float]]:
-    """``values`` (``None``, bools, strings, numbers and the frozen records of ``_RECORDS``) as
-    ``;``-separated ``name=literal``, ``name:int`` / ``name:float`` (the value in ``numbers``) and
-    ``name:Record`` entries (then one entry per field, ``name.field``)."""
+    """``values`` (``None``, bools, strings without ``;``, numbers and the frozen records of
+    ``_RECORDS``) as ``;``-separated ``name=literal``, ``name:int`` / ``name:float`` (the value in
+    ``numbers``) and ``name:Record`` entries (then one entry per field, ``name.field``)."""
     text: list[str] = []
     numbers: list[float] = []
 
@@ -283,8 +281,7 @@ def _run(diff: list[Tensor | None], others: list[Tensor], text: str,
     kind = values.pop("kind")
     hidden, weight, bias, lora_a, lora_b = diff
     lora = None if lora_a is None else HeadLoRA(lora_a, lora_b, values.pop("lora_scaling"))
-    transform = values.pop("transform") or LogitTransform()
-    head = Head(weight, bias, transform=transform, lora=lora, shard=values.pop("shard"))
+    head = Head(weight, bias, transform=values.pop("transform"), lora=lora, shard=values.pop("shard"))
     values.update(zip(_names(values, "tensors"), others, strict=True))  # a tensor count replaces the number
     for key in ("tensors", "lora_scaling", "outputs", "metrics"):
         values.pop(key, None)
