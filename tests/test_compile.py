@@ -364,3 +364,38 @@ def test_inductor_policy_loss_and_vocab_stats(seed):
 
     params = list(model.parameters())
     compiled_equals_eager(step, model, params, "inductor", x)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_cuda_inductor_and_cuda_graphs_equal_eager(seed, mode):
+    """On the GPU: the default backend, bf16 head and hidden states, the default kernels, also
+    with CUDA graphs (``mode="reduce-overhead"``: the ops are tagged ``cudagraph_unsafe``, so
+    inductor leaves them out of the graphs it captures). Three steps with new inputs, each equal
+    to eager: the hidden states are a leaf, so the step is the two ops and a sum (incoming
+    gradients of exactly 1); allowed: one bf16 rounding of the gradients (2^-8 relative)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    v, h, b, t = 32011, 512, 4, 256
+    weight = (0.05 * torch.randn(v, h, device="cuda", generator=g)).bfloat16().requires_grad_()
+
+    def step(_, hidden, weight, x):
+        loss, metrics = logitless.policy_loss(hidden, Head(weight), x["ids"], x["mask"], x["adv"], x["old"],
+                                              config=PolicyConfig(loss_type="dapo", epsilon_high=0.28))
+        st = logitless.vocab_stats(hidden, Head(weight), x["ids"])
+        return loss + st.entropy.sum(), metrics
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    for _ in range(3):
+        hidden = torch.randn(b, t, h, device="cuda", generator=g).bfloat16().requires_grad_()
+        x = {"ids": torch.randint(0, v, (b, t), device="cuda", generator=g),
+             "mask": (torch.rand(b, t, device="cuda", generator=g) > 0.2).long(),
+             "adv": torch.randn(b, device="cuda", generator=g), "old": -torch.rand(b, t, device="cuda", generator=g)}
+        want = step_and_grads(step, None, [hidden, weight], hidden, weight, x)
+        got = step_and_grads(compiled, None, [hidden, weight], hidden, weight, x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0)
+        assert list(got[1]) == list(want[1])
+        for k in want[1]:
+            torch.testing.assert_close(got[1][k], want[1][k], rtol=1e-6, atol=1e-7, equal_nan=True)
+        for gr, w in zip(got[2], want[2], strict=True):
+            assert ((gr.float() - w.float()).norm() / w.float().norm()).item() <= 2**-8

@@ -65,6 +65,10 @@ _RECORDS = {cls.__name__: cls for cls in (PolicyConfig, PassOptions, LogitTransf
 _POLICY_TENSORS = ("completion_ids", "completion_mask", "advantages", "old_logp", "ref_logp", "tool_mask",
                    "sampling_logp", "importance_sampling_ratio", "segment_ids", "num_items_in_batch")
 _STATS = ("logp", "lse", "entropy", "mean_logit")
+# The kernels read values on the host (the eager value checks) and allocate per call: a CUDA graph
+# (mode="reduce-overhead") must not capture them, and inductor splits its graphs around ops so tagged.
+_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)  # (absent from older torch)
+_OP = {"mutates_args": (), **({} if _UNSAFE is None else {"tags": (_UNSAFE,)})}
 _REASON = ("logitless: this call's arguments have no compiled path (a process group, a LoRA adapter with dropout, "
            "or an argument of the wrong type): it runs eagerly (objectives/compiled.py)")
 
@@ -336,7 +340,7 @@ def _empty_grads(diff: list[Tensor | None], needs: list[bool]) -> list[Tensor]:
     return [t.new_empty(t.shape) for t, need in zip(diff, needs, strict=True) if need]
 
 
-@torch.library.custom_op("logitless::loss", mutates_args=())
+@torch.library.custom_op("logitless::loss", **_OP)
 def _loss_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor | None, lora_b: Tensor | None,
              others: list[Tensor], text: str, numbers: list[float],
              needs: list[bool]) -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -379,7 +383,7 @@ def _loss_backward(ctx, g_loss, g_metrics, g_grads):
 _loss_op.register_autograd(_loss_backward, setup_context=_loss_setup)
 
 
-@torch.library.custom_op("logitless::token_stats", mutates_args=())
+@torch.library.custom_op("logitless::token_stats", **_OP)
 def _stats_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor | None, lora_b: Tensor | None,
               others: list[Tensor], text: str, numbers: list[float]) -> tuple[list[Tensor], list[Tensor]]:
     with _eager_dispatch(), torch.no_grad():
@@ -420,7 +424,7 @@ def _stats_backward(ctx, g_outputs, g_metrics):
 _stats_op.register_autograd(_stats_backward, setup_context=_stats_setup)
 
 
-@torch.library.custom_op("logitless::token_stats_backward", mutates_args=())
+@torch.library.custom_op("logitless::token_stats_backward", **_OP)
 def _stats_backward_op(hidden: Tensor, weight: Tensor, bias: Tensor | None, lora_a: Tensor | None,
                        lora_b: Tensor | None, others: list[Tensor], grad_outputs: list[Tensor | None],
                        text: str, numbers: list[float], needs: list[bool]) -> list[Tensor]:
