@@ -3,9 +3,10 @@
 Under ``torch.compiler.is_compiling()``, :func:`~logitless.policy_loss`,
 :func:`~logitless.cross_entropy`, :func:`~logitless.vocab_stats` and
 :func:`~logitless.token_logprobs` hand their arguments to the function of the same name here
-(:func:`route`, their decorator). The call becomes one op of namespace ``logitless`` in the caller's graph, with a fake
-implementation (exact output shapes and dtypes, whatever the data) and registered autograd, so
-``torch.compile(fullgraph=True)`` traces through the head, forward and backward. Why an op rather
+(:func:`route`, their decorator). The call becomes one op of namespace ``logitless`` in the
+caller's graph, with a fake implementation (exact output shapes and dtypes, whatever the data) and
+registered autograd, so ``torch.compile(fullgraph=True)`` traces through the head, forward and
+backward. Why an op rather
 than tracing the pass: the pass is Python loops over token and vocabulary chunks whose sizes
 depend on the data, and its fused mode runs ``torch.autograd.grad`` inside its forward; traced, it
 would break the graph at a dozen places, and compiled code could not beat a pass that never
@@ -22,6 +23,9 @@ The ops' kernels run the eager functions, so the numbers are the eager ones:
   ``"none"``): per-token outputs. Their backward, the op ``logitless::token_stats_backward``, runs
   the eager call again with autograd for the vector-Jacobian product of any incoming per-token
   gradients: one statistics pass more than eager (5 GEMMs of work instead of recompute mode's 4).
+
+The kernels read values on the host (eager's value checks), so the ops are tagged
+``cudagraph_unsafe``: under ``mode="reduce-overhead"`` inductor keeps them out of its CUDA graphs.
 
 The non-tensor arguments (``PolicyConfig``, ``PassOptions``, the head's ``LogitTransform``, ...)
 reach an op as text, their numbers apart as a ``list[float]``: dynamo guards a number that reaches
@@ -65,8 +69,8 @@ _RECORDS = {cls.__name__: cls for cls in (PolicyConfig, PassOptions, LogitTransf
 _POLICY_TENSORS = ("completion_ids", "completion_mask", "advantages", "old_logp", "ref_logp", "tool_mask",
                    "sampling_logp", "importance_sampling_ratio", "segment_ids", "num_items_in_batch")
 _STATS = ("logp", "lse", "entropy", "mean_logit")
-# The kernels read values on the host (the eager value checks) and allocate per call: a CUDA graph
-# (mode="reduce-overhead") must not capture them, and inductor splits its graphs around ops so tagged.
+# The kernels read values on the host (eager's value checks) and allocate per call: a CUDA graph
+# (mode="reduce-overhead") must not capture them; inductor leaves ops so tagged out of its graphs.
 _UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)  # (absent from older torch)
 _OP = {"mutates_args": (), **({} if _UNSAFE is None else {"tags": (_UNSAFE,)})}
 _REASON = ("logitless: this call's arguments have no compiled path (a process group, a LoRA adapter with dropout, "
@@ -270,6 +274,7 @@ def _names(values: Args, key: str) -> list[str]:
 
 
 def _entry_point(kind: str):
+    """The public function (``is_compiling()`` is false in a kernel: it runs eagerly)."""
     from .cross_entropy import cross_entropy
     from .policy import policy_loss
     from .vocab_stats import token_logprobs, vocab_stats
