@@ -142,9 +142,11 @@ def test_cross_entropy_compiled_equals_eager(seed, reduction, backend):
     labels = ids[:, 1:].masked_fill(torch.rand(B, T, generator=g) < 0.25, -100)
     weights = torch.rand(B, T, generator=g, dtype=torch.float64)  # a per-token incoming gradient
 
+    count = int((labels != -100).sum()) + 2  # a number: becomes a tensor input of the op
+
     def step(model, ids):
         loss, metrics = logitless.cross_entropy(model.hidden(ids[:, :-1]), head_of(model), labels, reduction=reduction,
-                                                label_smoothing=0.1, z_loss=1e-3)
+                                                label_smoothing=0.1, z_loss=1e-3, num_items_in_batch=count)
         return ((loss * weights).sum() if reduction == "none" else loss), metrics
 
     compiled_equals_eager(step, model, list(model.parameters()), backend, ids)
@@ -282,6 +284,25 @@ def test_new_token_count(seed, dynamic):
         assert compiles == [1, 2, 2]
     else:  # (a restart while tracing the first call may count twice)
         assert compiles[0] >= 1 and compiles[1:] == [compiles[0]] * 2
+
+
+def test_changing_count_compiles_once_more(seed):
+    """A ``num_items_in_batch`` number that changes every step (it reaches the op as a tensor):
+    one compile more, for the dynamic value, then none; every step equals eager."""
+    model = TinyModel()
+    x = policy_batch(seed)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def step(model, x, count):
+        return logitless.policy_loss(model.hidden(x["ids"][:, :-1]), head_of(model), x["ids"][:, 1:], x["mask"],
+                                     x["adv"], x["old"], x["ref"], config=PolicyConfig(loss_type="dapo"),
+                                     num_items_in_batch=count)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    params = list(model.parameters())
+    for count in (20, 31, 47, 52):
+        assert_same(step_and_grads(compiled, model, params, x, count), step_and_grads(step, model, params, x, count))
+    assert counter.frame_count == 2
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo", "vespo", "reinforce"])

@@ -85,16 +85,16 @@ def policy_loss(eager: Callable, args: Args) -> tuple[Tensor, dict[str, Tensor]]
     config = PolicyConfig() if args["config"] is None else args["config"]
     if args["group"] is not None or args["sequence_group"] is not None or not isinstance(config, PolicyConfig):
         return _eagerly(eager, **args)
-    tensors, values = _count({name: args[name] for name in _POLICY_TENSORS}, {"config": config})
+    tensors = _count(args, {name: args[name] for name in _POLICY_TENSORS})
     names = metric_names(config, args["sampling_logp"] is not None)
-    return _loss("policy_loss", eager, args, tensors, values, names)
+    return _loss("policy_loss", eager, args, tensors, {"config": config}, names)
 
 
 def cross_entropy(eager: Callable, args: Args) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`logitless.cross_entropy` as ``logitless::loss`` (``"mean"``, ``"sum"``) or
     ``logitless::token_stats`` (``"none"``)."""
-    tensors, values = _count({"targets": args["targets"], "num_items_in_batch": args["num_items_in_batch"]},
-                             {name: args[name] for name in ("ignore_index", "reduction", "label_smoothing", "z_loss")})
+    tensors = _count(args, {"targets": args["targets"], "num_items_in_batch": args["num_items_in_batch"]})
+    values = {name: args[name] for name in ("ignore_index", "reduction", "label_smoothing", "z_loss")}
     if args["reduction"] == "none":
         out = _token_stats("cross_entropy", args, tensors, values, ("loss",), ("ce", "z_loss"))
         return _eagerly(eager, **args) if out is None else (out[0][0], dict(zip(("ce", "z_loss"), out[1], strict=True)))
@@ -124,13 +124,14 @@ def token_logprobs(eager: Callable, args: Args) -> Tensor | tuple[Tensor, Tensor
     return tuple(out[0]) if args["return_entropy"] else out[0][0]
 
 
-def _count(tensors: Args, values: Args) -> tuple[Args, Args]:
-    """``num_items_in_batch`` in ``tensors`` as a tensor, or in ``values`` as a number (or ``None``)."""
-    count = tensors["num_items_in_batch"] if "num_items_in_batch" in tensors else None
-    if not isinstance(count, Tensor):
-        tensors = {**tensors, "num_items_in_batch": None}
-        values = {**values, "num_items_in_batch": count}
-    return tensors, values
+def _count(args: Args, tensors: Args) -> Args:
+    """``tensors`` with a number ``num_items_in_batch`` as a 0-dim tensor in the statistics dtype
+    (the value eager's number path takes). Why: a number reaching the op is a constant of the
+    graph, and a count that changes every step would recompile every step."""
+    count, hidden = tensors["num_items_in_batch"], args["hidden"]
+    if type(count) in (int, float) and isinstance(hidden, Tensor):
+        count = torch.scalar_tensor(count, dtype=stat_dtype_for(hidden.dtype), device=hidden.device)
+    return {**tensors, "num_items_in_batch": count}
 
 
 def _inputs(kind: str, args: Args, tensors: Args, values: Args) -> tuple[list, list, str, list[float]] | None:
@@ -291,7 +292,7 @@ def _run(diff: list[Tensor | None], others: list[Tensor], text: str,
     hidden, weight, bias, lora_a, lora_b = diff
     lora = None if lora_a is None else HeadLoRA(lora_a, lora_b, values.pop("lora_scaling"))
     head = Head(weight, bias, transform=values.pop("transform"), lora=lora, shard=values.pop("shard"))
-    values.update(zip(_names(values, "tensors"), others, strict=True))  # a tensor count replaces the number
+    values.update(zip(_names(values, "tensors"), others, strict=True))
     for key in ("tensors", "lora_scaling", "outputs", "metrics"):
         values.pop(key, None)
     out = _entry_point(kind)(hidden, head, **values)
