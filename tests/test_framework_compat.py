@@ -179,7 +179,7 @@ def _fresh_dynamo():
 @pytest.mark.parametrize("mode", MODES)
 def test_compile_model_calling_policy_loss(mode, backend):
     """A module whose forward calls ``policy_loss``, compiled (the backends that need no C++
-    compiler): the backbone is compiled around logitless's graph break; loss and every parameter
+    compiler): the backbone and logitless's custom op in one graph; loss and every parameter
     gradient equal the eager module's and the float64 plain path's."""
     model = TinyLM(seed=1)
     x = inputs(2)
@@ -198,9 +198,9 @@ def test_compile_model_calling_policy_loss(mode, backend):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_compile_two_calls_break_only_at_logitless(mode):
-    """``fullgraph=False`` around a module that calls ``policy_loss`` twice: exactly two graph
-    breaks, both at the disabled entry point (dynamo never traces into the pass), and the
+def test_compile_two_calls_in_one_graph(mode):
+    """A function that calls ``policy_loss`` twice, compiled with ``fullgraph=True``: one graph, no
+    break, each call one ``logitless::loss`` custom op (dynamo never traces into the pass), and the
     compiled loss/gradients equal the eager and the float64 plain ones."""
     model = TinyLM(seed=4)
     x = inputs(5)
@@ -216,15 +216,16 @@ def test_compile_two_calls_break_only_at_logitless(mode):
         return ours_loss(h, w, b, batch, mode) + 0.5 * ours_loss(torch.tanh(h), w, b, batch, mode, drgrpo)
 
     explained = torch._dynamo.explain(two_losses)(model, x, batch)
-    assert explained.graph_break_count == 2
-    assert all("torch.compiler.disable" in str(r.reason) and "policy_loss" in str(r.reason)
-               for r in explained.break_reasons)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    ops = [n for n in explained.graphs[0].graph.nodes if str(n.target).startswith("logitless.loss")]
+    assert len(ops) == 2
 
     eager = two_losses(model, x, batch)
     eager.backward()
     g_eager = flat_grads(model.parameters())
     model.zero_grad(set_to_none=True)
-    loss = torch.compile(two_losses, backend="aot_eager", fullgraph=False)(model, x, batch)
+    torch._dynamo.reset()
+    loss = torch.compile(two_losses, backend="aot_eager", fullgraph=True)(model, x, batch)
     loss.backward()
     g = flat_grads(model.parameters())
     m64 = copy.deepcopy(model).double()
@@ -234,18 +235,36 @@ def test_compile_two_calls_break_only_at_logitless(mode):
     assert rel_err(loss, ref) <= F64_TOL and rel_err(g, flat_grads(m64.parameters())) <= F64_TOL
 
 
-def test_compile_fullgraph_raises_named_error():
-    """The pass cannot be captured in one graph (Python chunk loops with data-dependent sizes):
-    ``fullgraph=True`` fails at compile time, before any kernel runs, with dynamo's
-    ``Unsupported`` naming the disabled function (and our reason where torch supports one)."""
+def test_compile_call_without_op_breaks_graph_with_reason():
+    """A call the custom ops cannot take (here a LoRA adapter with dropout, a Python callable)
+    runs eagerly behind one graph break: ``fullgraph=True`` fails at compile time, before any
+    kernel runs, with dynamo's ``Unsupported`` naming our reason; ``fullgraph=False`` gives the
+    eager loss and gradients."""
     model = TinyLM(seed=7)
     x = inputs(8)
     batch = batch_for(model, x, seed=9)
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"torch\.compiler\.disable") as err:
-        compiled(x, *batch.args(), "fused")
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        assert "eagerly by design" in str(err.value)
+    a = (0.1 * torch.randn(2, H, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    b = (0.1 * torch.randn(V, 2, generator=torch.Generator().manual_seed(2))).requires_grad_()
+
+    def loss_fn(model, x):
+        head = Head(model.lm_head.weight, bias=model.lm_head.bias, transform=TRANSFORM,
+                    lora=logitless.HeadLoRA(a, b, scaling=2.0, dropout=nn.Identity()))
+        return logitless.policy_loss(model.hidden(x), head, *batch.args(), config=CFG)[0]
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"torch\.compiler\.disable"):
+        torch.compile(loss_fn, backend="eager", fullgraph=True)(model, x)
+    eager = loss_fn(model, x)
+    eager.backward()
+    g_eager = torch.cat([flat_grads(model.parameters()), a.grad.reshape(-1), b.grad.reshape(-1)])
+    model.zero_grad(set_to_none=True)
+    a.grad = b.grad = None
+    explained = torch._dynamo.explain(loss_fn)(model, x)
+    assert explained.graph_break_count == 1 and "no compiled path" in str(explained.break_reasons[0].reason)
+    torch._dynamo.reset()
+    loss = torch.compile(loss_fn, backend="aot_eager")(model, x)
+    loss.backward()
+    g = torch.cat([flat_grads(model.parameters()), a.grad.reshape(-1), b.grad.reshape(-1)])
+    assert rel_err(loss, eager) <= SAME_TOL and rel_err(g, g_eager) <= SAME_TOL
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -314,8 +333,8 @@ def test_compile_hf_llama_backbone():
 
 
 def test_entry_points_keep_signature_and_docstring():
-    """The graph-break and autocast decorators are transparent to introspection (help(),
-    IDEs, ``inspect.signature``)."""
+    """The compile-route, graph-break and autocast decorators are transparent to introspection
+    (help(), IDEs, ``inspect.signature``)."""
     for name in ("policy_loss", "cross_entropy", "head_loss", "vocab_stats", "token_logprobs", "sequence_logps",
                  "distill_loss"):
         fn = getattr(logitless, name)

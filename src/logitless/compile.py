@@ -11,8 +11,12 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def graph_break(fn: F) -> F:
-    """``fn`` run eagerly, as an explicit graph break, when called from code under ``torch.compile``.
+_REASON = "logitless runs its vocabulary pass eagerly by design (docs/frameworks.md)"
+
+
+def graph_break(fn: F, *, reason: str = _REASON) -> F:
+    """``fn`` run eagerly, as an explicit graph break, when called from code under ``torch.compile``;
+    ``reason`` is shown in dynamo's report (and its ``Unsupported`` error under ``fullgraph=True``).
 
     Why: the entry points are custom autograd Functions driven by Python loops over token and
     vocabulary chunks whose sizes depend on the data (the number of counted tokens, the memory
@@ -22,6 +26,9 @@ def graph_break(fn: F) -> F:
     materialize the logits. So the whole call is one opaque eager region: the model code around
     it is still compiled (one graph break per call), the numbers are the eager ones, and
     ``fullgraph=True`` fails at compile time with dynamo's own error naming the function.
+    ``policy_loss``, ``cross_entropy``, ``vocab_stats`` and ``token_logprobs`` are custom ops
+    under compile instead (``objectives/compiled.py``, no break); this stays for the entry points
+    that take Python callables or have no op, and for the calls those ops cannot take.
 
     Applying it imports ``torch._dynamo`` (about 2 s on CPU, once per process; libraries such as
     transformers import it anyway). Signature, docstring and name of ``fn`` are kept.
@@ -31,7 +38,6 @@ def graph_break(fn: F) -> F:
         from torch import _dynamo
 
         disable = _dynamo.disable
-    reason = "logitless runs its vocabulary pass eagerly by design (docs/frameworks.md)"
     try:
         disabled = disable(fn, recursive=True, reason=reason)
     except TypeError:  # older torch: no reason argument

@@ -8,16 +8,16 @@ from typing import Literal
 import torch
 
 from ..amp import autocast_head_inputs
-from ..compile import graph_break
 from ..ops import Head, PassOptions, ValueChecks, as_head, check_count
+from . import compiled
 from .head_loss import TokenStats, _head_loss
 from .vocab_stats import vocab_stats
 
 Reduction = Literal["mean", "sum", "none"]
 
 
-@graph_break
 @autocast_head_inputs
+@compiled.route(compiled.cross_entropy)
 def cross_entropy(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from ..amp import autocast_head_inputs
-from ..compile import graph_break
 from ..distributed import all_reduce, gather_varlen
 from ..ops import (
     ChunkStats,
@@ -27,6 +26,7 @@ from ..ops import (
     run_objective,
     stat_dtype_for,
 )
+from . import compiled
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
 from .policy_terms import LOG_1E8, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
@@ -47,8 +47,8 @@ class _PolicyInputs:
     segment_ids: torch.Tensor | None
 
 
-@graph_break
 @autocast_head_inputs
+@compiled.route(compiled.policy_loss)
 def policy_loss(
     hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
     head: Head | torch.Tensor,  # Head, or a [V, H] weight

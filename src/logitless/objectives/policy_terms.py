@@ -164,3 +164,27 @@ def chunk_terms(cfg: PolicyConfig, tok: PolicyTokens, sl: slice, logp: torch.Ten
 def sequence_metrics(cfg: PolicyConfig, tok: PolicyTokens) -> bool:
     """Whether TRL's clip metrics are over sequences (its ratio and advantages are ``[B, 1]``)."""
     return cfg.importance_sampling_level == "sequence" and tok.adv_per_sequence is not None
+
+
+def metric_names(cfg: PolicyConfig, sampler: bool) -> tuple[str, ...]:
+    """The keys of :func:`logitless.policy_loss`'s metrics under ``cfg``, in their order (the
+    compiled path declares them before the pass runs); ``sampler``: ``sampling_logp`` given."""
+    names = ["kl"] if cfg.beta != 0.0 else []
+    names.append("entropy")
+    clipped = cfg.loss_type in CLIPPED
+    if clipped:
+        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    elif cfg.loss_type == "cispo":
+        names.append("cispo_clip_ratio")
+    if cfg.loss_type == "vespo":
+        names.append("vespo/phi_seq_mean")
+    if cfg.entropy_coef != 0.0:
+        names.append("policy_loss")
+    if clipped:
+        names += ["clip_ratio/low_min", "clip_ratio/high_max"]
+    if cfg.entropy_coef != 0.0:
+        names += ["entropy_bonus/entropy_sum", "entropy_bonus/token_count"]
+    if sampler:
+        names += [f"sampling/trainer_sampler_{m}/{s}" for m in ("logp_difference", "ratio_error")
+                  for s in ("mean", "max")]
+    return tuple(names)

@@ -8,12 +8,12 @@ from typing import NamedTuple
 import torch
 
 from ..amp import autocast_head_inputs
-from ..compile import graph_break
 from ..ops.contract import StatRequest
 from ..ops.engine import ChunkStats, compute_stats
 from ..ops.head import Head, as_head
 from ..ops.options import PassOptions, as_options
 from ..ops.validate import check_head_inputs
+from . import compiled
 
 
 class VocabStats(NamedTuple):
@@ -52,8 +52,12 @@ def _stats(hidden, head, targets, ignore_index, want: StatRequest, options) -> t
     return compute_stats(h2, head, t1, want, options), valid, head
 
 
-@graph_break
+def _compiled_vocab_stats(eager, args) -> VocabStats:
+    return VocabStats(*compiled.vocab_stats(eager, args))
+
+
 @autocast_head_inputs
+@compiled.route(_compiled_vocab_stats)
 def vocab_stats(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
@@ -102,8 +106,8 @@ def vocab_stats(
                       mean_logit=_expand(st.sum_z / vocab, valid, shape) if mean_logit else None)
 
 
-@graph_break
 @autocast_head_inputs
+@compiled.route(compiled.token_logprobs)
 @torch.no_grad()
 def token_logprobs(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]

@@ -9,7 +9,7 @@ once per call into the :class:`LocalHead` the engine and backends index.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,7 @@ class Head:
             fp32/fp64, same dtype and device as the hidden states.
         bias: ``[V]`` or ``None``.
         transform: :class:`LogitTransform` (temperature, logit scale, soft-cap) applied to the
-            matmul output.
+            matmul output; ``None`` (the default) is the identity ``LogitTransform()``.
         lora: :class:`HeadLoRA` adapter on the head, added inside every vocabulary block (no
             merged weight), or ``None``.
         shard: :class:`VocabShard` for a vocabulary-parallel or padded head, or ``None``.
@@ -44,9 +44,15 @@ class Head:
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
-    transform: LogitTransform = field(default_factory=LogitTransform)
+    transform: LogitTransform = None  # type: ignore[assignment]  # set in __post_init__
     lora: HeadLoRA | None = None
     shard: VocabShard | None = None
+
+    def __post_init__(self) -> None:
+        # Not a default_factory: dynamo cannot call one, and Head(weight) inside
+        # torch.compile(fullgraph=True) would fail.
+        if self.transform is None:
+            object.__setattr__(self, "transform", LogitTransform())
 
     def __repr__(self) -> str:
         lora = "None" if self.lora is None else f"HeadLoRA(r={self.lora.a.shape[0]}, scaling={self.lora.scaling})"
