@@ -37,13 +37,13 @@ def _grpo(hidden, head, n_seq, t, options):
     adv = torch.randn(n_seq, generator=g).to(hidden.device)
     old = -torch.rand(n_seq, t, generator=g).to(hidden.device)
     return policy_loss(hidden.view(n_seq, t, -1), head, ids, mask, adv, old_logp=old, config=PolicyConfig(),
-                       options=options).loss
+                       options=options)[0]
 
 
 def _ce(hidden, head, n_seq, t, options):
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, head.weight.shape[0], (n_seq, t), generator=g).to(hidden.device)
-    return cross_entropy(hidden.view(n_seq, t, -1), head, ids, options=options).loss
+    return cross_entropy(hidden.view(n_seq, t, -1), head, ids, options=options)[0]
 
 
 @pytest.mark.parametrize("loss_fn", [_grpo, _ce])

@@ -230,5 +230,7 @@ def test_preference_fused_passes_vs_torch(case, objective):
         assert rel(gh, base[1]) <= 2e-2 and rel(gw, base[2]) <= 2e-2, key
         assert rel(policy.logps, base[3].logps) <= 1e-5 and rel(policy.entropy_sum, base[3].entropy_sum) <= 1e-5, key
         if tokens is not None:  # near-ties of bf16 inputs may flip a few top-1 hits between backends
-            assert rel(tokens.mean_logit, base[4].mean_logit) <= 1e-4, key
+            # A sequence's sum of per-token mean logits cancels (both signs): its relative error is
+            # a few times the per-token one (1e-4 in test_vocab_stats_vs_torch_and_fp64).
+            assert rel(tokens.mean_logit, base[4].mean_logit) <= 5e-4, key
             assert (tokens.top1 - base[4].top1).abs().sum() <= 0.01 * mask.sum(), key
