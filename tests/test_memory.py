@@ -78,3 +78,34 @@ def test_vocab_stats_forward_backward_bounded(chunk_bytes):
     res = _run("stats", n, v, h, chunk_bytes)
     assert res["max_err"] < 1e-4
     assert res["peak_bytes"] < 1.5 * GiB, f"peak RSS {res['peak_bytes'] / GiB:.2f} GiB"
+
+
+def test_head_workspace_no_larger_than_the_materialized_path():
+    """The demo's own measurement (``logitless.demo.measure``: a fresh process per path, resident
+    memory sampled) on a batch of the demo's CPU size, 192 tokens x SmolLM2's head (49152 x 576,
+    fp32): the GRPO head through logitless peaks no higher than TRL's materialized-logits path."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from logitless.demo.measure import _HEAD_MEMORY
+
+    g = torch.Generator().manual_seed(11)
+    b, t, h, v = 8, 24, 576, 49152
+    batch = {"hidden": torch.randn(b, t, h, generator=g), "weight": torch.randn(v, h, generator=g) * 0.05,
+             "ids": torch.randint(0, v, (b, t), generator=g), "mask": (torch.rand(b, t, generator=g) > 0.1).float(),
+             "adv": torch.randn(b, generator=g), "temperature": torch.tensor(0.9)}
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "batch.pt"
+        torch.save(batch, path)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                             os.environ.get("PYTHONPATH", "")])}
+        for mode in ("plain", "logitless"):
+            r = subprocess.run([sys.executable, "-c", _HEAD_MEMORY, mode, str(path)], capture_output=True, text=True,
+                               env=env, check=True, timeout=300)
+            peaks[mode] = json.loads(r.stdout.strip().splitlines()[-1])["peak_bytes"]
+    assert peaks["logitless"] <= peaks["plain"], peaks
+

@@ -84,8 +84,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
 
 
 # Subpackages reachable as attributes after a bare `import logitless`, as when it imported them eagerly.
-_SUBMODULES = ("amp", "argtypes", "bench", "cli", "compile", "demo", "distributed", "integrations", "model_heads", "objectives",
-               "ops", "refcache")
+_SUBMODULES = ("amp", "argtypes", "bench", "cli", "compile", "demo", "distributed", "integrations", "model_heads",
+               "objectives", "ops", "refcache")
 
 
 def __getattr__(name: str):

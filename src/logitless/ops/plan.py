@@ -25,6 +25,7 @@ _ALIGN = 128  # token chunks are multiples of this (when a chunk is not the whol
 # that shape: 7 x 4 / 256 = 0.11 bytes, rounded up. Fewer, longer chunks then replace several
 # per-chunk launches (Llama-3 8k: one GEMM instead of two).
 _STATS_ONLY_BYTES: dict[str, float] = {"gemm": 0.125}
+_SMALL_WORKSPACE = 2**20
 
 
 def _even_chunk(n: int, rows: int) -> int:
@@ -103,6 +104,11 @@ class ChunkPlan:
         vocab = max(1, vocab)
         per = workspace_per_element(stat_dtype_for(in_dtype), in_dtype, kind, fp32_logits) * arrays
         n = max(1, n_tokens)
+        # No workspace larger than the problem: the materialized path holds at least the logits
+        # (a word per logit and head in the statistics dtype), so a pass plans no more than that,
+        # however large the budget; below _SMALL_WORKSPACE one chunk costs too little to cut.
+        logits = n * vocab * torch.finfo(stat_dtype_for(in_dtype)).bits // 8 * arrays
+        budget = min(budget, max(logits, _SMALL_WORKSPACE))
         token_chunk = _even_chunk(n, max(budget // (vocab * per), _MIN_TOKENS[kind]))
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
         stats_chunk = token_chunk

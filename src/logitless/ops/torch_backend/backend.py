@@ -67,10 +67,12 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         z = _block(head, rows, plan, start, end)
         new_max = torch.maximum(st.max_logit, z.max(dim=1).values)
         rescale = torch.exp(st.max_logit - new_max)
-        e = torch.exp(z - new_max[:, None])
+        # In place: one [n, v] temporary beside z (this backend's workspace, plan.workspace_per_element).
+        e = (z - new_max[:, None]).exp_()
         st.sum_exp = st.sum_exp * rescale + e.sum(dim=1)
         if st.sum_exp_logit is not None:
-            st.sum_exp_logit = st.sum_exp_logit * rescale + (e * z).sum(dim=1)
+            st.sum_exp_logit = st.sum_exp_logit * rescale + e.mul_(z).sum(dim=1)
+        del e
         if st.sum_logit is not None:
             st.sum_logit = st.sum_logit + z.sum(dim=1)
         st.max_logit = new_max
@@ -108,18 +110,18 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     for block in plan.vocab_blocks(vocab):
         start, end = block.start, block.stop
         z = kept if kept is not None else _block(head, rows, plan, start, end)
-        p = torch.exp(z - lse[:, None])
+        dz = (z - lse[:, None]).exp_()  # p, made into dz in place
         if grads.entropy is not None:
-            dz = p * (coef[:, None] - grads.entropy[:, None] * (z - sum_pz[:, None]))
+            dz.mul_((z - sum_pz[:, None]).mul_(-grads.entropy[:, None]).add_(coef[:, None]))
         else:
-            dz = p * coef[:, None]
+            dz.mul_(coef[:, None])
         if grads.sum_z is not None:
-            dz = dz + grads.sum_z[:, None]
+            dz.add_(grads.sum_z[:, None])
         if grads.logp is not None:
             hit = ((targets >= start) & (targets < end)).nonzero().squeeze(1)
             dz[hit, targets[hit] - start] += grads.logp[hit]
         dy = head.transform.grad_to_raw(dz, z)
-        del z, p, dz
+        del z, dz
         apply_block_grad(dy, head.weight[start:end], h_mm, block, grad_hidden, acc)
         if rows.low is not None:
             low_rank_grads(dy.to(mm_dtype), rows.low, start, end, acc.lora_x, acc.lora_b)
