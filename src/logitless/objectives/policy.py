@@ -212,9 +212,12 @@ def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None
             "sampling/trainer_sampler_ratio_error/max": maxima[1]}
 
 
+_TRL_DEFAULTS = PolicyConfig()
+
+
 def _as_config(config) -> PolicyConfig:
     if config is None:
-        return PolicyConfig()
+        return _TRL_DEFAULTS
     if not isinstance(config, PolicyConfig):
         raise TypeError(f"config must be a logitless.PolicyConfig, got {type(config).__name__}"
                         + (": build it with PolicyConfig(**your_dict)" if isinstance(config, dict) else ""))

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .head import Head
+from .head import Head, VocabShard
 from .lora import HeadLoRA
-from .shard import VocabShard
 from .transform import LogitTransform
 
 if TYPE_CHECKING:
