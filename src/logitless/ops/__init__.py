@@ -12,7 +12,7 @@ from .options import Impl, Mode, PassOptions, as_options
 from .plan import stat_dtype_for
 from .settings import LogitsPrecision
 from .transform import LogitTransform
-from .validate import ValueChecks, check_count, check_device, check_head_inputs, check_mask
+from .validate import ValueChecks, check_count, check_device, check_devices, check_head_inputs, check_mask
 
 __all__ = [
     "ChunkObjective",
@@ -37,6 +37,7 @@ __all__ = [
     "as_options",
     "check_count",
     "check_device",
+    "check_devices",
     "check_head_inputs",
     "check_mask",
     "check_shards",

@@ -170,20 +170,20 @@ class _FusedCall:
     p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
+    plans: list[ChunkPlan]  # each chunk's (ChunkPlan.fit_chunks)
     weight_grad: grad_layout.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
     backward_rows: list[torch.Tensor | None] | None = None  # per chunk (backward_rows); None: all
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
 
 
-def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None, acc: Accumulators | None,
+def _run_chunk(call: _FusedCall, hidden: torch.Tensor, i: int, low: LowRank | None, acc: Accumulators | None,
                picked: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
     """A chunk's statistics, its loss term and (``acc`` given) its gradients:
     ``(loss term, detached stats, d hidden rows | None)``; with ``picked`` (the rows the backward
     runs on, :func:`backward_rows`) the ``d hidden`` rows are those rows' only."""
-    p = call.p
+    p, sl, plan = call.p, call.chunks[i], call.plans[i]
     rows = p.rows(hidden, sl, low)
-    plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
     want_grad = acc is not None
     stats, saved, kept = p.chunk_stats(rows, plan, keep_logits=want_grad and plan.keep_logits)
     with torch.enable_grad():
@@ -221,15 +221,14 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     sdt = call.p.plan.stat_dtype
     n = hidden.shape[0]
     total = None
-    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
+    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see SoftmaxPass.forward_all).
     # One chunk keeps its own.
     out = call.p.empty_stats(n, hidden.device) if len(call.chunks) > 1 else None
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
+            chunk_acc = None if acc is None else grad_layout.first_stores(call.p, acc, i == 0)
             picked = None if call.backward_rows is None else call.backward_rows[i]
-            loss, stats, gh = _run_chunk(call, hidden, sl, low, acc, picked)
-            if acc is not None and acc.write_weight:  # the first chunk stored d weight; the others add to it
-                acc = dataclasses.replace(acc, write_weight=False)
+            loss, stats, gh = _run_chunk(call, hidden, i, low, chunk_acc, picked)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:
                 out = stats
@@ -337,7 +336,8 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
     if grad and weight.requires_grad:
         p, layout = grad_layout.weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), weight_grad=layout)
+    chunks = p.plan.chunks(hidden.shape[0], cuts)
+    call = _FusedCall(p, objective, chunks, p.plan.fit_chunks(chunks, p.head.weight.shape[0]), weight_grad=layout)
     if grad and p.zero_rows is not None:
         call.backward_rows = grad_layout.backward_rows(p.zero_rows, call.chunks)
     if grad:

@@ -88,7 +88,7 @@ def weight_grad_buffers(p: PassKind, weight: torch.Tensor, layout: WeightGradLay
     """``d weight``'s buffer for a pass over ``n`` rows, and the residual half of a pair
     (``[V_local, H]`` bf16, or ``None``). A backend that stores products
     (``stores_weight_grad``) gets the buffer uninitialized: the first chunk stores each
-    vocabulary block's product (:func:`accumulators`) and later chunks add to it, so it is
+    vocabulary block's product (:func:`first_stores`) and later chunks add to it, so it is
     neither zero-filled nor read before the first add; in the head's dtype for ``"single"`` and
     ``"pair"``, else fp32. A shard's padding rows beyond the local rows are zeroed. Other
     backends, and a pass without rows (no chunk to store), add into fp32 zeros."""
@@ -110,9 +110,7 @@ def accumulators(p: PassKind, weight: torch.Tensor, bias: torch.Tensor | None, l
     """The gradient accumulators of a pass over ``n`` rows, for the inputs whose ``needs``
     (``hidden, weight, bias, lora_x, lora_b``, as ``ctx.needs_input_grad``) are set: the
     head-sized ones (``d weight`` laid out as ``layout``, :func:`weight_grad_buffers`) and their
-    views of the head's local rows, which the chunks update. The views are the first chunk's:
-    its ``d weight`` products are stored into the uninitialized buffer (``write_weight``), and
-    the loops clear ``write_weight`` for the later chunks, which add theirs."""
+    views of the head's local rows, which the chunks update."""
     need_h, need_w, need_b, need_x, need_lb = needs[:5]
     sdt = p.plan.stat_dtype
     rows_w = p.head.weight.shape[0]
@@ -122,8 +120,14 @@ def accumulators(p: PassKind, weight: torch.Tensor, bias: torch.Tensor | None, l
     local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
                          bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
                          lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
-                         write_weight=grad_w is not None and p.stores_weight_grad, weight_lo=grad_w_lo)
+                         weight_lo=grad_w_lo)
     return full, local
+
+
+def first_stores(p: PassKind, acc: Accumulators, first: bool) -> Accumulators:
+    """The accumulators of one chunk: the first chunk's ``d weight`` products are stored into
+    the uninitialized buffer of :func:`weight_grad_buffers`, later ones added."""
+    return dataclasses.replace(acc, write_weight=first and acc.weight is not None and p.stores_weight_grad)
 
 
 # The rows a backward runs on are rounded up to a multiple of this (with rows of zero gradient,

@@ -16,7 +16,7 @@ stacked tensor (``Σ exp``, ``Σ exp·z``, the owner's target logit, ``Σ z``) m
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -69,6 +69,9 @@ class VocabShard:
         return start, size, valid, parallel
 
 
+_IDENTITY = LogitTransform()  # frozen: one serves every head without a transform of its own
+
+
 def _describe(t: torch.Tensor | None) -> str:
     if t is None:
         return "None"
@@ -94,7 +97,7 @@ class Head:
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
-    transform: LogitTransform = field(default_factory=LogitTransform)
+    transform: LogitTransform = _IDENTITY
     lora: HeadLoRA | None = None
     shard: VocabShard | None = None
 

@@ -151,6 +151,10 @@ class ChunkPlan:
         block = min(max(1, vocab), max(1, self.budget // (rows * self.bytes_per_logit)))
         return dataclasses.replace(self, token_chunk=rows, vocab_block=block, keep_logits=block >= vocab)
 
+    def fit_chunks(self, chunks: Sequence[slice], vocab: int) -> list[ChunkPlan]:
+        """Each of ``chunks``' plan (:meth:`fit`), made once for a pass."""
+        return [self.fit(sl.stop - sl.start, vocab) for sl in chunks]
+
     def stats_chunks(self, n_tokens: int) -> list[slice]:
         """``[0, n_tokens)`` in chunks of a statistics-only pass (``stats_chunk`` tokens)."""
         return dataclasses.replace(self, token_chunk=max(self.token_chunk, self.stats_chunk)).chunks(n_tokens)

@@ -68,12 +68,10 @@ class _RecomputeFn(torch.autograd.Function):
         partial = need_h and local.parallel and local.reduce_grad_hidden
         grad_rows = torch.empty_like(rows, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
-            for sl in p.plan.chunks(n):
-                lora_x = None if local_acc.lora_x is None else local_acc.lora_x[sl]
-                chunk_acc = dataclasses.replace(local_acc, lora_x=lora_x)
+            for i, sl in enumerate(p.plan.chunks(n)):
+                chunk_acc = dataclasses.replace(grad_layout.first_stores(p, local_acc, i == 0),
+                                                lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl])
                 gh = p.backward(p.rows(rows, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
-                # The first chunk stored d weight; the others add to it.
-                local_acc = dataclasses.replace(local_acc, write_weight=False)
                 if need_h:
                     grad_rows[sl] = gh
         grad_hidden = grad_rows

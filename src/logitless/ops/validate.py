@@ -156,6 +156,17 @@ def check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {x.device} but hidden is on {device}: move it with .to(hidden.device)")
 
 
+def check_devices(device: torch.device, tensors: dict[str, torch.Tensor | None]) -> None:
+    """:func:`check_device` of each named tensor in order (``None``: absent, skipped).
+
+    Raises:
+        ValueError: naming the first tensor on the meta device or not on ``device``.
+    """
+    for name, x in tensors.items():
+        if x is not None:
+            check_device(name, x, device)
+
+
 def check_count(value: object, checks: ValueChecks, device: torch.device, *,
                 zero_ok: bool = False) -> float | torch.Tensor:
     """``num_items_in_batch``, a token count given as an int, a float or a one-element tensor (TRL
