@@ -102,7 +102,6 @@ class PassKind(Protocol):
     # The rows the backward may leave out (their gradient is exactly zero), or ``None``; a kind
     # that sets it implements ``pick``, ``pick_kept`` and ``select``.
     zero_rows: ZeroRows | None
-
     stores_weight_grad: bool  # whether the backward honours Accumulators.write_weight
 
     @property
