@@ -46,9 +46,8 @@ class VocabShard:
     vocab_size: int | None = None
     reduce_grad_hidden: bool = True
 
-    def resolve(self, local_rows: int) -> tuple[int, int, int, bool]:
-        """``(vocab_start, vocab_size, valid local rows, parallel)``; ``parallel``: ``group``
-        spans more than this process.
+    def resolve(self, local_rows: int) -> tuple[int, int, int]:
+        """``(vocab_start, vocab_size, valid local rows)``.
 
         Raises:
             ValueError: a start/size inconsistent with the local rows.
@@ -66,7 +65,7 @@ class VocabShard:
         if not parallel and start != 0:
             raise ValueError("VocabShard: vocab_start must be 0 without a vocabulary-parallel group")
         valid = max(0, min(local_rows, size - start))
-        return start, size, valid, parallel
+        return start, size, valid
 
 
 _IDENTITY = LogitTransform()  # frozen: one serves every head without a transform of its own
@@ -125,10 +124,10 @@ class Head:
             ValueError: a shard inconsistent with ``weight``'s rows.
         """
         shard = VocabShard() if self.shard is None else self.shard
-        start, size, valid, parallel = shard.resolve(self.weight.shape[0])
+        start, size, valid = shard.resolve(self.weight.shape[0])
         return LocalHead(weight=self.weight[:valid], bias=None if self.bias is None else self.bias[:valid],
                          transform=self.transform, group=shard.group, vocab_start=start, vocab_size=size,
-                         reduce_grad_hidden=shard.reduce_grad_hidden, parallel=parallel)
+                         reduce_grad_hidden=shard.reduce_grad_hidden, parallel=is_active(shard.group))
 
 
 def as_head(head: Head | torch.Tensor) -> Head:
