@@ -14,11 +14,11 @@ import torch
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import ROWS
 from logitless.bench.timing import rel_diff, time_step
-from logitless.ops import distill, engine
+from logitless.ops import distill, fused
 
 
 def _set_pairs(on: bool) -> None:
-    for cls in (engine._Pass, distill.DistillPass):
+    for cls in (fused.SoftmaxPass, distill.DistillPass):
         cls.pairs_weight_grad = property(lambda p, on=on: on and p.stores_weight_grad)
 
 

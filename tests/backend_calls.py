@@ -48,12 +48,12 @@ def keep_planned_chunks(monkeypatch, pairs) -> list[str]:
     """Make the engine's passes keep their planned token chunks (no one-chunk plan, no chunks
     widened by the bf16 pair's savings), with ``pairs(pass)`` deciding whether a single-head
     pass adds ``d weight`` into the bf16 pair; returns :func:`record_layouts`' list."""
-    from logitless.ops import engine
+    from logitless.ops import fused
     from logitless.ops.plan import ChunkPlan
 
     monkeypatch.setattr(ChunkPlan, "whole", lambda *a: None)
     monkeypatch.setattr(ChunkPlan, "widened", lambda self, *a, **k: self)
-    monkeypatch.setattr(engine._Pass, "pairs_weight_grad", property(pairs))
+    monkeypatch.setattr(fused.SoftmaxPass, "pairs_weight_grad", property(pairs))
     return record_layouts(monkeypatch)
 
 

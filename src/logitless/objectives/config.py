@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "reinforce", "ppo"]
@@ -47,6 +47,13 @@ class PolicyConfig:
         max_completion_length: dr_grpo's constant (``None`` → padded length ``T``).
         training: train mode (eval divides by neither ``G`` nor ``steps_per_generation``).
 
+    Derived once from the fields above (not arguments):
+
+        eps_high: the upper clip in force (``epsilon_high``, or ``epsilon`` when ``None``).
+        needs_whole_sequences: a token's loss depends on other tokens of its sequence.
+        needs_global_entropy: the loss needs every token's entropy before it exists (the
+            quantile mask).
+
     Raises:
         ValueError: an unknown choice or an invalid combination, naming it.
     """
@@ -72,6 +79,9 @@ class PolicyConfig:
     steps_per_generation: int | None = None
     max_completion_length: int | None = None
     training: bool = True
+    eps_high: float = field(init=False, repr=False, compare=False)
+    needs_whole_sequences: bool = field(init=False, repr=False, compare=False)
+    needs_global_entropy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -96,18 +106,7 @@ class PolicyConfig:
             raise ValueError(f"steps_per_generation must be >= 1, got {self.steps_per_generation!r}")
         if self.delta is not None and not (math.isfinite(self.delta) and self.delta > 0):
             raise ValueError(f"delta must be a finite number > 0 or None, got {self.delta!r}")
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def needs_whole_sequences(self) -> bool:
-        """Whether a token's loss depends on other tokens of its sequence."""
-        return (self.importance_sampling_level != "token" or self.off_policy_mask_threshold is not None
-                or self.loss_type == "vespo")
-
-    @property
-    def needs_global_entropy(self) -> bool:
-        """Whether the loss needs every token's entropy before it exists (quantile mask)."""
-        return self.top_entropy_quantile < 1.0
+        object.__setattr__(self, "eps_high", self.epsilon if self.epsilon_high is None else self.epsilon_high)
+        object.__setattr__(self, "needs_whole_sequences", self.importance_sampling_level != "token"
+                           or self.off_policy_mask_threshold is not None or self.loss_type == "vespo")
+        object.__setattr__(self, "needs_global_entropy", self.top_entropy_quantile < 1.0)

@@ -39,6 +39,7 @@ class TokenLayout:
             objectives that need whole sequences); computed on first use (a host sync).
         group: sequence-parallel process group whose ranks hold pieces of the same segments
             (global segment ids); ``seg_len`` and :meth:`seq_sum` are then over the group.
+        distributed: ``group`` spans more than this process.
     """
 
     index: torch.Tensor
@@ -48,6 +49,7 @@ class TokenLayout:
     seg_len: torch.Tensor
     shape: torch.Size
     group: object | None = None
+    distributed: bool = False
 
     @functools.cached_property
     def cuts(self) -> list[int]:
@@ -98,10 +100,6 @@ class TokenLayout:
         """Sum over each whole segment, across the sequence-parallel group (differentiable)."""
         return all_reduce_sum_autograd(self.seg_sum(x, seg), self.group)
 
-    @property
-    def distributed(self) -> bool:
-        return is_active(self.group)
-
     @classmethod
     def from_padded(cls, mask: torch.Tensor) -> TokenLayout:
         """From a ``[B, T]`` mask (completion_mask, times tool_mask when present)."""
@@ -132,4 +130,5 @@ class TokenLayout:
         counted = flat_mask if index.shape[0] == flat_mask.numel() else flat_mask[index]
         weight = counted.to(torch.get_default_dtype() if not flat_mask.is_floating_point() else flat_mask.dtype)
         seg_len = all_reduce(weight.new_zeros(num).index_add(0, seg, weight), "sum", group)
-        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, group=group)
+        return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, group=group,
+                   distributed=is_active(group))

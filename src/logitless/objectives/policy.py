@@ -20,7 +20,7 @@ from ..ops import (
     as_head,
     as_options,
     check_count,
-    check_device,
+    check_devices,
     check_head_inputs,
     check_mask,
     run_objective,
@@ -212,9 +212,12 @@ def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None
             "sampling/trainer_sampler_ratio_error/max": maxima[1]}
 
 
+_TRL_DEFAULTS = PolicyConfig()
+
+
 def _as_config(config) -> PolicyConfig:
     if config is None:
-        return PolicyConfig()
+        return _TRL_DEFAULTS
     if not isinstance(config, PolicyConfig):
         raise TypeError(f"config must be a logitless.PolicyConfig, got {type(config).__name__}"
                         + (": build it with PolicyConfig(**your_dict)" if isinstance(config, dict) else ""))
@@ -250,22 +253,20 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         raise ValueError(f"hidden must be {'[N, H] with segment_ids' if packed else '[B, T, H]'}, got shape "
                          f"{tuple(hidden.shape)}")
     lead = hidden.shape[:-1]
-    check_device("hidden", hidden, hidden.device)
-    for name, x in (("completion_ids", completion_ids), ("completion_mask", completion_mask),
-                    ("tool_mask", tool_mask), ("old_logp", old_logp), ("ref_logp", ref_logp),
-                    ("sampling_logp", sampling_logp), ("segment_ids", segment_ids)):
+    per_token = {"completion_ids": completion_ids, "completion_mask": completion_mask, "tool_mask": tool_mask,
+                 "old_logp": old_logp, "ref_logp": ref_logp, "sampling_logp": sampling_logp,
+                 "segment_ids": segment_ids}
+    for name, x in per_token.items():
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape != lead):
             raise ValueError(f"{name} must have shape {tuple(lead)}, got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x is not None:
-            check_device(name, x, hidden.device)
     if cfg.beta != 0.0 and ref_logp is None:
         raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's per-token log-probs)")
     for name, x in (("advantages", advantages), ("importance_sampling_ratio", importance_sampling_ratio)):
         if (x is not None or name == "advantages") and not isinstance(x, torch.Tensor):  # advantages is required
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x is not None:
-            check_device(name, x, hidden.device)
+    check_devices(hidden.device, {"hidden": hidden, **per_token, "advantages": advantages,
+                                  "importance_sampling_ratio": importance_sampling_ratio})
     if advantages.dtype == torch.bool or advantages.is_complex():
         raise TypeError(f"advantages must be a real (floating or integer) tensor, got {advantages.dtype}")
     for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp),

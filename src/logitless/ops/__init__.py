@@ -5,15 +5,14 @@ Knows nothing about RL; the objectives layer sits on top and talks to it through
 from .contract import StatRequest, resolve_backend
 from .distill import DistillPass, DistillStats, check_shards, run_distill
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, ZeroRows, compute_stats, run_objective
-from .head import Head, as_head
+from .head import Head, VocabShard, as_head
 from .lora import HeadLoRA
 from .memory import PassOutOfMemoryError
 from .options import Impl, Mode, PassOptions, as_options
 from .plan import stat_dtype_for
 from .settings import LogitsPrecision
-from .shard import VocabShard
 from .transform import LogitTransform
-from .validate import ValueChecks, check_count, check_device, check_head_inputs, check_mask
+from .validate import ValueChecks, check_count, check_device, check_devices, check_head_inputs, check_mask
 
 __all__ = [
     "ChunkObjective",
@@ -38,6 +37,7 @@ __all__ = [
     "as_options",
     "check_count",
     "check_device",
+    "check_devices",
     "check_head_inputs",
     "check_mask",
     "check_shards",

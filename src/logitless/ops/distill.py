@@ -39,7 +39,8 @@ from .distill_contract import (
     DistillSaved,
     resolve_distill,
 )
-from .engine import ChunkObjective, PassResult, no_autocast, recompute_stats, resolve_mode, run_fused
+from .engine import ChunkObjective, PassResult, recompute_stats, resolve_mode, run_fused
+from .fused import no_autocast
 from .head import Head, LocalHead
 from .lora import LowRank
 from .options import PassOptions

@@ -14,9 +14,11 @@ walks the token chunks, and returns the loss and every token's statistics. Two m
   per-chunk terms (global normalizers precomputed by the caller); chunks end only at the
   caller's allowed cut points (sequence boundaries for sequence-level objectives).
 
-The per-chunk work is a **pass kind** (:class:`PassKind`): :class:`_Pass` is the single-head
-softmax run through a backend; :mod:`.distill` adds a two-head (student + teacher) kind. The
-chunk loops, both modes' ``autograd.Function`` and the accumulators below serve every kind.
+The per-chunk work is a **pass kind** (:class:`PassKind`): :class:`~.fused.SoftmaxPass` is the
+single-head softmax run through a backend, beside the fused chunk loop that drives it;
+:mod:`.distill` adds a two-head (student + teacher) kind. The chunk loops (:mod:`.fused`,
+:mod:`.recompute`), both modes' ``autograd.Function`` and the gradient layout
+(:mod:`.grad_layout`) serve every kind.
 
 Under vocabulary parallelism (``Head.shard`` with a group) the partial statistics are reduced
 with one MAX and one SUM all-reduce per pass (recompute) or per chunk (fused), and the
@@ -25,33 +27,20 @@ with one MAX and one SUM all-reduce per pass (recompute) or per chunk (fused), a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 
-from .contract import (
-    Accumulators,
-    Backend,
-    ChunkRows,
-    ChunkStats,
-    RowStats,
-    SavedStats,
-    StatGrads,
-    StatRequest,
-    resolve_backend,
-)
-from .fused import PassResult, run_fused
+from .contract import Accumulators, ChunkStats, StatRequest
+from .fused import PassResult, SoftmaxPass, run_fused
 from .grad_layout import ZeroRows
 from .head import Head, LocalHead
 from .lora import LowRank
-from .memory import advise_on_oom
 from .options import Mode, PassOptions
-from .plan import ChunkPlan, stat_dtype_for
+from .plan import ChunkPlan
 from .recompute import recompute_stats
-from .validate import check_rounded_logits
 
 # objective(token_slice, stats) -> (loss term, anything to collect)
 ChunkObjective = Callable[[slice, ChunkStats], tuple[torch.Tensor, Any]]
@@ -98,11 +87,6 @@ def resolve_mode(mode: Mode, needs_all_stats: bool) -> Literal["fused", "recompu
     return mode
 
 
-def no_autocast(device: torch.device):
-    """The pass controls its own precisions (fp32 statistics); autocast must not recast them."""
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
 class PassKind(Protocol):
     """The per-chunk work of a pass, as the engine's loops and ``autograd.Function`` use it.
 
@@ -118,11 +102,7 @@ class PassKind(Protocol):
     # The rows the backward may leave out (their gradient is exactly zero), or ``None``; a kind
     # that sets it implements ``pick``, ``pick_kept`` and ``select``.
     zero_rows: ZeroRows | None
-
-    @property
-    def stores_weight_grad(self) -> bool:
-        """Whether the backward honours :attr:`Accumulators.write_weight`."""
-        ...
+    stores_weight_grad: bool  # whether the backward honours Accumulators.write_weight
 
     @property
     def pairs_weight_grad(self) -> bool:
@@ -145,117 +125,6 @@ class PassKind(Protocol):
                  kept: object | None) -> torch.Tensor | None: ...
 
 
-@dataclass
-class _Pass:
-    """One call's resolved single-head pass (a :class:`PassKind`): made once, used by every
-    chunk and by the backward."""
-
-    DIFFERENTIABLE = ("logp", "lse", "entropy", "sum_z")
-
-    backend: Backend
-    head: LocalHead
-    targets: torch.Tensor  # [n] local indices
-    plan: ChunkPlan
-    want: StatRequest
-    lora_b: torch.Tensor | None = None  # [V, r] the adapter's vocabulary-side factor (GEMM dtype)
-    zero_rows: ZeroRows | None = None
-
-    @classmethod
-    def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
-             options: PassOptions) -> tuple[_Pass, torch.Tensor | None]:
-        """The pass and the adapter's hidden-side factor ``x`` (differentiable, or ``None``)."""
-        local = head.local()
-        backend = resolve_backend(options.impl, hidden, head.lora is not None)
-        plan = ChunkPlan.make(hidden.shape[0], local.weight.shape[0], options.budget, hidden.dtype, backend.PLAN,
-                              options.fp32_logits)
-        x = b = None
-        if head.lora is not None:
-            x, b = head.lora.factors(hidden, head.weight)
-        # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
-        skip = options.skip_zero_rows and head.lora is None
-        return cls(backend, local, local.local_targets(targets), plan, spec.want, b,
-                   spec.zero_rows if skip else None), x
-
-    def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
-        """The rows ``idx`` (``[m]`` int64, ascending) of a chunk (no adapter: see :meth:`make`)."""
-        return ChunkRows(rows.hidden[idx], rows.targets[idx], None)
-
-    def pick_kept(self, kept: object | None, idx: torch.Tensor) -> object | None:
-        """The backend's kept logits of the rows ``idx`` (moved in place to the tile's first rows)."""
-        return None if kept is None else self.backend.kept_rows(kept, idx)
-
-    def select(self, idx: torch.Tensor) -> _Pass:
-        """This pass restricted to the rows ``idx`` of its tokens."""
-        return dataclasses.replace(self, targets=self.targets[idx], zero_rows=None)
-
-    @property
-    def stores_weight_grad(self) -> bool:
-        return self.backend.CAPS.stores_weight_grad and self.lora_b is None
-
-    @property
-    def pairs_weight_grad(self) -> bool:
-        return self.backend.CAPS.pairs_weight_grad and self.lora_b is None
-
-    def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> ChunkRows:
-        return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
-
-    def forward(self, rows: ChunkRows, plan: ChunkPlan, keep_logits: bool) -> tuple[RowStats, object | None]:
-        with no_autocast(rows.hidden.device):
-            return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits)
-
-    def backward(self, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads, acc: Accumulators,
-                 kept: object | None) -> torch.Tensor | None:
-        with no_autocast(rows.hidden.device):
-            return self.backend.chunk_backward(self.head, rows, plan, saved, grads, acc, kept)
-
-    def fields_present(self) -> tuple[bool, ...]:
-        return True, True, self.want.entropy, self.want.sum_z, True
-
-    def chunk_stats(self, rows: ChunkRows, plan: ChunkPlan,
-                    keep_logits: bool) -> tuple[ChunkStats, SavedStats, object | None]:
-        """A chunk's statistics over the full vocabulary (reduced over the group), what its
-        backward needs, and the backend's kept logits."""
-        part, kept = self.forward(rows, plan, keep_logits)
-        stats, saved = part.reduce(self.head.group).finalize()
-        return stats, saved, kept
-
-    def forward_all(self, hidden: torch.Tensor, low: LowRank | None) -> tuple[ChunkStats, SavedStats]:
-        return _forward_all(self, hidden, low)
-
-    def empty_stats(self, n: int, device: torch.device) -> ChunkStats:
-        sdt = stat_dtype_for(self.head.weight.dtype)
-        return ChunkStats(*(torch.empty(n, dtype=torch.bool if name == "is_top1" else sdt, device=device)
-                            if present else None for name, present in zip(ChunkStats._fields, self.fields_present(),
-                                                                           strict=True)))
-
-    def grads_of(self, named: dict[str, torch.Tensor]) -> StatGrads:
-        return StatGrads(**named)
-
-
-# ----------------------------------------------------------------------------- recompute mode
-
-
-def _forward_all(p: _Pass, hidden: torch.Tensor, low: LowRank | None) -> tuple[ChunkStats, SavedStats]:
-    """Statistics of every row, chunk by chunk, reduced over the vocabulary group once."""
-    n = hidden.shape[0]
-    # Whole-pass buffers filled chunk by chunk: keeping every chunk's small result tensors alive
-    # instead pins the heap between the chunks' large logits blocks on CPU (glibc), and resident
-    # memory then grows by about one block per chunk, i.e. with N x V.
-    chunks = p.plan.stats_chunks(n)
-    with advise_on_oom(p.plan, hidden.device):
-        if len(chunks) == 1:  # the common case: the chunk's own buffers, no copy
-            out, _ = p.forward(p.rows(hidden, chunks[0], low), p.plan, keep_logits=False)
-        else:
-            out = RowStats.empty(n, stat_dtype_for(hidden.dtype), hidden.device, p.want)
-            for sl in chunks:
-                part, _ = p.forward(p.rows(hidden, sl, low), p.plan, keep_logits=False)
-                out.write(sl, part)
-                del part
-    stats, saved = out.reduce(p.head.group).finalize()
-    check_rounded_logits(p.plan, hidden.dtype, stats)
-    return stats, saved
-
-
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
                   options: PassOptions, zero_rows: ZeroRows | None = None) -> ChunkStats:
     """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
@@ -272,7 +141,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
     Returns:
         :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
     """
-    p, x = _Pass.make(hidden, head, targets, ObjectiveSpec(want=want, zero_rows=zero_rows), options)
+    p, x = SoftmaxPass.make(hidden, head, targets, ObjectiveSpec(want=want, zero_rows=zero_rows), options)
     return recompute_stats(p, hidden, head.weight, head.bias, x, p.lora_b)
 
 
@@ -312,5 +181,5 @@ def run_objective(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objec
             spec.before_loss(stats.detached())
         loss, collected = objective(slice(0, hidden.shape[0]), stats)
         return PassResult(loss, stats.detached(), [collected])
-    p, x = _Pass.make(hidden, head, targets, spec, options)
+    p, x = SoftmaxPass.make(hidden, head, targets, spec, options)
     return run_fused(p, objective, hidden, head.weight, head.bias, x, p.lora_b, spec.cuts)

@@ -1,4 +1,7 @@
-"""Fused mode: for each chunk the forward computes the statistics, asks the objective for the
+"""The single-head softmax pass (:class:`SoftmaxPass`, both modes' per-chunk work through a
+backend) and fused mode, the chunk loop that drives it (and the distillation kind).
+
+Fused mode: for each chunk the forward computes the statistics, asks the objective for the
 chunk's loss term, differentiates it w.r.t. the chunk's statistics (autograd on ``[chunk]``
 tensors) and runs the gradient GEMMs right away, reusing the chunk's logits when they fit; the
 backward only scales the saved gradients (3 GEMMs of work in all; :mod:`.engine`)."""
@@ -14,15 +17,28 @@ import torch
 
 from ..distributed import all_reduce
 from . import grad_layout
-from .contract import Accumulators, triton_available
-from .grad_layout import rows_of
+from .contract import (
+    Accumulators,
+    Backend,
+    ChunkRows,
+    ChunkStats,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+    resolve_backend,
+    triton_available,
+)
+from .grad_layout import ZeroRows, rows_of
+from .head import Head, LocalHead
 from .lora import LowRank
 from .memory import advise_on_oom, check_workspace_fits
-from .plan import stat_dtype_for
+from .options import PassOptions
+from .plan import ChunkPlan
 from .validate import check_rounded_logits
 
 if TYPE_CHECKING:
-    from .engine import ChunkObjective, ChunkStats, PassKind
+    from .engine import ChunkObjective, ObjectiveSpec, PassKind
 
 
 class PassResult(NamedTuple):
@@ -34,6 +50,119 @@ class PassResult(NamedTuple):
     collected: list[Any]
 
 
+def no_autocast(device: torch.device):
+    """The pass controls its own precisions (fp32 statistics); autocast must not recast them."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+@dataclass
+class SoftmaxPass:
+    """One call's resolved single-head softmax pass (a :class:`~.engine.PassKind`) through a
+    backend: made once, used by every chunk and by the backward, in both modes."""
+
+    DIFFERENTIABLE = ("logp", "lse", "entropy", "sum_z")
+
+    backend: Backend
+    head: LocalHead
+    targets: torch.Tensor  # [n] local indices
+    plan: ChunkPlan
+    want: StatRequest
+    lora_b: torch.Tensor | None = None  # [V, r] the adapter's vocabulary-side factor (GEMM dtype)
+    zero_rows: ZeroRows | None = None
+    # Whether the backward honours Accumulators.write_weight: the backend's, without an adapter.
+    stores_weight_grad: bool = False
+
+    @classmethod
+    def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
+             options: PassOptions) -> tuple[SoftmaxPass, torch.Tensor | None]:
+        """The pass and the adapter's hidden-side factor ``x`` (differentiable, or ``None``)."""
+        local = head.local()
+        backend = resolve_backend(options.impl, hidden, head.lora is not None)
+        plan = ChunkPlan.make(hidden.shape[0], local.weight.shape[0], options.budget, hidden.dtype, backend.PLAN,
+                              options.fp32_logits)
+        x = b = None
+        if head.lora is not None:
+            x, b = head.lora.factors(hidden, head.weight)
+        # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
+        skip = options.skip_zero_rows and head.lora is None
+        return cls(backend, local, local.local_targets(targets), plan, spec.want, b,
+                   spec.zero_rows if skip else None, backend.CAPS.stores_weight_grad and b is None), x
+
+    def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
+        """The rows ``idx`` (``[m]`` int64, ascending) of a chunk (no adapter: see :meth:`make`)."""
+        return ChunkRows(rows.hidden[idx], rows.targets[idx], None)
+
+    def pick_kept(self, kept: object | None, idx: torch.Tensor) -> object | None:
+        """The backend's kept logits of the rows ``idx`` (moved in place to the tile's first rows)."""
+        return None if kept is None else self.backend.kept_rows(kept, idx)
+
+    def select(self, idx: torch.Tensor) -> SoftmaxPass:
+        """This pass restricted to the rows ``idx`` of its tokens."""
+        return dataclasses.replace(self, targets=self.targets[idx], zero_rows=None)
+
+    @property
+    def pairs_weight_grad(self) -> bool:
+        return self.backend.CAPS.pairs_weight_grad and self.lora_b is None
+
+    def rows(self, hidden: torch.Tensor, sl: slice, low: LowRank | None) -> ChunkRows:
+        return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
+
+    def forward(self, rows: ChunkRows, plan: ChunkPlan, keep_logits: bool) -> tuple[RowStats, object | None]:
+        with no_autocast(rows.hidden.device):
+            return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits)
+
+    def backward(self, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads, acc: Accumulators,
+                 kept: object | None) -> torch.Tensor | None:
+        with no_autocast(rows.hidden.device):
+            return self.backend.chunk_backward(self.head, rows, plan, saved, grads, acc, kept)
+
+    def fields_present(self) -> tuple[bool, ...]:
+        return True, True, self.want.entropy, self.want.sum_z, True
+
+    def chunk_stats(self, rows: ChunkRows, plan: ChunkPlan,
+                    keep_logits: bool) -> tuple[ChunkStats, SavedStats, object | None]:
+        """A chunk's statistics over the full vocabulary (reduced over the group), what its
+        backward needs, and the backend's kept logits."""
+        part, kept = self.forward(rows, plan, keep_logits)
+        stats, saved = self.finish(part)
+        return stats, saved, kept
+
+    def finish(self, part: RowStats) -> tuple[ChunkStats, SavedStats]:
+        """The full vocabulary's statistics from this rank's partials (reduced over the group
+        when the vocabulary is split), and what a backward needs of them."""
+        return (part.reduce(self.head.group) if self.head.parallel else part).finalize()
+
+    def forward_all(self, hidden: torch.Tensor, low: LowRank | None) -> tuple[ChunkStats, SavedStats]:
+        """Statistics of every row, chunk by chunk, reduced over the vocabulary group once
+        (recompute mode's forward)."""
+        n = hidden.shape[0]
+        # Whole-pass buffers filled chunk by chunk: keeping every chunk's small result tensors alive
+        # instead pins the heap between the chunks' large logits blocks on CPU (glibc), and resident
+        # memory then grows by about one block per chunk, i.e. with N x V.
+        chunks = self.plan.stats_chunks(n)
+        with advise_on_oom(self.plan, hidden.device):
+            if len(chunks) == 1:  # the common case: the chunk's own buffers, no copy
+                out, _ = self.forward(self.rows(hidden, chunks[0], low), self.plan, keep_logits=False)
+            else:
+                out = RowStats.empty(n, self.plan.stat_dtype, hidden.device, self.want)
+                for sl in chunks:
+                    part, _ = self.forward(self.rows(hidden, sl, low), self.plan, keep_logits=False)
+                    out.write(sl, part)
+                    del part
+        stats, saved = self.finish(out)
+        check_rounded_logits(self.plan, hidden.dtype, stats)
+        return stats, saved
+
+    def empty_stats(self, n: int, device: torch.device) -> ChunkStats:
+        sdt = self.plan.stat_dtype
+        return ChunkStats(*(torch.empty(n, dtype=torch.bool if name == "is_top1" else sdt, device=device)
+                            if present else None for name, present in zip(ChunkStats._fields, self.fields_present(),
+                                                                           strict=True)))
+
+    def grads_of(self, named: dict[str, torch.Tensor]) -> StatGrads:
+        return StatGrads(**named)
+
+
 @dataclass
 class _FusedCall:
     """The non-tensor inputs of one fused pass."""
@@ -41,20 +170,20 @@ class _FusedCall:
     p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
+    plans: list[ChunkPlan]  # each chunk's (ChunkPlan.fit_chunks)
     weight_grad: grad_layout.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
     backward_rows: list[torch.Tensor | None] | None = None  # per chunk (backward_rows); None: all
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
 
 
-def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank | None, acc: Accumulators | None,
+def _run_chunk(call: _FusedCall, hidden: torch.Tensor, i: int, low: LowRank | None, acc: Accumulators | None,
                picked: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
     """A chunk's statistics, its loss term and (``acc`` given) its gradients:
     ``(loss term, detached stats, d hidden rows | None)``; with ``picked`` (the rows the backward
     runs on, :func:`backward_rows`) the ``d hidden`` rows are those rows' only."""
-    p = call.p
+    p, sl, plan = call.p, call.chunks[i], call.plans[i]
     rows = p.rows(hidden, sl, low)
-    plan = p.plan.fit(sl.stop - sl.start, p.head.weight.shape[0])
     want_grad = acc is not None
     stats, saved, kept = p.chunk_stats(rows, plan, keep_logits=want_grad and plan.keep_logits)
     with torch.enable_grad():
@@ -63,14 +192,15 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, sl: slice, low: LowRank |
 
         leaves = type(stats)(*(leaf(name, t) for name, t in zip(stats._fields, stats, strict=True)))
         loss, collected = call.objective(sl, leaves)
-        grads = p.grads_of({})
+        grads = None  # the statistics' gradients; None where none reaches them
         if want_grad and loss.requires_grad:
             names = [k for k in p.DIFFERENTIABLE if getattr(leaves, k) is not None]
             got = torch.autograd.grad(loss, [getattr(leaves, k) for k in names], allow_unused=True)
-            grads = p.grads_of(dict(zip(names, got, strict=True)))
+            if any(g is not None for g in got):
+                grads = p.grads_of(dict(zip(names, got, strict=True)))
     call.collected.append(collected)
     grad_hidden = None
-    backward = want_grad and grads.any() and (picked is None or picked.numel() > 0)
+    backward = grads is not None and (picked is None or picked.numel() > 0)
     if backward and picked is not None:
         rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
             p.pick_kept(kept, picked)
@@ -88,17 +218,17 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
                 acc: Accumulators | None, grad_hidden: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple]:
     """All chunks in order: the total loss and every token's statistics; with ``acc`` the
     gradients go into it (``grad_hidden`` rows written per chunk)."""
-    sdt = stat_dtype_for(hidden.dtype)
+    sdt = call.p.plan.stat_dtype
     n = hidden.shape[0]
     total = None
-    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see _forward_all).
+    # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see SoftmaxPass.forward_all).
     # One chunk keeps its own.
     out = call.p.empty_stats(n, hidden.device) if len(call.chunks) > 1 else None
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
             chunk_acc = None if acc is None else grad_layout.first_stores(call.p, acc, i == 0)
             picked = None if call.backward_rows is None else call.backward_rows[i]
-            loss, stats, gh = _run_chunk(call, hidden, sl, low, chunk_acc, picked)
+            loss, stats, gh = _run_chunk(call, hidden, i, low, chunk_acc, picked)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:
                 out = stats
@@ -127,8 +257,8 @@ class _FusedFn(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, lora_x, lora_b, call: _FusedCall):
         p = call.p
         # Vocabulary-parallel partials of d hidden / d x are summed in the statistics dtype, then cast once.
-        partial = p.head.reduces_grad_hidden
-        sdt = stat_dtype_for(hidden.dtype)
+        partial = p.head.parallel and p.head.reduce_grad_hidden
+        sdt = p.plan.stat_dtype
         # Every chunk writes its rows (zeros where nothing reached its logits).
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if ctx.needs_input_grad[0] else None
         full, local = grad_layout.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
@@ -206,7 +336,8 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
     if grad and weight.requires_grad:
         p, layout = grad_layout.weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
-    call = _FusedCall(p, objective, p.plan.chunks(hidden.shape[0], cuts), weight_grad=layout)
+    chunks = p.plan.chunks(hidden.shape[0], cuts)
+    call = _FusedCall(p, objective, chunks, p.plan.fit_chunks(chunks, p.head.weight.shape[0]), weight_grad=layout)
     if grad and p.zero_rows is not None:
         call.backward_rows = grad_layout.backward_rows(p.zero_rows, call.chunks)
     if grad:

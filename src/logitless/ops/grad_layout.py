@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 
 from .contract import Accumulators
-from .plan import stat_dtype_for
 
 if TYPE_CHECKING:
     from .engine import PassKind
@@ -94,8 +93,8 @@ def weight_grad_buffers(p: PassKind, weight: torch.Tensor, layout: WeightGradLay
     ``"pair"``, else fp32. A shard's padding rows beyond the local rows are zeroed. Other
     backends, and a pass without rows (no chunk to store), add into fp32 zeros."""
     if not p.stores_weight_grad or n == 0:
-        return torch.zeros(weight.shape, dtype=stat_dtype_for(weight.dtype), device=weight.device), None
-    dtype = stat_dtype_for(weight.dtype) if layout == "fp32" else weight.dtype
+        return torch.zeros(weight.shape, dtype=p.plan.stat_dtype, device=weight.device), None
+    dtype = p.plan.stat_dtype if layout == "fp32" else weight.dtype
     buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     if p.head.weight.shape[0] < weight.shape[0]:
         buf[p.head.weight.shape[0]:].zero_()
@@ -113,7 +112,7 @@ def accumulators(p: PassKind, weight: torch.Tensor, bias: torch.Tensor | None, l
     head-sized ones (``d weight`` laid out as ``layout``, :func:`weight_grad_buffers`) and their
     views of the head's local rows, which the chunks update."""
     need_h, need_w, need_b, need_x, need_lb = needs[:5]
-    sdt = stat_dtype_for(weight.dtype)
+    sdt = p.plan.stat_dtype
     rows_w = p.head.weight.shape[0]
     grad_w, grad_w_lo = weight_grad_buffers(p, weight, layout, n) if need_w else (None, None)
     full = Accumulators(weight=grad_w, bias=_zeros(need_b, bias, sdt), lora_x=_zeros(need_x, lora_x, sdt),

@@ -4,6 +4,13 @@ The logits are ``z = transform(hidden @ weight.T + bias + lora term)`` over the 
 ``weight`` holds (the local shard of a vocabulary-parallel head). A :class:`Head` travels
 unchanged from the public entry points to the backends; :meth:`Head.local` resolves the shard
 once per call into the :class:`LocalHead` the engine and backends index.
+
+Vocabulary (tensor) parallelism and padded vocabularies (:class:`VocabShard`): each rank holds
+rows ``[vocab_start, vocab_start + V_local)`` of the head. A pass computes per-token partial
+statistics over its rows, then one all-reduce MAX (the running max) and one all-reduce SUM of a
+stacked tensor (``Σ exp``, ``Σ exp·z``, the owner's target logit, ``Σ z``) make them global
+(Megatron-style vocab-parallel cross-entropy). Backward: each rank writes ``dz`` for its rows;
+``d hidden`` partials are summed over the group unless the caller's framework reduces them itself.
 """
 
 from __future__ import annotations
@@ -15,8 +22,53 @@ import torch
 
 from ..distributed import is_active
 from .lora import HeadLoRA, LowRank
-from .shard import VocabShard
 from .transform import LogitTransform
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows a ``weight [V_local, H]`` holds.
+
+    Attributes:
+        group: ``torch.distributed`` process group the vocabulary is split over (``None``: the
+            whole vocabulary is local).
+        vocab_start: global index of the first local row (default ``rank * V_local``: even
+            shards; give it for uneven ones).
+        vocab_size: true vocabulary size; rows at or beyond it are padding and get no
+            probability (default: ``world * V_local``, i.e. no padding).
+        reduce_grad_hidden: all-reduce the ``d hidden`` partials over ``group`` (set False when
+            your framework reduces the input gradient of the head itself, e.g. Megatron's
+            ``copy_to_tensor_model_parallel_region``).
+    """
+
+    group: object | None = None
+    vocab_start: int | None = None
+    vocab_size: int | None = None
+    reduce_grad_hidden: bool = True
+
+    def resolve(self, local_rows: int) -> tuple[int, int, int]:
+        """``(vocab_start, vocab_size, valid local rows)``.
+
+        Raises:
+            ValueError: a start/size inconsistent with the local rows.
+        """
+        world, rank = 1, 0
+        parallel = is_active(self.group)
+        if parallel:
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        start = rank * local_rows if self.vocab_start is None else int(self.vocab_start)
+        size = world * local_rows if self.vocab_size is None else int(self.vocab_size)
+        if start < 0 or size <= 0:
+            raise ValueError(f"VocabShard: vocab_start={start} and vocab_size={size} must be >= 0 and > 0")
+        if not parallel and start != 0:
+            raise ValueError("VocabShard: vocab_start must be 0 without a vocabulary-parallel group")
+        valid = max(0, min(local_rows, size - start))
+        return start, size, valid
+
+
+_IDENTITY = LogitTransform()  # frozen: one serves every head without a transform of its own
 
 
 def _describe(t: torch.Tensor | None) -> str:
@@ -44,15 +96,15 @@ class Head:
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
-    transform: LogitTransform = None  # type: ignore[assignment]  # set in __post_init__
+    transform: LogitTransform = _IDENTITY
     lora: HeadLoRA | None = None
     shard: VocabShard | None = None
 
     def __post_init__(self) -> None:
-        # Not a default_factory: dynamo cannot call one, and Head(weight) inside
-        # torch.compile(fullgraph=True) would fail.
+        # transform=None is the identity. (The default is a shared instance, not a default_factory:
+        # dynamo cannot call one, and Head(weight) inside torch.compile(fullgraph=True) would fail.)
         if self.transform is None:
-            object.__setattr__(self, "transform", LogitTransform())
+            object.__setattr__(self, "transform", _IDENTITY)
 
     def __repr__(self) -> str:
         lora = "None" if self.lora is None else f"HeadLoRA(r={self.lora.a.shape[0]}, scaling={self.lora.scaling})"
@@ -81,7 +133,7 @@ class Head:
         start, size, valid = shard.resolve(self.weight.shape[0])
         return LocalHead(weight=self.weight[:valid], bias=None if self.bias is None else self.bias[:valid],
                          transform=self.transform, group=shard.group, vocab_start=start, vocab_size=size,
-                         reduce_grad_hidden=shard.reduce_grad_hidden)
+                         reduce_grad_hidden=shard.reduce_grad_hidden, parallel=is_active(shard.group))
 
 
 def as_head(head: Head | torch.Tensor) -> Head:
@@ -107,7 +159,9 @@ class LocalHead:
         group: vocabulary-parallel process group, or ``None``.
         vocab_start: global index of the first local row.
         vocab_size: the full vocabulary's size.
-        reduce_grad_hidden: sum the ``d hidden`` partials over ``group``.
+        reduce_grad_hidden: sum the ``d hidden`` partials over ``group`` (when ``parallel``).
+        parallel: ``group`` spans more than this process: the partial statistics are reduced
+            over it.
     """
 
     weight: torch.Tensor
@@ -117,11 +171,7 @@ class LocalHead:
     vocab_start: int
     vocab_size: int
     reduce_grad_hidden: bool
-
-    @property
-    def reduces_grad_hidden(self) -> bool:
-        """Whether ``d hidden`` partials are summed over an active vocabulary-parallel group."""
-        return self.reduce_grad_hidden and is_active(self.group)
+    parallel: bool = False
 
     def rows_of(self, weight: torch.Tensor, bias: torch.Tensor | None) -> LocalHead:
         """This head over ``weight``/``bias`` (e.g. the tensors autograd saved): the same rows."""

@@ -79,6 +79,8 @@ class ChunkPlan:
         stats_chunk: tokens per chunk of a pass that keeps no logits (a rollout, recompute
             mode's forward): at least ``token_chunk``, more where the kind's statistics-only
             forward holds less than a logits block per element (``_STATS_ONLY_BYTES``).
+        stat_dtype: the dtype statistics and gradients accumulate in (:func:`stat_dtype_for`
+            of the inputs' dtype).
     """
 
     token_chunk: int
@@ -88,6 +90,7 @@ class ChunkPlan:
     budget: int = 0
     bytes_per_logit: int = 0
     stats_chunk: int = 0  # tokens per chunk of a statistics-only pass (0: token_chunk)
+    stat_dtype: torch.dtype = torch.float32
 
     @classmethod
     def make(cls, n_tokens: int, vocab: int, budget: int, in_dtype: torch.dtype, kind: PlanKind = "torch",
@@ -102,7 +105,8 @@ class ChunkPlan:
         if budget <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {budget!r}")
         vocab = max(1, vocab)
-        per = workspace_per_element(stat_dtype_for(in_dtype), in_dtype, kind, fp32_logits) * arrays
+        stat_dtype = stat_dtype_for(in_dtype)
+        per = workspace_per_element(stat_dtype, in_dtype, kind, fp32_logits) * arrays
         n = max(1, n_tokens)
         # No workspace larger than the problem: the materialized path holds at least the logits
         # (a word per logit and head in the statistics dtype), so a pass plans no more than that,
@@ -112,10 +116,11 @@ class ChunkPlan:
         token_chunk = _even_chunk(n, max(budget // (vocab * per), _MIN_TOKENS[kind]))
         vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
         stats_chunk = token_chunk
-        if kind in _STATS_ONLY_BYTES and stat_dtype_for(in_dtype) != torch.float64:
+        if kind in _STATS_ONLY_BYTES and stat_dtype != torch.float64:
             stats_chunk = _even_chunk(n, max(token_chunk, int(budget / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
-                   fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk)
+                   fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk,
+                   stat_dtype=stat_dtype)
 
     def whole(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan | None:
         """This plan as one chunk of all ``n_tokens`` rows kept whole, if their logits fit the
@@ -151,6 +156,10 @@ class ChunkPlan:
             return self
         block = min(max(1, vocab), max(1, self.budget // (rows * self.bytes_per_logit)))
         return dataclasses.replace(self, token_chunk=rows, vocab_block=block, keep_logits=block >= vocab)
+
+    def fit_chunks(self, chunks: Sequence[slice], vocab: int) -> list[ChunkPlan]:
+        """Each of ``chunks``' plan (:meth:`fit`), made once for a pass."""
+        return [self.fit(sl.stop - sl.start, vocab) for sl in chunks]
 
     def stats_chunks(self, n_tokens: int) -> list[slice]:
         """``[0, n_tokens)`` in chunks of a statistics-only pass (``stats_chunk`` tokens)."""

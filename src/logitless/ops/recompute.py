@@ -13,7 +13,6 @@ from ..distributed import all_reduce
 from . import grad_layout
 from .grad_layout import rows_of
 from .memory import advise_on_oom, check_workspace_fits
-from .plan import stat_dtype_for
 
 if TYPE_CHECKING:
     from .engine import PassKind
@@ -32,7 +31,7 @@ class _RecomputeFn(torch.autograd.Function):
         # A statistic the loss does not use gets None, not zeros: the backward then skips its
         # terms (e.g. an entropy taken only for metrics costs the gradient kernels nothing).
         ctx.set_materialize_grads(False)
-        n, sdt = hidden.shape[0], stat_dtype_for(hidden.dtype)
+        n, sdt = hidden.shape[0], p.plan.stat_dtype
         outs, frozen = [], []
         for name, t in zip(stats._fields, stats, strict=True):
             if t is None:
@@ -52,7 +51,7 @@ class _RecomputeFn(torch.autograd.Function):
         grads = p.grads_of({name: g for name, g in zip(ctx.fields, g_stats, strict=True)
                             if name in p.DIFFERENTIABLE and present[name]})
         need_h, need_w = ctx.needs_input_grad[:2]
-        sdt = stat_dtype_for(hidden.dtype)
+        sdt = p.plan.stat_dtype
         # The backward runs on the rows with a gradient only: ``rows`` (``hidden``'s, or a gathered copy).
         picked = None if p.zero_rows is None else grad_layout.backward_rows(p.zero_rows, [slice(0, hidden.shape[0])])[0]
         rows = hidden
@@ -66,7 +65,7 @@ class _RecomputeFn(torch.autograd.Function):
         acc, local_acc = grad_layout.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, layout, n)
         low = local.low_rank(lora_x, lora_b)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
-        partial = need_h and local.reduces_grad_hidden
+        partial = need_h and local.parallel and local.reduce_grad_hidden
         grad_rows = torch.empty_like(rows, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
             for i, sl in enumerate(p.plan.chunks(n)):
@@ -81,7 +80,7 @@ class _RecomputeFn(torch.autograd.Function):
             grad_hidden[picked] = grad_rows
         if partial:
             grad_hidden = all_reduce(grad_hidden, "sum", local.group).to(hidden.dtype)
-        if acc.lora_x is not None and local.reduces_grad_hidden:
+        if acc.lora_x is not None and local.parallel and local.reduce_grad_hidden:
             acc.lora_x.copy_(all_reduce(acc.lora_x, "sum", local.group))
         return (grad_hidden, _cast(acc.weight, weight), _cast(acc.bias, bias), _cast(acc.lora_x, lora_x),
                 _cast(acc.lora_b, lora_b), None)

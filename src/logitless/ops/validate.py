@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .head import Head
+from .head import Head, VocabShard
 from .lora import HeadLoRA
-from .shard import VocabShard
 from .transform import LogitTransform
 
 if TYPE_CHECKING:
@@ -155,6 +154,17 @@ def check_device(name: str, x: torch.Tensor, device: torch.device) -> None:
                          "checkpoint after model.to_empty(device=...)")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device} but hidden is on {device}: move it with .to(hidden.device)")
+
+
+def check_devices(device: torch.device, tensors: dict[str, torch.Tensor | None]) -> None:
+    """:func:`check_device` of each named tensor in order (``None``: absent, skipped).
+
+    Raises:
+        ValueError: naming the first tensor on the meta device or not on ``device``.
+    """
+    for name, x in tensors.items():
+        if x is not None:
+            check_device(name, x, device)
 
 
 def check_count(value: object, checks: ValueChecks, device: torch.device, *,

@@ -21,7 +21,7 @@ from ..contract import (
 )
 from ..head import LocalHead
 from ..lora import LowRank, low_rank_grads, low_rank_into
-from ..plan import ChunkPlan, stat_dtype_for
+from ..plan import ChunkPlan
 from ..transform import LogitTransform
 
 NAME = "torch"
@@ -30,17 +30,17 @@ CAPS = Capabilities(dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.
 
 
 def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 transform: LogitTransform, lora: LowRank | None = None, rows: slice | None = None,
-                 fp32_logits: bool = True) -> torch.Tensor:
+                 transform: LogitTransform, plan: ChunkPlan, lora: LowRank | None = None,
+                 rows: slice | None = None) -> torch.Tensor:
     """Logits ``z`` of ``hidden [n, H]`` against the vocabulary rows ``weight [v, H]`` (rows
-    ``rows`` of the head, whose ``lora`` term is added): ``[n, v]`` in the statistics dtype;
-    without ``fp32_logits`` the matmul output is first rounded to the input dtype, as the plain
-    path's."""
-    stat_dtype = stat_dtype_for(hidden.dtype)
+    ``rows`` of the head, whose ``lora`` term is added): ``[n, v]`` in the plan's statistics
+    dtype; without the plan's ``fp32_logits`` the matmul output is first rounded to the input
+    dtype, as the plain path's."""
+    stat_dtype = plan.stat_dtype
     y = gemm.mm(hidden, weight.t(), stat_dtype)
     if lora is not None:
         low_rank_into(y, lora, rows.start, rows.stop)
-    if not fp32_logits and hidden.dtype != y.dtype:
+    if not plan.fp32_logits and hidden.dtype != y.dtype:
         y = y.to(hidden.dtype).to(stat_dtype)
     if bias is not None:
         y = y + bias.to(stat_dtype)
@@ -49,7 +49,7 @@ def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def _block(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, start: int, end: int) -> torch.Tensor:
     return logits_block(rows.hidden, head.weight[start:end], None if head.bias is None else head.bias[start:end],
-                        head.transform, rows.low, slice(start, end), plan.fp32_logits)
+                        head.transform, plan, rows.low, slice(start, end))
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
@@ -59,7 +59,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     ``keep_logits`` and one block covers the rows, else ``None``."""
     hidden, targets = rows.hidden, rows.targets
     vocab = head.weight.shape[0]
-    st = RowStats.start(hidden.shape[0], stat_dtype_for(hidden.dtype), hidden.device, want,
+    st = RowStats.start(hidden.shape[0], plan.stat_dtype, hidden.device, want,
                         owned=(targets >= 0) & (targets < vocab))
     kept = None
     for block in plan.vocab_blocks(vocab):

@@ -45,7 +45,7 @@ def plan_for(n_tokens: int, vocab: int, options: PassOptions, dtype: torch.dtype
 
 def _logits(head: LocalHead, hidden: torch.Tensor, plan: ChunkPlan, start: int, end: int) -> torch.Tensor:
     bias = None if head.bias is None else head.bias[start:end]
-    return logits_block(hidden, head.weight[start:end], bias, head.transform, fp32_logits=plan.fp32_logits)
+    return logits_block(hidden, head.weight[start:end], bias, head.transform, plan)
 
 
 def _gather_targets(zy: torch.Tensor, z: torch.Tensor, targets: torch.Tensor, start: int, end: int) -> torch.Tensor:
