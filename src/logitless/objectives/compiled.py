@@ -235,7 +235,8 @@ def _encode(values: Args) -> tuple[str, list[float]]:
         if isinstance(value, tuple(_RECORDS.values())):
             text.append(f"{name}:{type(value).__name__}")
             for f in dataclasses.fields(value):
-                put(f"{name}.{f.name}", getattr(value, f.name))
+                if f.init:  # the others are derived in __post_init__
+                    put(f"{name}.{f.name}", getattr(value, f.name))
         else:
             put(name, value)
     return ";".join(text), numbers

@@ -96,13 +96,14 @@ class Head:
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
-    transform: LogitTransform = _IDENTITY
+    transform: LogitTransform = None  # type: ignore[assignment]  # the identity: see __post_init__
     lora: HeadLoRA | None = None
     shard: VocabShard | None = None
 
     def __post_init__(self) -> None:
-        # transform=None is the identity. (The default is a shared instance, not a default_factory:
-        # dynamo cannot call one, and Head(weight) inside torch.compile(fullgraph=True) would fail.)
+        # None (the default) is the identity, one shared instance. Neither a default_factory nor an
+        # instance as the default: dynamo can call neither, and Head(weight) inside
+        # torch.compile(fullgraph=True) would fail.
         if self.transform is None:
             object.__setattr__(self, "transform", _IDENTITY)
 
