@@ -17,7 +17,7 @@ import torch
 
 import logitless
 from logitless import Head, LogitTransform, PassOptions, PassOutOfMemoryError
-from logitless.ops import engine, memory
+from logitless.ops import fused, memory
 from logitless.ops.torch_backend import backend as torch_backend
 
 SEED = int(os.environ.get("LOGITLESS_TEST_SEED") or random.SystemRandom().randrange(2**31))
@@ -132,7 +132,7 @@ def test_workspace_larger_than_the_device_is_refused_before_allocating(monkeypat
     monkeypatch.setattr(memory, "free_device_bytes", lambda device, driver_free=None: 2**40)
     monkeypatch.undo()
     logitless.vocab_stats(h, w, t)
-    assert engine.check_workspace_fits is memory.check_workspace_fits
+    assert fused.check_workspace_fits is memory.check_workspace_fits
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "flash", "gemm"])

@@ -112,12 +112,12 @@ class ChunkPlan:
         # (a word per logit and head in the statistics dtype), so a pass plans no more than that,
         # however large the budget; below _SMALL_WORKSPACE one chunk costs too little to cut.
         logits = n * vocab * torch.finfo(stat_dtype_for(in_dtype)).bits // 8 * arrays
-        budget = min(budget, max(logits, _SMALL_WORKSPACE))
-        token_chunk = _even_chunk(n, max(budget // (vocab * per), _MIN_TOKENS[kind]))
-        vocab_block = min(vocab, max(1, budget // (token_chunk * per)))
+        sizing = min(budget, max(logits, _SMALL_WORKSPACE))
+        token_chunk = _even_chunk(n, max(sizing // (vocab * per), _MIN_TOKENS[kind]))
+        vocab_block = min(vocab, max(1, sizing // (token_chunk * per)))
         stats_chunk = token_chunk
         if kind in _STATS_ONLY_BYTES and stat_dtype != torch.float64:
-            stats_chunk = _even_chunk(n, max(token_chunk, int(budget / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
+            stats_chunk = _even_chunk(n, max(token_chunk, int(sizing / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
                    fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk,
                    stat_dtype=stat_dtype)
