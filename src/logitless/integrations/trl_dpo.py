@@ -25,12 +25,12 @@ from ..objectives import DPOLossConfig
 from ..objectives.preference_fused import dpo_fused_pass
 from .config import LogitlessConfig
 from .trl_head import (
-    BACKBONE_KWARGS,
     ActiveMetric,
     attach,
     head_pass,
     lora_head_admitted,
     reference_records,
+    takes_fused_loss,
     trl_own_path,
 )
 
@@ -98,11 +98,7 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
         _attach(self, logitless_config, ref_cache)
 
     def _compute_loss(self, model, inputs, return_outputs):
-        sw = self.logitless
-        other = sorted(k for k, v in inputs.items() if v is not None and k not in BACKBONE_KWARGS | _NON_MODEL_KEYS)
-        if not sw.fused_loss or return_outputs or other:
-            if sw.fused_loss and other and sw.config.fused_loss:
-                sw.warn_once("fused_loss", f"inputs {other}")
+        if not takes_fused_loss(self.logitless, inputs, _NON_MODEL_KEYS, return_outputs):
             return DPOTrainer._compute_loss(self, model, inputs, return_outputs)
         mode = "train" if self.model.training else "eval"
         model_kwargs = {k: v for k, v in inputs.items() if k not in _NON_MODEL_KEYS}
@@ -119,7 +115,7 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
                 self.model if self.ref_model is None else self.ref_model, inputs)
         out = dpo_fused_pass(hidden, head, inputs["input_ids"][:, 1:].to(hidden.device),
                              completion_mask.to(hidden.device), ref_chosen_logps, ref_rejected_logps,
-                             config=self.dpo_loss_config(), options=sw.options)
+                             config=self.dpo_loss_config(), options=self.logitless.options)
         self._log_fused_metrics(mode, inputs, out, ref_chosen_logps, ref_rejected_logps)
         return out.loss
 

@@ -60,6 +60,17 @@ BACKBONE_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "use
                              "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "return_dict"})
 
 
+def takes_fused_loss(sw: Switches, inputs: dict, batch_keys: frozenset[str], return_outputs: bool) -> bool:
+    """Whether a preference drop-in's ``_compute_loss`` runs its fused pass on ``inputs``: the
+    switch is on, no outputs are asked for, and nothing beyond the backbone's text arguments and
+    the trainer's ``batch_keys`` is set (pixel values, router logits, ... go to TRL's own loss,
+    with one warning when ``fused_loss=True`` was asked for explicitly)."""
+    other = sorted(k for k, v in inputs.items() if v is not None and k not in BACKBONE_KWARGS | batch_keys)
+    if sw.fused_loss and other and sw.config.fused_loss:
+        sw.warn_once("fused_loss", f"inputs {other}")
+    return sw.fused_loss and not return_outputs and not other
+
+
 def attach(trainer: Any, config: LogitlessConfig | None, *, outputs: tuple[str, ...], temperature: float = 1.0,
            loss_problems: list[str] | None = None, logprobs_only: bool = False, ref_cache: Any = None) -> Switches:
     """Resolve ``config`` for ``trainer`` into ``trainer.logitless`` and put logitless behind the

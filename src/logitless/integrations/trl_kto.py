@@ -31,12 +31,12 @@ from ..objectives import KTOLossConfig
 from ..objectives.preference_fused import kto_fused_pass
 from .config import LogitlessConfig
 from .trl_head import (
-    BACKBONE_KWARGS,
     ActiveMetric,
     attach,
     head_pass,
     lora_head_admitted,
     reference_records,
+    takes_fused_loss,
     trl_own_path,
 )
 
@@ -82,11 +82,7 @@ class LogitlessKTOTrainer(ActiveMetric, KTOTrainer):
         _attach(self, logitless_config, ref_cache)
 
     def _compute_loss(self, model, inputs, return_outputs):
-        sw = self.logitless
-        other = sorted(k for k, v in inputs.items() if v is not None and k not in BACKBONE_KWARGS | _NON_MODEL_KEYS)
-        if not sw.fused_loss or return_outputs or other:
-            if sw.fused_loss and other and sw.config.fused_loss:
-                sw.warn_once("fused_loss", f"inputs {other}")
+        if not takes_fused_loss(self.logitless, inputs, _NON_MODEL_KEYS, return_outputs):
             return KTOTrainer._compute_loss(self, model, inputs, return_outputs)
         mode = "train" if self.model.training else "eval"
         batch = {k: (v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
@@ -106,7 +102,7 @@ class LogitlessKTOTrainer(ActiveMetric, KTOTrainer):
         else:
             kl = None
         out = kto_fused_pass(hidden, head, batch["input_ids"][:, 1:], batch["completion_mask"][:, 1:], label,
-                             ref_logps, kl, config=self.kto_loss_config(), options=sw.options)
+                             ref_logps, kl, config=self.kto_loss_config(), options=self.logitless.options)
         self._log_fused_metrics(mode, batch, out, label, ref_logps, kl)
         return out.loss
 
