@@ -459,25 +459,43 @@ def distill_trl_chunked(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
     return Prepared(step)
 
 
+def plain_distill(h2: torch.Tensor, w: torch.Tensor, th: torch.Tensor, tw: torch.Tensor,
+                  beta: float = 0.0) -> torch.Tensor:
+    """Both heads' bf16 logits ``[N, V]`` materialized → fp32 log-softmax → forward KL, or
+    (``beta`` > 0) ``β KL(q‖m) + (1-β) KL(p‖m)`` with ``m = β q + (1-β) p`` (TRL's
+    ``generalized_jsd_loss``); token mean."""
+    logp = torch.log_softmax((h2 @ w.t()).float(), -1)
+    with torch.no_grad():
+        logq = torch.log_softmax((th @ tw.t()).float(), -1)
+    if beta == 0.0:
+        return (logq.exp() * (logq - logp)).sum(-1).mean()
+    logm = torch.logaddexp(logp + math.log1p(-beta), logq + math.log(beta))
+    kl_q = (logq.exp() * (logq - logm)).sum(-1)
+    kl_p = (logp.exp() * (logp - logm)).sum(-1)
+    return (beta * kl_q + (1 - beta) * kl_p).mean()
+
+
 def distill_torch_plain(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
-    """Plain PyTorch: both heads' bf16 logits ``[N, V]`` materialized → fp32 log-softmax → forward
-    KL, or (``beta`` > 0) ``β KL(q‖m) + (1-β) KL(p‖m)`` with ``m = β q + (1-β) p`` (TRL's
-    ``generalized_jsd_loss``)."""
+    """Plain PyTorch (:func:`plain_distill`)."""
     th, tw = _teacher(x)
+    h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
 
     def step() -> Outputs:
-        h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
-        logp = torch.log_softmax((h2 @ x.weight.t()).float(), -1)
-        with torch.no_grad():
-            logq = torch.log_softmax((th @ tw.t()).float(), -1)
-        if beta == 0.0:
-            loss = (logq.exp() * (logq - logp)).sum(-1).mean()
-        else:
-            logm = torch.logaddexp(logp + math.log1p(-beta), logq + math.log(beta))
-            kl_q = (logq.exp() * (logq - logm)).sum(-1)
-            kl_p = (logp.exp() * (logp - logm)).sum(-1)
-            loss = (beta * kl_q + (1 - beta) * kl_p).mean()
-        return _train_outputs(loss)
+        return _train_outputs(plain_distill(h2, x.weight, th, tw, beta))
+
+    return Prepared(step)
+
+
+def distill_torch_compile(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
+    """``torch.compile`` of :func:`plain_distill` (Inductor, default mode; compile time excluded)."""
+    if x.hidden.device.type != "cuda":
+        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+    compiled = torch.compile(partial(plain_distill, beta=beta), dynamic=False)
+    th, tw = _teacher(x)
+    h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
+
+    def step() -> Outputs:
+        return _train_outputs(compiled(h2, x.weight, th, tw))
 
     return Prepared(step)
 
@@ -826,6 +844,8 @@ def simpo_liger(x: Inputs, impl: str) -> Prepared:
 # plus 10%: predicts OOM before trying (a wrong guess only costs the try, which is caught).
 _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
           "distill-plain": 26.0,
+          # Not measured: compiled, the two heads' fp32 logits fuse away as CE's do; twice CE's.
+          "distill-compile": 5.0, "jsd-compile": 5.0,
           # Not measured: the plain JSD holds the forward KL's tensors plus the mixture's fp32 log and
           # its two products; estimated from distill-plain.
           "jsd-plain": 38.0,
@@ -875,10 +895,12 @@ ROWS: tuple[Row, ...] = (
     Row("logitless", "distill", distill_logitless, role="reference"),
     Row("trl-chunked", "distill", distill_trl_chunked),
     Row("torch-plain", "distill", distill_torch_plain, logit_bytes=_BYTES["distill-plain"]),
+    Row("torch-compile", "distill", distill_torch_compile, logit_bytes=_BYTES["distill-compile"]),
     Row("floor", "jsd", floor_four_gemms, role="floor"),
     Row("logitless", "jsd", partial(distill_logitless, beta=JSD_BETA), role="reference"),
     Row("trl-chunked", "jsd", partial(distill_trl_chunked, beta=JSD_BETA)),
     Row("torch-plain", "jsd", partial(distill_torch_plain, beta=JSD_BETA), logit_bytes=_BYTES["jsd-plain"]),
+    Row("torch-compile", "jsd", partial(distill_torch_compile, beta=JSD_BETA), logit_bytes=_BYTES["jsd-compile"]),
     Row("floor", "dpo", floor_three_gemms, role="floor"),
     Row("logitless-fused", "dpo", partial(dpo_logitless, mode="fused"), role="reference"),
     Row("logitless-recompute", "dpo", partial(dpo_logitless, mode="recompute")),
