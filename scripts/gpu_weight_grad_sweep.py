@@ -1,4 +1,4 @@
-"""The bf16-pair ``d weight`` GEMM (``weight_grad_kernels``) against cuBLAS's fp32 accumulation,
+"""The bf16-pair ``d weight`` GEMM (``ops.triton_shared.weight_grad``) against cuBLAS's fp32 accumulation,
 over one token chunk of a bench head (GPU only).
 
     python3 scripts/gpu_weight_grad_sweep.py [SHAPE ...]   # default 8k:gemma2-2b 8k:qwen2.5-7b

@@ -98,7 +98,7 @@ def test_policy_loss_fused_and_recompute_vs_torch(case, level):
 def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch, pairs):
     """``d weight`` accumulated over four token chunks: the first chunk's products are stored into
     the uninitialized buffer, the later ones added; an fp32 buffer by cuBLAS (``beta = 0`` first),
-    or the gemm backend's bf16 pair by its own GEMM (``weight_grad_kernels``)."""
+    or the gemm backend's bf16 pair by its own GEMM (``ops.triton_shared.weight_grad``)."""
     from backend_calls import keep_planned_chunks
 
     from logitless.ops import gemm

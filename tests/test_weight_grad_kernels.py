@@ -1,4 +1,4 @@
-"""The bf16-pair ``d weight`` GEMM (``weight_grad_kernels``) against float64, under the Triton
+"""The bf16-pair ``d weight`` GEMM (``ops.triton_shared.weight_grad``) against float64, under the Triton
 interpreter (a child pytest with ``TRITON_INTERPRET=1``, as in ``test_gemm_backend.py``) and,
 where CUDA exists, compiled."""
 
