@@ -191,25 +191,12 @@ def grpo_trl_chunked(x: Inputs, impl: str, cfg: PolicyConfig = GRPO_CONFIG) -> P
     return Prepared(step)
 
 
-def grpo_torch_plain(x: Inputs, impl: str) -> Prepared:
+def grpo_torch_plain(x: Inputs, impl: str, loss_fn: Callable = plain_grpo) -> Prepared:
     """Plain PyTorch: materialized bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → gather →
     TRL's GRPO math (entropy from the same log-softmax)."""
 
     def step() -> Outputs:
-        return _train_outputs(*plain_grpo(x.hidden, x.weight, *grpo_args(x)))
-
-    return Prepared(step)
-
-
-def grpo_torch_compile(x: Inputs, impl: str, cfg: PolicyConfig = GRPO_CONFIG) -> Prepared:
-    """``torch.compile`` of the plain PyTorch GRPO path (Inductor, default mode); compile time
-    is excluded (warm-up)."""
-    if x.hidden.device.type != "cuda":
-        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    compiled = torch.compile(partial(plain_grpo, cfg=cfg), dynamic=False)
-
-    def step() -> Outputs:
-        return _train_outputs(*compiled(x.hidden, x.weight, *grpo_args(x)))
+        return _train_outputs(*loss_fn(x.hidden, x.weight, *grpo_args(x)))
 
     return Prepared(step)
 
@@ -265,25 +252,12 @@ def ce_trl_chunked(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
-def ce_torch_plain(x: Inputs, impl: str) -> Prepared:
+def ce_torch_plain(x: Inputs, impl: str, loss_fn: Callable = plain_ce) -> Prepared:
     """Plain PyTorch: materialized bf16 logits → ``F.cross_entropy`` in fp32."""
     h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
 
     def step() -> Outputs:
-        return _train_outputs(plain_ce(h2, x.weight, y))
-
-    return Prepared(step)
-
-
-def ce_torch_compile(x: Inputs, impl: str) -> Prepared:
-    """``torch.compile`` of the plain PyTorch cross-entropy (compile time excluded)."""
-    if x.hidden.device.type != "cuda":
-        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    compiled = torch.compile(plain_ce, dynamic=False)
-    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
-
-    def step() -> Outputs:
-        return _train_outputs(compiled(h2, x.weight, y))
+        return _train_outputs(loss_fn(h2, x.weight, y))
 
     return Prepared(step)
 
@@ -475,27 +449,13 @@ def plain_distill(h2: torch.Tensor, w: torch.Tensor, th: torch.Tensor, tw: torch
     return (beta * kl_q + (1 - beta) * kl_p).mean()
 
 
-def distill_torch_plain(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
+def distill_torch_plain(x: Inputs, impl: str, loss_fn: Callable = plain_distill) -> Prepared:
     """Plain PyTorch (:func:`plain_distill`)."""
     th, tw = _teacher(x)
     h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
 
     def step() -> Outputs:
-        return _train_outputs(plain_distill(h2, x.weight, th, tw, beta))
-
-    return Prepared(step)
-
-
-def distill_torch_compile(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
-    """``torch.compile`` of :func:`plain_distill` (Inductor, default mode; compile time excluded)."""
-    if x.hidden.device.type != "cuda":
-        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    compiled = torch.compile(partial(plain_distill, beta=beta), dynamic=False)
-    th, tw = _teacher(x)
-    h2 = x.hidden.reshape(-1, x.hidden.shape[-1])
-
-    def step() -> Outputs:
-        return _train_outputs(compiled(h2, x.weight, th, tw))
+        return _train_outputs(loss_fn(h2, x.weight, th, tw))
 
     return Prepared(step)
 
@@ -580,28 +540,14 @@ def dpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
-def dpo_torch_plain(x: Inputs, impl: str) -> Prepared:
+def dpo_torch_plain(x: Inputs, impl: str, loss_fn: Callable = plain_dpo) -> Prepared:
     """Plain PyTorch: materialized bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → gather → masked
     sum per sequence → TRL's sigmoid DPO loss (the per-token math of TRL's
     ``selective_log_softmax`` on fp32 logits, which pre-1.x ``DPOTrainer`` ran on the model's logits)."""
     refs = _dpo_reference(x)
 
     def step() -> Outputs:
-        return _train_outputs(plain_dpo(x.hidden, x.weight, x.targets, x.mask, *refs))
-
-    return Prepared(step)
-
-
-def dpo_torch_compile(x: Inputs, impl: str) -> Prepared:
-    """``torch.compile`` of the plain PyTorch DPO path (Inductor, default mode); compile time is
-    excluded (warm-up)."""
-    if x.hidden.device.type != "cuda":
-        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    refs = _dpo_reference(x)
-    compiled = torch.compile(plain_dpo, dynamic=False)
-
-    def step() -> Outputs:
-        return _train_outputs(compiled(x.hidden, x.weight, x.targets, x.mask, *refs))
+        return _train_outputs(loss_fn(x.hidden, x.weight, x.targets, x.mask, *refs))
 
     return Prepared(step)
 
@@ -706,27 +652,13 @@ def kto_trl_chunked(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
-def kto_torch_plain(x: Inputs, impl: str) -> Prepared:
+def kto_torch_plain(x: Inputs, impl: str, loss_fn: Callable = plain_kto) -> Prepared:
     """Plain PyTorch: materialized bf16 logits ``[N, V]`` → fp32 ``log_softmax`` → gather → masked
     sum per sequence → TRL's ``kto`` loss."""
     k = _kto_batch(x)
 
     def step() -> Outputs:
-        return _train_outputs(plain_kto(x.hidden, x.weight, x.targets, x.mask, k.label, k.ref_logps, k.kl))
-
-    return Prepared(step)
-
-
-def kto_torch_compile(x: Inputs, impl: str) -> Prepared:
-    """``torch.compile`` of the plain PyTorch KTO path (Inductor, default mode); compile time is
-    excluded (warm-up)."""
-    if x.hidden.device.type != "cuda":
-        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    k = _kto_batch(x)
-    compiled = torch.compile(plain_kto, dynamic=False)
-
-    def step() -> Outputs:
-        return _train_outputs(compiled(x.hidden, x.weight, x.targets, x.mask, k.label, k.ref_logps, k.kl))
+        return _train_outputs(loss_fn(x.hidden, x.weight, x.targets, x.mask, k.label, k.ref_logps, k.kl))
 
     return Prepared(step)
 
@@ -799,27 +731,13 @@ def simpo_trl_chunked(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
-def simpo_torch_plain(x: Inputs, impl: str) -> Prepared:
+def simpo_torch_plain(x: Inputs, impl: str, loss_fn: Callable = plain_simpo) -> Prepared:
     """Plain PyTorch (what TRL's ``CPOTrainer`` does): materialized bf16 logits ``[N, V]`` → fp32
     ``log_softmax`` → gather → masked mean per sequence → SimPO's loss."""
     _pairs(x, "simpo")
 
     def step() -> Outputs:
-        return _train_outputs(plain_simpo(x.hidden, x.weight, x.targets, x.mask))
-
-    return Prepared(step)
-
-
-def simpo_torch_compile(x: Inputs, impl: str) -> Prepared:
-    """``torch.compile`` of the plain PyTorch SimPO path (Inductor, default mode); compile time is
-    excluded (warm-up)."""
-    if x.hidden.device.type != "cuda":
-        raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
-    _pairs(x, "simpo")
-    compiled = torch.compile(plain_simpo, dynamic=False)
-
-    def step() -> Outputs:
-        return _train_outputs(compiled(x.hidden, x.weight, x.targets, x.mask))
+        return _train_outputs(loss_fn(x.hidden, x.weight, x.targets, x.mask))
 
     return Prepared(step)
 
@@ -842,6 +760,28 @@ def simpo_liger(x: Inputs, impl: str) -> Prepared:
 
 # Peak bytes per (token, vocab) element of the materializing rows, as measured on an H200 (torch 2.11)
 # plus 10%: predicts OOM before trying (a wrong guess only costs the try, which is caught).
+def _compiled(plain_row: Callable[..., Prepared], loss_fn: Callable) -> Callable[..., Prepared]:
+    """The ``torch.compile`` row of ``plain_row``: the same step with ``loss_fn`` (its fixed
+    keyword arguments, e.g. ``cfg``, bound before compiling) compiled by Inductor, default mode;
+    compile time is excluded (the timer's warm-up calls compile it). CUDA only."""
+    def prepare(x: Inputs, impl: str, **fixed) -> Prepared:
+        if x.hidden.device.type != "cuda":
+            raise Unavailable("torch.compile row runs on CUDA only (CPU Inductor builds take minutes)")
+        return plain_row(x, impl, loss_fn=torch.compile(partial(loss_fn, **fixed), dynamic=False))
+    # The row's summary in the reports (Row.summary) is its prepare function's docstring.
+    prepare.__doc__ = ("``torch.compile`` (Inductor, default mode; compile time excluded) of the torch-plain row: "
+                       + (inspect.getdoc(plain_row) or ""))
+    return prepare
+
+
+grpo_torch_compile = _compiled(grpo_torch_plain, plain_grpo)
+ce_torch_compile = _compiled(ce_torch_plain, plain_ce)
+distill_torch_compile = _compiled(distill_torch_plain, plain_distill)
+dpo_torch_compile = _compiled(dpo_torch_plain, plain_dpo)
+kto_torch_compile = _compiled(kto_torch_plain, plain_kto)
+simpo_torch_compile = _compiled(simpo_torch_plain, plain_simpo)
+
+
 _BYTES = {"grpo-plain": 15.0, "ce-plain": 13.0, "rollout-plain": 15.0, "grpo-compile": 6.5, "ce-compile": 2.5,
           "distill-plain": 26.0,
           # Not measured: compiled, the two heads' fp32 logits fuse away as CE's do; twice CE's.
@@ -899,7 +839,8 @@ ROWS: tuple[Row, ...] = (
     Row("floor", "jsd", floor_four_gemms, role="floor"),
     Row("logitless", "jsd", partial(distill_logitless, beta=JSD_BETA), role="reference"),
     Row("trl-chunked", "jsd", partial(distill_trl_chunked, beta=JSD_BETA)),
-    Row("torch-plain", "jsd", partial(distill_torch_plain, beta=JSD_BETA), logit_bytes=_BYTES["jsd-plain"]),
+    Row("torch-plain", "jsd", partial(distill_torch_plain, loss_fn=partial(plain_distill, beta=JSD_BETA)),
+        logit_bytes=_BYTES["jsd-plain"]),
     Row("torch-compile", "jsd", partial(distill_torch_compile, beta=JSD_BETA), logit_bytes=_BYTES["jsd-compile"]),
     Row("floor", "dpo", floor_three_gemms, role="floor"),
     Row("logitless-fused", "dpo", partial(dpo_logitless, mode="fused"), role="reference"),
