@@ -170,10 +170,6 @@ E2E_CAPTION = (
     "the completion doubled until the step runs out of GPU memory (`≥`: the search stopped at its token cap).")
 
 
-def _fmt_tokens(n: int | None) -> str:
-    return "—" if n is None else f"{n:,}"
-
-
 def _e2e_cell(s: dict[str, Any] | None) -> tuple[str, str]:
     if s is None:
         return "", ""
