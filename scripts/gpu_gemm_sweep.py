@@ -30,11 +30,12 @@ from logitless.ops.gemm_backend.kernels import (
     _epilogue_kernel,
     _grad_tile_kernel,
     gemm_config,
-    launch_centred_grad,
     launch_forward,
     launch_grad_tile,
 )
 from logitless.ops.transform import LogitTransform
+from logitless.ops.triton_shared import centred
+from logitless.ops.triton_shared.centred import CentredTile, RowKernelConfig, launch_centred_grad
 from logitless.ops.triton_shared.tile_gemm import Tiles
 
 # (tiles, programs per SM, warp specialization, token blocks per group): persistent launches,
@@ -89,11 +90,13 @@ def main() -> None:
     lse, sum_pz = stats.lse, saved.sum_pz
     g = torch.randn(n, device="cuda")
     rc = RowCoefficients.make(SavedStats(lse, sum_pz), StatGrads(logp=g, lse=None, entropy=0.01 * g))
+    default = centred.row_kernel_config
     for block, warps in ((1024, 4), (2048, 8), (4096, 8), (2048, 4)):
-        c = dataclasses.replace(cfg, grad_block_v=block, grad_warps=warps)
-        zz = z.clone()
+        centred.row_kernel_config = lambda block=block, warps=warps: RowKernelConfig(block, warps, (16, 256))
+        tile = CentredTile(z.clone(), m, cfg.fwd.block_v)
         ms[f"centred grad {block} w{warps}"] = do_bench(
-            lambda c=c, zz=zz: launch_centred_grad(zz, m, zz.view(torch.bfloat16), tgt, 0, tr, rc, c))
+            lambda tile=tile: launch_centred_grad(tile, tile.z.view(torch.bfloat16), tgt, 0, tr, rc))
+    centred.row_kernel_config = default
     dy_out = torch.empty((n, v), dtype=torch.bfloat16, device="cuda")
     ms["recompute + dy in the epilogue (backward without kept logits)"] = do_bench(
         lambda: launch_grad_tile(ops, rc, True, dy_out, cfg))

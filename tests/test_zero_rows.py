@@ -267,13 +267,9 @@ def test_gemm_row_kernel_matches_the_dense_one(seed, softcap):
     tile's first rows in place) gives the dense kernel's values for those rows, with every
     gradient term present, over several tiles and column blocks."""
     from logitless.ops.contract import RowCoefficients, SavedStats, StatGrads
-    from logitless.ops.gemm_backend.kernels import (
-        CentredTile,
-        gemm_config,
-        launch_centred_grad,
-        launch_centred_grad_rows,
-    )
+    from logitless.ops.gemm_backend.kernels import gemm_config
     from logitless.ops.transform import LogitTransform
+    from logitless.ops.triton_shared.centred import CentredTile, launch_centred_grad, launch_centred_grad_rows
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(seed)
@@ -289,11 +285,11 @@ def test_gemm_row_kernel_matches_the_dense_one(seed, softcap):
     idx = torch.sort(torch.randperm(n, generator=gen)[:23]).values.to(dev)
     transform = LogitTransform(temperature=0.7, softcap=softcap)
     dense = torch.empty(n, v, dtype=torch.bfloat16, device=dev)
-    launch_centred_grad(z.clone(), tile_max, dense, targets, 0, transform,
-                        RowCoefficients.make(SavedStats(lse, sum_pz), grads), cfg)
+    launch_centred_grad(CentredTile(z.clone(), tile_max, cfg.fwd.block_v), dense, targets, 0, transform,
+                        RowCoefficients.make(SavedStats(lse, sum_pz), grads))
     tile = z.clone()
     picked = RowCoefficients.make(SavedStats(lse[idx], sum_pz[idx]), grads.rows(idx))
-    dy = launch_centred_grad_rows(CentredTile(tile, tile_max, idx), torch.bfloat16, targets[idx], 0, transform,
-                                  picked, cfg)
+    dy = launch_centred_grad_rows(CentredTile(tile, tile_max, cfg.fwd.block_v, idx), torch.bfloat16, targets[idx],
+                                  0, transform, picked)
     assert dy.data_ptr() == tile.data_ptr() and dy.shape == (23, v)
     torch.testing.assert_close(dy.float(), dense[idx].float(), rtol=1e-2, atol=1e-6)

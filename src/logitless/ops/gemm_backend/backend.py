@@ -39,18 +39,10 @@ from ..contract import (
 )
 from ..head import LocalHead
 from ..plan import ChunkPlan
+from ..triton_shared.centred import CentredTile, launch_centred_grad, launch_centred_grad_rows
 from ..triton_shared.tile_gemm import unit_stride
 from ..triton_shared.weight_grad import block_grads
-from .kernels import (
-    CentredTile,
-    GemmConfig,
-    TileOperands,
-    gemm_config,
-    launch_centred_grad,
-    launch_centred_grad_rows,
-    launch_forward,
-    launch_grad_tile,
-)
+from .kernels import GemmConfig, TileOperands, gemm_config, launch_forward, launch_grad_tile
 
 NAME = "gemm"
 PLAN = "gemm"
@@ -96,7 +88,8 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z, gemm_config())
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
-    return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"])
+    kept = None if z is None else CentredTile(z, parts["m"], gemm_config().fwd.block_v)
+    return RowStats.combine(parts, owned), kept
 
 
 def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
@@ -121,10 +114,10 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     grad_hidden = None
     for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
         if kept is not None and kept.rows is not None:
-            dy = launch_centred_grad_rows(kept, hidden.dtype, targets, block.start, head.transform, rc, cfg)
+            dy = launch_centred_grad_rows(kept, hidden.dtype, targets, block.start, head.transform, rc)
         elif kept is not None:
             dy = kept.z.view(hidden.dtype)
-            launch_centred_grad(kept.z, kept.tile_max, dy, targets, block.start, head.transform, rc, cfg)
+            launch_centred_grad(kept, dy, targets, block.start, head.transform, rc)
         else:
             dy = torch.empty((hidden.shape[0], block.stop - block.start), dtype=hidden.dtype, device=hidden.device)
             launch_grad_tile(ops.block(block), rc, plan.fp32_logits, dy, cfg)
@@ -139,4 +132,4 @@ def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: Gemm
     """The centred fp16 logits of vocabulary rows ``block`` for a backward (statistics discarded)."""
     z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
     parts = launch_forward(ops.block(block), (False, False), fp32_logits, z, cfg)
-    return CentredTile(z, parts["m"])
+    return CentredTile(z, parts["m"], cfg.fwd.block_v)

@@ -40,11 +40,12 @@ from ..distill_contract import (
 from ..head import LocalHead
 from ..options import PassOptions
 from ..plan import ChunkPlan
+from ..triton_shared.centred import CentredTile
 from ..triton_shared.weight_grad import block_grads
 from .backend import CAPS as CAPS
 from .backend import operands, recompute_tile
 from .distill_kernels import DistillRowCoefficients, launch_cross, launch_distill_grad, launch_jsd
-from .kernels import CentredTile, GemmConfig, TileOperands, gemm_config, launch_forward
+from .kernels import GemmConfig, TileOperands, gemm_config, launch_forward
 
 SCOPE = DistillScope(max_targets=1, mixed_dtypes=False)
 
@@ -76,7 +77,7 @@ def _tile(ops: TileOperands, fp32_logits: bool, cfg: GemmConfig,
     n, width = ops.hidden.shape[0], ops.weight.shape[0]
     z = torch.empty((n, width), dtype=torch.float16, device=ops.hidden.device) if store else None
     parts = launch_forward(ops, (True, False), fp32_logits, z, cfg)
-    return parts, None if z is None else CentredTile(z, parts["m"])
+    return parts, None if z is None else CentredTile(z, parts["m"], cfg.fwd.block_v)
 
 
 def chunk_forward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan,
@@ -94,7 +95,7 @@ def chunk_forward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan,
         if t_ops is not None:
             t_parts_block, t_tile = _tile(t_ops.block(block), plan.fp32_logits, cfg)
             t_parts.append(t_parts_block)
-            parts["sgap"], parts["tgap"] = launch_cross(s_tile, t_tile, cfg)
+            parts["sgap"], parts["tgap"] = launch_cross(s_tile, t_tile)
         s_parts.append(parts)
         if keep:
             kept = DistillTiles(s_tile, t_tile)
@@ -128,7 +129,7 @@ def chunk_jsd(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, lse: torc
     kl_pm = torch.zeros_like(lse)
     for block in plan.vocab_blocks(student.weight.shape[0], kept is not None):
         tiles = kept if kept is not None else _both_tiles(*sides, block, plan, cfg)
-        j, k = launch_jsd(tiles.student, tiles.teacher, lse, teacher_lse, beta, cfg)
+        j, k = launch_jsd(tiles.student, tiles.teacher, lse, teacher_lse, beta)
         jsd += j
         kl_pm += k
     return jsd, kl_pm
@@ -157,7 +158,7 @@ def chunk_backward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, save
     for block in plan.vocab_blocks(s_ops.weight.shape[0], kept is not None):
         tiles = kept if kept is not None else _both_tiles(s_ops, t_ops, block, plan, cfg)
         dy = tiles.student.z.view(hs.dtype)
-        launch_distill_grad(tiles.student, tiles.teacher, dy, s_ops.targets, block.start, student.transform, rc, cfg)
+        launch_distill_grad(tiles.student, tiles.teacher, dy, s_ops.targets, block.start, student.transform, rc)
         del tiles
         grad_hidden = block_grads(dy, student.weight, hs, block, acc, grad_hidden)
         del dy

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ..transform import LogitTransform
+from ..triton_shared.centred import CentredTile, row_kernel_config
 from ..triton_shared.common import raw_grad, transform_args
-from .kernels import CentredTile, GemmConfig
 
 
 class DistillRowCoefficients(NamedTuple):
@@ -187,37 +187,38 @@ def _mixture_logs(beta: float | None) -> tuple[float, float]:
     return (math.log1p(-beta), math.log(beta)) if beta is not None else (0.0, 0.0)
 
 
-def launch_cross(student: CentredTile, teacher: CentredTile, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_cross(student: CentredTile, teacher: CentredTile) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sgap, tgap)``, ``[tiles, n]`` fp32 each, of two heads' stored tiles over the same rows and
     tiles: with ``c``/``c'`` the student's/teacher's centred logits, ``sgap = Σ exp(c) (c - c')``
     and ``tgap = -Σ exp(c') (c - c')`` per tile (:class:`~logitless.ops.distill_contract.DistillPartials`)."""
     n, width = student.z.shape
-    assert teacher.z.shape == student.z.shape and cfg.grad_block_v % cfg.fwd.block_v == 0
+    cfg = row_kernel_config()
+    assert teacher.z.shape == student.z.shape and cfg.block_v % student.tile_v == 0
     sgap = torch.empty(student.tile_max.shape, dtype=torch.float32, device=student.z.device)
     tgap = torch.empty_like(sgap)
     if n and width:
         _cross_kernel[(n,)](student.z, student.z.stride(0), teacher.z, teacher.z.stride(0), sgap, tgap, n, width,
-                            TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
+                            TILE_V=student.tile_v, BLOCK_V=cfg.block_v, num_warps=cfg.warps)
     return sgap, tgap
 
 
-def launch_jsd(student: CentredTile, teacher: CentredTile, lse: torch.Tensor, teacher_lse: torch.Tensor, beta: float,
-               cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_jsd(student: CentredTile, teacher: CentredTile, lse: torch.Tensor, teacher_lse: torch.Tensor,
+               beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """This vocabulary range's part of ``JSD_β`` and of ``KL(p‖m)`` (``[n]`` fp32 each), from both
     heads' stored tiles and their final ``lse`` (``[n]`` fp32)."""
-    n, width = student.z.shape
+    n, width, cfg = *student.z.shape, row_kernel_config()
     jsd = torch.zeros(n, dtype=torch.float32, device=lse.device)
     kl_pm = torch.zeros_like(jsd)
     if n and width:
         _jsd_kernel[(n,)](student.z, student.z.stride(0), student.tile_max, teacher.z, teacher.z.stride(0),
                           teacher.tile_max, lse.float().contiguous(), teacher_lse.float().contiguous(), jsd, kl_pm,
-                          n, width, beta, *_mixture_logs(beta), TILE_V=cfg.fwd.block_v,
-                          BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
+                          n, width, beta, *_mixture_logs(beta), TILE_V=student.tile_v,
+                          BLOCK_V=cfg.block_v, num_warps=cfg.warps)
     return jsd, kl_pm
 
 
 def launch_distill_grad(student: CentredTile, teacher: CentredTile | None, dy: torch.Tensor, targets: torch.Tensor,
-                        v_start: int, transform: LogitTransform, rc: DistillRowCoefficients, cfg: GemmConfig) -> None:
+                        v_start: int, transform: LogitTransform, rc: DistillRowCoefficients) -> None:
     """Write the student's ``dy`` over its stored tile (``dy``: a 2-byte view of ``student.z``'s
     storage), from :class:`DistillRowCoefficients` and, for teacher terms, the teacher's tile.
 
@@ -225,7 +226,7 @@ def launch_distill_grad(student: CentredTile, teacher: CentredTile | None, dy: t
     (log p_v - log m_v)) + g_fkl (p_v - q_v) + g_logp [v = y]``, then the chain rule through the
     student's ``transform``; ``targets - v_start`` indexes the tile's columns.
     """
-    n, width = student.z.shape
+    n, width, cfg = *student.z.shape, row_kernel_config()
     assert dy.shape == student.z.shape and dy.stride() == student.z.stride() and dy.element_size() == 2
     if n == 0 or width == 0:
         return
@@ -246,5 +247,5 @@ def launch_distill_grad(student: CentredTile, teacher: CentredTile | None, dy: t
         HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
         HAS_ENTROPY=rc.g_entropy is not None, HAS_RKL=rc.g_reverse_kl is not None,
         HAS_FKL=rc.g_forward_kl is not None, HAS_JSD=rc.g_jsd is not None, HAS_LOGP=rc.g_logp is not None,
-        TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
+        TILE_V=student.tile_v, BLOCK_V=cfg.block_v, num_warps=cfg.warps)
 

@@ -10,18 +10,14 @@ logits tile stored in fp16 centred on each tile's maximum.
   statistics come from the fp32 accumulator, so they are as accurate as an fp32 logits matrix,
   which is never written. Optionally the tile is stored as
   ``z - m`` in fp16 (``[n, V]``, 2 bytes a logit: the traffic of the plain path's bf16 logits).
-* :func:`_centred_grad_kernel` (backward): one program per token row reads the stored tile,
-  ``z = (z - m) + m``, and overwrites it in place with ``dy = dL/dy`` in the GEMM dtype, ready for
-  the ``d hidden``/``d weight`` GEMMs (cuBLAS, fp32 accumulation).
+* the backward's row kernels (:mod:`logitless.ops.triton_shared.centred`) read the stored tile
+  and overwrite it in place with ``dy = dL/dy`` in the GEMM dtype, ready for the ``d hidden``/
+  ``d weight`` GEMMs (cuBLAS, fp32 accumulation).
 * :func:`_grad_tile_kernel` (backward without kept logits): the forward's GEMM recomputes a
   vocabulary block's logits and its epilogue writes ``dy`` from the fp32 accumulator, so the
   block is neither stored nor read back.
 
-Why fp16 centred on the tile maximum: every stored value is ``<= 0``, and an entry that carries
-probability lies within a few nats of its row's maximum, hence of its tile's. fp16 keeps 11
-significant bits, so ``z`` of such an entry is off by at most ``|z - m| · 2**-11`` (``2e-3`` nats
-at ``|z - m| = 4``) where a bf16 logit of magnitude 16-32 is off by up to 0.06. Entries further
-than 65504 below their tile's maximum round to ``-inf``: probability 0, as in fp32.
+The fp16 centring, and why it keeps ~2e-3 nats where it matters: :mod:`logitless.ops.triton_shared.centred`.
 
 Layout: launch configs -> kernels -> launchers; the contract functions live in
 :mod:`logitless.ops.gemm_backend.backend`.
@@ -66,9 +62,6 @@ class GemmConfig:
 
     Attributes:
         fwd: :class:`~logitless.ops.triton_shared.tile_gemm.Tiles` of the forward GEMM (bf16/fp16 inputs).
-        grad_block_v, grad_warps: vocabulary entries per loop step and warps of the row kernel.
-        rows_block: ``(rows, vocabulary entries)`` per step of the kernel that turns chosen rows
-            of the tile into ``dy`` (:func:`launch_centred_grad_rows`; 4 warps, 3 stages).
         group_n: token blocks whose programs run together, so the weight tiles they share hit L2.
         tma: read ``hidden``/``weight`` through tensor descriptors where they are 16-byte aligned.
         store_tma: write the centred tile through a descriptor (the copy engine's bulk store)
@@ -80,26 +73,21 @@ class GemmConfig:
     """
 
     fwd: Tiles
-    grad_block_v: int
-    grad_warps: int
     group_n: int
     tma: bool
     store_tma: bool = False
     persistent: bool = False
     programs_per_sm: int = 1
     warp_specialize_stats: bool = False
-    rows_block: tuple[int, int] = (16, 256)
 
 
 @functools.cache
 def gemm_config() -> GemmConfig:
     """The config for this process. Under the interpreter: 16 x 32 tiles and 16-wide ``H`` steps
-    (small test shapes then cover several tiles, masked tails and ``H`` steps), and a 64-wide
-    row-kernel step that straddles tile boundaries."""
+    (small test shapes then cover several tiles, masked tails and ``H`` steps)."""
     if interpreting():
-        return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), grad_block_v=64, grad_warps=1, group_n=2, tma=True,
-                          store_tma=True, persistent=True, programs_per_sm=2, warp_specialize_stats=True,
-                          rows_block=(4, 64))
+        return GemmConfig(fwd=Tiles(16, 32, 16, 1, 1), group_n=2, tma=True, store_tma=True, persistent=True,
+                          programs_per_sm=2, warp_specialize_stats=True)
     # Measured on one H100 at 8192 x 4096 x 128256 bf16 (scripts/gpu_gemm_sweep.py; cuBLAS's bare
     # bf16 GEMM: 10.9-11.3 ms): persistent 128 x 256 x 64 tiles, 8 warps, 3 stages, groups of 8
     # token blocks: 11.8-12.3 ms for the statistics alone, 13.3 ms storing the tile through a
@@ -107,9 +95,9 @@ def gemm_config() -> GemmConfig:
     # 128 x 128 and 256 x 128 tiles, 4 stages, 32-wide H steps or two 128 x 128 programs per SM
     # were no faster). Warp specialization (another H100, cuBLAS 12.5 ms): statistics alone
     # 12.0 ms against 13.2, storing the tile 13.5 against 13.3, so statistics-only launches
-    # (rollout, recompute's forward) use it. Row kernel: 1.5 ms for any step of 1024-4096 entries.
-    return GemmConfig(fwd=Tiles(128, 256, 64, 8, 3), grad_block_v=2048, grad_warps=8, group_n=8, tma=True,
-                      store_tma=True, persistent=True, warp_specialize_stats=True)
+    # (rollout, recompute's forward) use it.
+    return GemmConfig(fwd=Tiles(128, 256, 64, 8, 3), group_n=8, tma=True, store_tma=True, persistent=True,
+                      warp_specialize_stats=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,88 +180,6 @@ def _epilogue_kernel(
 
 
 @triton.jit
-def _centred_grad_kernel(
-    z_ptr, stride_zn,  # [n, width] fp16 centred logits
-    dy_ptr, stride_dyn,  # [n, width] output in the GEMM dtype; may alias z_ptr (same element size)
-    m_ptr,  # [tiles, n] fp32 tile maxima (row stride n)
-    tgt_ptr,  # [n] int64 targets, vocabulary-global
-    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,  # [n] fp32 (dummies when absent)
-    n, width, v_start,
-    logit_scale, softcap, temperature,
-    HAS_SOFTCAP: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_LOGP: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr, TILE_V: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_zn
-    dy_row = dy_ptr + row * stride_dyn
-    lse = tl.load(lse_ptr + row)
-    coef = tl.load(coef_ptr + row)  # g_lse - g_logp
-    if HAS_ENTROPY:
-        g_ent = tl.load(g_ent_ptr + row)
-        c = tl.load(sum_pz_ptr + row)
-    if HAS_LOGP:
-        g_logp = tl.load(g_logp_ptr + row)
-        t = tl.load(tgt_ptr + row) - v_start
-    if HAS_SUM_Z:
-        g_sz = tl.load(g_sz_ptr + row)
-    for off in range(0, width, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        mask = cols < width
-        # One tile maximum per TILE_V columns: a broadcast load from cache.
-        m = tl.load(m_ptr + (cols // TILE_V) * n + row, mask=mask, other=0.0)
-        z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32) + m
-        p = tl.exp(z - lse)
-        if HAS_ENTROPY:
-            dz = p * (coef - g_ent * (z - c))
-        else:
-            dz = p * coef
-        if HAS_SUM_Z:
-            dz += g_sz
-        if HAS_LOGP:
-            dz += tl.where(cols == t, g_logp, 0.0)
-        # An entry stored as -inf (more than 65504 below its tile's maximum) has p = 0; only the
-        # softcap's chain rule would see z = -inf, and a softcap bounds |z| far below that.
-        dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
-        tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _centred_grad_rows_kernel(
-    z_ptr, stride_zn,  # [n, width] fp16 centred logits
-    dy_ptr,  # z's storage in the GEMM dtype (same element size, same strides): dy row i overwrites row i
-    rows_ptr, m,  # [m] int64 ascending rows of z to turn into dy rows 0..m-1
-    m_ptr, n,  # [tiles, n] fp32 tile maxima of z's rows (row stride n)
-    tgt_ptr,  # [m] int64 targets, vocabulary-global
-    lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,  # [m] fp32 (dummies when absent)
-    width, v_start,
-    logit_scale, softcap, temperature,
-    HAS_SOFTCAP: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_LOGP: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr, TILE_V: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
-):
-    """:func:`_centred_grad_kernel` for the rows ``rows`` of the tile only, written compacted
-    in place: output row ``i`` is input row ``rows[i] >= i``. A program owns a column block and
-    walks the output rows in ascending blocks, so every input row is read before the block that
-    overwrites it (a later block, or its own, which loads first); loads of later blocks may
-    run ahead (they read rows no earlier block writes)."""
-    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_ok = cols < width
-    tile_of = (cols // TILE_V) * n
-    for i0 in tl.range(0, m, BLOCK_N, num_stages=STAGES):
-        out = i0 + tl.arange(0, BLOCK_N)
-        ok = out < m
-        src = tl.load(rows_ptr + out, mask=ok, other=0)
-        both = ok[:, None] & col_ok[None, :]
-        mx = tl.load(m_ptr + tile_of[None, :] + src[:, None], mask=both, other=0.0)
-        z = tl.load(z_ptr + src[:, None] * stride_zn + cols[None, :], mask=both, other=0.0).to(tl.float32) + mx
-        dz = tile_dz(z, out, ok, cols + v_start, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr,
-                     g_sz_ptr, HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
-        dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
-        tl.store(dy_ptr + out[:, None].to(tl.int64) * stride_zn + cols[None, :], dy.to(dy_ptr.dtype.element_ty),
-                 mask=both)
-
-
-@triton.jit
 def _grad_tile_kernel(
     h_src, stride_hn,  # [n, H] hidden (descriptor of [BLOCK_N, BLOCK_K] blocks, or pointer)
     w_src, stride_wv,  # [V, H] weight rows of this block (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
@@ -327,17 +233,6 @@ class TileOperands(NamedTuple):
         """The head's vocabulary rows ``rows`` (targets shifted to index them)."""
         bias = None if self.bias is None else self.bias[rows]
         return self._replace(weight=self.weight[rows], bias=bias, targets=self.targets - rows.start)
-
-
-class CentredTile(NamedTuple):
-    """Logits stored by :func:`launch_forward`: ``z [n, V]`` fp16, each ``block_v``-wide tile
-    centred on its row maximum ``tile_max [tiles, n]`` fp32 (``z + tile_max`` is the logit);
-    ``rows`` (``[m]`` int64, ascending), when set, the only rows a backward turns into ``dy``
-    (:func:`launch_centred_grad_rows`)."""
-
-    z: torch.Tensor
-    tile_max: torch.Tensor
-    rows: torch.Tensor | None = None
 
 
 def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool, z_out: torch.Tensor | None,
@@ -394,76 +289,6 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
         PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.persistent and cfg.warp_specialize_stats and z_out is None,
         num_warps=t.warps, num_stages=t.stages, **flags)
     return out
-
-
-def launch_centred_grad(z: torch.Tensor, tile_max: torch.Tensor, out: torch.Tensor, targets: torch.Tensor,
-                        v_start: int, transform: LogitTransform, rc: RowCoefficients, cfg: GemmConfig) -> None:
-    """Write ``dy = dL/dy`` of a stored tile into ``out`` (which may be ``z``'s own storage).
-
-    With ``z = stored + tile_max`` and ``p = exp(z - lse)``:
-    ``dz = p (coef - g_entropy (z - sum_pz)) + g_logp [v == y] + g_sum_z``, ``coef = g_lse - g_logp``,
-    then the chain rule through ``transform``.
-
-    Args:
-        z: ``[n, v]`` fp16 centred logits of :func:`launch_forward`, unit column stride.
-        tile_max: ``[tiles, n]`` fp32, the ``"m"`` partials of the same launch.
-        out: ``[n, v]`` in the GEMM dtype (2 bytes), unit column stride.
-        targets: ``[n]`` int64; ``targets - v_start`` indexes ``z``'s columns.
-        rc: :class:`~logitless.ops.contract.RowCoefficients` (``[n]`` fp32 each).
-    """
-    n, width = z.shape
-    assert out.shape == z.shape and z.stride(1) == 1 and out.stride(1) == 1 and out.element_size() == 2
-    assert (rc.sum_pz is None) == (rc.g_entropy is None)
-    if n == 0 or width == 0:
-        return
-    scalars, flags = transform_args(transform)
-    lse = rc.lse
-
-    def arg(x: torch.Tensor | None) -> torch.Tensor:
-        return lse if x is None else x
-
-    _centred_grad_kernel[(n,)](
-        z, z.stride(0), out, out.stride(0), tile_max, targets, lse, arg(rc.sum_pz), rc.coef, arg(rc.g_logp),
-        arg(rc.g_entropy), arg(rc.g_sum_z), n, width, v_start, *scalars,
-        HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
-        HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
-        TILE_V=cfg.fwd.block_v, BLOCK_V=cfg.grad_block_v, num_warps=cfg.grad_warps)
-
-
-def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: torch.Tensor, v_start: int,
-                             transform: LogitTransform, rc: RowCoefficients, cfg: GemmConfig) -> torch.Tensor:
-    """:func:`launch_centred_grad` of the rows ``tile.rows`` only, compacted: returns ``dy``
-    ``[m, v]`` in ``dtype`` (the GEMM's, 2 bytes) over ``tile.z``'s first rows (the tile is
-    overwritten), row ``i`` the gradient of row ``tile.rows[i]``.
-
-    Args:
-        tile: :class:`CentredTile` with ``rows``; ``z`` with unit column stride.
-        targets: ``[m]`` int64 targets of those rows; ``rc``: their
-            :class:`~logitless.ops.contract.RowCoefficients` (``[m]`` fp32 each).
-    """
-    z, rows = tile.z, tile.rows
-    n, width = z.shape
-    m = rows.numel()
-    assert z.stride(1) == 1 and rows.dtype == torch.int64 and targets.shape == (m,)
-    assert (rc.sum_pz is None) == (rc.g_entropy is None)
-    out = z.view(dtype)
-    dy = out[:m]
-    if m == 0 or width == 0:
-        return dy
-    scalars, flags = transform_args(transform)
-    lse = rc.lse
-    block_n, block_v = cfg.rows_block
-
-    def arg(x: torch.Tensor | None) -> torch.Tensor:
-        return lse if x is None else x
-
-    _centred_grad_rows_kernel[(triton.cdiv(width, block_v),)](
-        z, z.stride(0), out, rows, m, tile.tile_max, n, targets, lse, arg(rc.sum_pz), rc.coef, arg(rc.g_logp),
-        arg(rc.g_entropy), arg(rc.g_sum_z), width, v_start, *scalars,
-        HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_FACTOR=transform.logit_scale / transform.temperature != 1.0,
-        HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
-        TILE_V=cfg.fwd.block_v, BLOCK_N=block_n, BLOCK_V=block_v, STAGES=3, num_warps=4)
-    return dy
 
 
 def launch_grad_tile(ops: TileOperands, rc: RowCoefficients, fp32_logits: bool, out: torch.Tensor,
