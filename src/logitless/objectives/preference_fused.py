@@ -18,8 +18,8 @@ engine's fused mode runs the gradient GEMMs on the logits it still holds.
   recompute mode (one chunk of every pair, the backward recomputes the logits), with the same results.
 * The metrics are taken once after the pass from every token's detached statistics, by the
   two-call path's own code, so they are those of :func:`~logitless.dpo_loss` & co.
-* :func:`dpo_fused_pass`, :func:`kto_fused_pass` and :func:`cpo_fused_pass` are the same passes
-  for a caller that logs its own metrics (the TRL drop-ins): every sequence's sums (DPO, KTO: and
+* :func:`dpo_fused_pass`, :func:`kto_fused_pass`, :func:`cpo_fused_pass` and :func:`orpo_fused_pass`
+  are the same passes for a caller that logs its own metrics (the TRL drop-ins): every sequence's sums (DPO, KTO: and
   the :class:`TokenSums` of the mean logit and the top-1 hits), instead of the metrics.
 """
 
@@ -612,8 +612,41 @@ def orpo_loss_fused(
     Raises:
         TypeError, ValueError: as :func:`sequence_logps`.
     """
-    head, options = as_head(head), as_options(options)
-    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    loss, policy, _ = _orpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), beta, as_options(options))
+    with torch.no_grad():
+        _, metrics = orpo_loss(policy, beta=beta)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def orpo_fused_pass(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    nll_mask: torch.Tensor | None = None,  # [2B, T]
+    beta: float = 0.1,
+    options: PassOptions | None = None,
+) -> PreferencePass:
+    """:func:`orpo_loss_fused`'s pass for a caller that logs its own metrics (the TRL ORPO
+    drop-in): the loss and every sequence's sums (completion and NLL).
+
+    Args:
+        hidden, head, labels, completion_mask, nll_mask, beta, options: as :func:`orpo_loss_fused`.
+
+    Returns:
+        :class:`PreferencePass` (``tokens`` is ``None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`orpo_loss_fused`.
+    """
+    return _orpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), beta, as_options(options))
+
+
+def _orpo(hidden: torch.Tensor, head: Head, batch: _Batch, beta: float, options: PassOptions) -> PreferencePass:
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {})
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 
@@ -621,7 +654,4 @@ def orpo_loss_fused(
         ratio = _orpo_log_odds(part)[3]
         return _chosen_nll_parts(part)[0].sum() / chosen_tokens - (beta * ratio).sum() / pairs
 
-    loss, policy, _ = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
-    with torch.no_grad():
-        _, metrics = orpo_loss(policy, beta=beta)
-    return loss, metrics
+    return _run(h_flat, head, t_flat, units, loss_of_pairs, options)
