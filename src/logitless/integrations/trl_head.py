@@ -14,7 +14,9 @@ router logits, an output it does not compute) goes to TRL's head, with one warni
 
 Also shared by every drop-in: the TRL version guard, the ``logitless/active`` metric, a PEFT
 adapter on ``lm_head`` (``peft_config=`` or a wrapped model), and the DPO / KTO reference served
-from a :class:`logitless.refcache.RefCache`.
+from a :class:`logitless.refcache.RefCache`. For the experimental trainers that materialize the
+logits (CPO, ORPO): their switch resolution (:func:`attach_materialized`) and ``logits/*`` sums
+(:func:`sum_logits`).
 """
 
 from __future__ import annotations
