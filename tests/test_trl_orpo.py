@@ -2,9 +2,10 @@
 
 TRL's ``ORPOTrainer`` materializes the model's logits (float64 here), so its own trainer is the
 oracle as it is, with one exception: ``odds_ratio_loss`` casts the mean log-probs to float32
-(``.float()``), which bounds TRL's own float64 loss by float32 rounding. :func:`_float64_kept`
-makes that cast keep float64 (in both paths: the drop-in's metrics are TRL's ``odds_ratio_loss``),
-so the comparison is float64-exact; ``test_trl_as_shipped`` checks against the unpatched cast.
+(``.float()``), which bounds TRL's own float64 loss by float32 rounding. The ``odds_ratio_float64``
+fixture makes that one cast keep float64 (in both paths: the drop-in's metrics are TRL's
+``odds_ratio_loss``), so the comparison is float64-exact; ``test_trl_as_shipped`` checks against
+the unpatched cast.
 """
 
 from __future__ import annotations
@@ -66,13 +67,27 @@ def _orpo(tmp_path, seed, cls=None, peft_config=None, logitless_config=None, **o
 
 @contextlib.contextmanager
 def _float64_kept():
-    """``Tensor.float()`` leaves float64 tensors as they are (TRL's ``odds_ratio_loss`` cast)."""
+    """``Tensor.float()`` leaves float64 tensors as they are."""
     own = torch.Tensor.float
     torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else own(t, *a, **k)
     try:
         yield
     finally:
         del torch.Tensor.float  # back to TensorBase's
+
+
+@pytest.fixture
+def odds_ratio_float64(monkeypatch):
+    """TRL's ``odds_ratio_loss`` without its float32 cast (only there: the models' own code keeps it)."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    own = ORPOTrainer.odds_ratio_loss
+
+    def kept(self, chosen, rejected):
+        with _float64_kept():
+            return own(self, chosen, rejected)
+
+    monkeypatch.setattr(ORPOTrainer, "odds_ratio_loss", kept)
 
 
 @contextlib.contextmanager
@@ -100,11 +115,10 @@ def _step(tr, batch):
 def _both(tr, batch):
     """``(ours, theirs)``: one step of the drop-in (with logits refused) and one of TRL's own code."""
     tr.model.train()
-    with _float64_kept():
-        with _no_logits(tr.model):
-            ours = _step(tr, batch)
-        with trl_own_path(tr):
-            theirs = _step(tr, batch)
+    with _no_logits(tr.model):
+        ours = _step(tr, batch)
+    with trl_own_path(tr):
+        theirs = _step(tr, batch)
     return ours, theirs
 
 
@@ -119,7 +133,7 @@ def _assert_equal(ours, theirs, what):
 # ORPO's one option is beta (the odds-ratio weight; the NLL weight is 1): a small, a TRL-default
 # and a large one, on fresh random data and models each.
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
-def test_loss_grads_metrics_match_trl_float64(tmp_path, seed, beta):
+def test_loss_grads_metrics_match_trl_float64(tmp_path, seed, beta, odds_ratio_float64):
     tr = _orpo(tmp_path, seed, beta=beta)
     tr.model.double()
     tr = patch_orpo_trainer(tr)
@@ -144,7 +158,7 @@ def test_trl_as_shipped(tmp_path, seed):
         assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), k  # both TRL's odds_ratio_loss
 
 
-def test_lora_head_matches_trl_float64(tmp_path, seed):
+def test_lora_head_matches_trl_float64(tmp_path, seed, odds_ratio_float64):
     """A LoRA adapter on ``lm_head`` (ORPO's own trainer takes it, on materialized logits): the
     adapter's term in the pass and in the ``logits/*`` sums."""
     peft = pytest.importorskip("peft")
@@ -156,11 +170,7 @@ def test_lora_head_matches_trl_float64(tmp_path, seed):
     tr = patch_orpo_trainer(tr)
     assert tr.logitless.fused_loss, tr.logitless.why_not
     batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
-    tr.model.train()
-    with _float64_kept():
-        ours = _step(tr, batch)
-        with trl_own_path(tr):
-            theirs = _step(tr, batch)
+    ours, theirs = _both(tr, batch)
     _assert_equal(ours, theirs, "lora")
 
 
