@@ -108,22 +108,31 @@ def _assert_same_step(ours, theirs, opts):
         assert ours[2][k] == pytest.approx(v, rel=1e-9, abs=1e-10), (k, opts)
 
 
-# fused_loss None: the fused route wherever the options allow (not with ld_alpha); False: TRL's loss
+# fused_loss None: the fused route (every option drawn has one, ld_alpha included); False: TRL's loss
 # code on logitless log-probs. Both against TRL's own trainer step on the float64 full-logits head.
-_SEEDS = (0, 2, 5, 7, 11, 13, 16)
+_SEEDS = (0, 2, 5, 7, 11, 13, 15, 16, 19)
 
 
-@pytest.mark.parametrize(("seed", "fused_loss"), [*((s, None) for s in _SEEDS), (0, False), (11, False)])
+@pytest.mark.parametrize(("seed", "fused_loss"), [*((s, None) for s in _SEEDS), (0, False), (2, False), (11, False)])
 def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed, fused_loss):
-    opts = _options(seed)
+    _check_against_trl(tmp_path, monkeypatch, seed, _options(seed), fused_loss)
+
+
+# LD-DPO beyond the seeded draws: ld_alpha = 0 (the tail masked) with the length-normalized ipo and
+# the plain-NLL sft term, and with a batch-coupled type (its one-chunk route).
+@pytest.mark.parametrize("opts", [dict(loss_type=["ipo", "sft"], loss_weights=[0.7, 0.4], beta=0.1, ld_alpha=0.0),
+                                  dict(loss_type=["aot_unpaired", "sigmoid_norm"], beta=0.5, ld_alpha=0.4)])
+def test_ld_dpo_matches_trl_float64(tmp_path, monkeypatch, seed, opts):
+    _check_against_trl(tmp_path, monkeypatch, seed, opts, None)
+
+
+def _check_against_trl(tmp_path, monkeypatch, seed, opts, fused_loss):
     calls, fused = PassCounter(monkeypatch), FusedPassCounter(monkeypatch)
     tr = patch_dpo_trainer(_float64_oracle_trainer(_dpo(tmp_path, seed, **opts)),
                            LogitlessConfig(fused_loss=fused_loss))
     assert tr.logitless.fused_logprobs, tr.logitless.why_not
-    route = fused_loss is None and "ld_alpha" not in opts
+    route = fused_loss is None
     assert tr.logitless.fused_loss == route, tr.logitless.why_not
-    if fused_loss is None and not route:  # the reason, logged at construction
-        assert "ld_alpha" in tr.logitless.why_not["fused_loss"]
     tr.model.train()
     batch = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
     if opts.get("precompute_ref_log_probs"):
@@ -139,12 +148,13 @@ def test_loss_grads_metrics_match_trl_float64(tmp_path, monkeypatch, seed, fused
 
 def test_seeds_cover_the_fused_routes_cases():
     # The draws above reach what the fused route treats apart: a batch-coupled type, the sft term,
-    # precomputed references, and ld_alpha (TRL's loss code instead).
+    # precomputed references, and ld_alpha (alone, with sft, with precomputed references).
     drawn = [_options(s) for s in _SEEDS]
     types_ = {t for o in drawn for t in o["loss_type"]}
     assert types_ & {"aot", "aot_unpaired"} and "sft" in types_
     assert any(o.get("precompute_ref_log_probs") and "ld_alpha" not in o for o in drawn)
-    assert any("ld_alpha" in o for o in drawn)
+    assert any("ld_alpha" in o and "sft" in o["loss_type"] for o in drawn)
+    assert any("ld_alpha" in o and o.get("precompute_ref_log_probs") for o in drawn)
 
 
 def test_gradient_accumulation_training_step_matches_trl_float64(tmp_path):

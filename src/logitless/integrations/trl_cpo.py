@@ -17,38 +17,23 @@ model or the MoE aux loss, TRL's own code runs (``fused_loss`` resolves off, the
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from trl.experimental.cpo import CPOTrainer
 
-from ..model_heads import add_hidden_states_forward, find_head
 from ..objectives import CPOLossConfig
 from ..objectives.preference_fused import cpo_fused_pass
-from ..ops import Head
-from .config import LogitlessConfig, Switches
-from .trl_head import ActiveMetric, check_config, discover_heads, finish, head_pass, trl_own_path
+from .config import LogitlessConfig
+from .trl_head import (
+    ActiveMetric,
+    attach_materialized,
+    head_pass,
+    sum_logits,
+    trl_own_path,
+)
 
 __all__ = ["LogitlessCPOTrainer", "patch_cpo_trainer", "trl_own_path"]
-
-
-def _unsupported(trainer: CPOTrainer) -> list[str]:
-    """The trainer's options (and head) the fused loss does not reproduce."""
-    out = []
-    if trainer.is_encoder_decoder:
-        out.append("an encoder-decoder model")
-    if trainer.aux_loss_enabled:
-        out.append("MoE router aux loss (output_router_logits)")
-    head = find_head(trainer.accelerator.unwrap_model(trainer.model))
-    if head.transform.softcap is not None:
-        out.append("a soft-capped head (TRL's logits/* metric averages every logit, which logitless sums as a "
-                   "matrix-vector product for heads linear in the hidden state only)")
-    if head.shard is not None:
-        out.append("a vocabulary-sharded or padded head (TRL's logits/* metric averages the model's own logits)")
-    if head.lora is not None and head.lora.dropout is not None:
-        out.append("a LoRA adapter on lm_head with dropout (TRL's logits/* metric)")
-    return out
 
 
 class LogitlessCPOTrainer(ActiveMetric, CPOTrainer):
@@ -65,7 +50,7 @@ class LogitlessCPOTrainer(ActiveMetric, CPOTrainer):
 
     def __init__(self, *args: Any, logitless_config: LogitlessConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _attach(self, logitless_config)
+        attach_materialized(self, logitless_config)
 
     def get_batch_loss_metrics(self, model, batch, train_eval="train"):
         if not self.logitless.fused_loss:
@@ -87,7 +72,7 @@ class LogitlessCPOTrainer(ActiveMetric, CPOTrainer):
             _, chosen_rewards, rejected_rewards = self.cpo_loss(chosen_logps, rejected_logps)
             count = policy.lengths[:len_chosen].sum()
             nll = -policy.logps[:len_chosen].sum() / count if self.cpo_alpha != 0 else count.new_zeros(())
-            logits_sum = _sum_logits(hidden.detach(), head)  # [2B, L]
+            logits_sum = sum_logits(hidden.detach(), head)  # [2B, L]
         gather = self.accelerator.gather_for_metrics
         prefix = "eval_" if train_eval == "eval" else ""
         per_logit = logits_sum.shape[1] * head.vocab_size()
@@ -111,37 +96,8 @@ class LogitlessCPOTrainer(ActiveMetric, CPOTrainer):
                              cpo_alpha=self.cpo_alpha, simpo_gamma=getattr(self, "simpo_gamma", 0.5), alpha=self.alpha)
 
 
-def _sum_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
-    """``Σ_v z_v`` at every position of ``hidden [..., H]`` for a head linear in the hidden state
-    (no soft-cap, no shard): ``(h · Σ_v w_v + Σ_v b_v + s · (h A^T) · Σ_v B_v) · scale / temperature``,
-    accumulated in fp32 (fp64 for fp64 inputs)."""
-    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    h = hidden.to(dt)
-    total = h @ head.weight.detach().to(dt).sum(0)
-    if head.bias is not None:
-        total = total + head.bias.detach().to(dt).sum()
-    if head.lora is not None:
-        low = h @ head.lora.a.detach().to(dt).t()
-        total = total + head.lora.scaling * (low @ head.lora.b.detach().to(dt).sum(0))
-    return total * (head.transform.logit_scale / head.transform.temperature)
-
-
-def _attach(trainer: CPOTrainer, config: LogitlessConfig | None) -> None:
-    config = check_config(config)
-    # No reference and no separate log-prob pass in CPO: only the loss switch applies.
-    resolved = dataclasses.replace(config, fused_logprobs=False)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    head_problem, _ = discover_heads([model], config)  # admits an unverified class first, if allowed
-    problems = _unsupported(trainer) if head_problem is None else []
-    trainer.logitless = Switches.resolve(resolved, head_problem, problems)
-    trainer.logitless.config = config
-    if trainer.logitless.fused_loss:
-        add_hidden_states_forward(model)
-    finish(trainer, trainer.logitless, ("fused_loss",))
-
-
 def patch_cpo_trainer(trainer: CPOTrainer, logitless_config: LogitlessConfig | None = None) -> LogitlessCPOTrainer:
     """Turn an existing ``CPOTrainer`` into a :class:`LogitlessCPOTrainer` in place."""
-    _attach(trainer, logitless_config)
+    attach_materialized(trainer, logitless_config)
     trainer.__class__ = LogitlessCPOTrainer
     return trainer

@@ -6,10 +6,11 @@ The chosen and rejected completions go through the model in one forward (TRL con
 With ``fused_loss`` (the default where it applies) the loss, its gradient and every metric TRL logs
 come from one fused vocabulary pass over the completion tokens (:func:`~logitless.objectives.
 preference_fused.dpo_fused_pass`: chunks of whole pairs, 3 GEMMs of work, the formulas of
-:func:`logitless.dpo_loss`, which are ``DPOTrainer._compute_loss``'s), never from logits. Where it
-does not apply (``ld_alpha``; the MoE router aux loss; per call: multimodal inputs or
-``return_outputs=True``) the loss is TRL's own code on the per-token log-probs, entropies and
-mean logits of a logitless pass behind TRL's fused head (``fused_logprobs``, recompute mode).
+:func:`logitless.dpo_loss`, which are ``DPOTrainer._compute_loss``'s; LD-DPO's ``ld_alpha``
+included), never from logits. Where it does not apply (the MoE router aux loss; per call:
+multimodal inputs or ``return_outputs=True``) the loss is TRL's own code on the per-token
+log-probs, entropies and mean logits of a logitless pass behind TRL's fused head
+(``fused_logprobs``, recompute mode). WPO (``use_weighting``) runs TRL's own head and loss.
 The reference log-probs come from the reference model through logitless, or from the dataset
 when TRL precomputed them (``precompute_ref_log_probs``), or from a reference log-prob cache
 (``ref_cache=``, then no reference model runs at all).
@@ -44,7 +45,11 @@ _NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejecte
 
 
 def _outputs(trainer: DPOTrainer) -> tuple[str, ...]:
-    # use_weighting (WPO) also asks TRL's head for log Σ p², which logitless does not compute.
+    # use_weighting (WPO) also asks TRL's head for log Σ_v p_v², which logitless does not compute, so
+    # both switches resolve off. Its math would fuse: a pair's weight exp(mean(logp - log Σ p²)) of
+    # chosen times rejected is detached and depends on that pair's tokens only (with the sft term the
+    # batch mean of the weights couples every pair: recompute mode, as aot). What is missing is the
+    # statistic: Σ_v exp(2 (z_v - max)) beside sum_exp in every backend's vocabulary kernels.
     return _OUTPUTS + (("log_sum_sq_probs",) if trainer.use_weighting else ())
 
 
@@ -52,8 +57,6 @@ def _unsupported(trainer: DPOTrainer) -> list[str]:
     """The trainer's options that the fused loss does not reproduce (``fused_loss`` resolves off;
     the loss is then TRL's code on logitless log-probs)."""
     out = []
-    if trainer.ld_alpha is not None:
-        out.append("ld_alpha (LD-DPO weights the tokens past the shorter completion of a pair)")
     if trainer.aux_loss_enabled:
         out.append("MoE router aux loss (output_router_logits)")
     return out
@@ -69,8 +72,8 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
     Extra keyword arguments (optional):
         logitless_config: :class:`LogitlessConfig` (default: everything that can, fp32
             statistics), resolved into ``trainer.logitless`` (what runs and why not).
-            ``fused_loss``: the loss and metrics from one fused pass (``ld_alpha`` and the MoE
-            aux loss resolve it off, with the reason logged); ``fused_logprobs``: logitless
+            ``fused_loss``: the loss and metrics from one fused pass (the MoE aux loss resolves
+            it off, with the reason logged); ``fused_logprobs``: logitless
             behind TRL's fused head, for the reference and wherever TRL's loss code runs.
             ``use_weighting=True`` (WPO's ``log Σ p²``) resolves both off and TRL's head runs.
         ref_cache: a :class:`logitless.refcache.RefCache` (or its directory, then opened
@@ -124,7 +127,7 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
         return DPOLossConfig(beta=self.beta, loss_type=tuple(self.loss_types), loss_weights=tuple(self.loss_weights),
                              label_smoothing=self.label_smoothing, f_divergence_type=self.f_divergence_type,
                              f_alpha_divergence_coef=self.f_alpha_divergence_coef,
-                             discopop_tau=self.args.discopop_tau)
+                             discopop_tau=self.args.discopop_tau, ld_alpha=self.ld_alpha)
 
     def _log_fused_metrics(self, mode, inputs, out, ref_chosen_logps, ref_rejected_logps) -> None:
         """``DPOTrainer._compute_loss``'s metric bookkeeping (gathers included), on the pass's sums."""

@@ -14,7 +14,9 @@ router logits, an output it does not compute) goes to TRL's head, with one warni
 
 Also shared by every drop-in: the TRL version guard, the ``logitless/active`` metric, a PEFT
 adapter on ``lm_head`` (``peft_config=`` or a wrapped model), and the DPO / KTO reference served
-from a :class:`logitless.refcache.RefCache`.
+from a :class:`logitless.refcache.RefCache`. For the experimental trainers that materialize the
+logits (CPO, ORPO): their switch resolution (:func:`attach_materialized`) and ``logits/*`` sums
+(:func:`sum_logits`).
 """
 
 from __future__ import annotations
@@ -410,3 +412,62 @@ def reference_records(trainer: Any, dataset: Any = None) -> Iterator[dict[str, t
                        batch[prefix + "completion_mask"], strict=True)
             for ids, am, cm in rows:
                 yield {"input_ids": ids, "attention_mask": am, "loss_mask": cm}
+
+
+# ---------------------------------------------------------------- trainers that materialize logits (CPO, ORPO)
+
+
+def materialized_logits_problems(trainer: Any) -> list[str]:
+    """What a fused drop-in over a trainer that materializes the logits (TRL's experimental CPO and
+    ORPO trainers) does not reproduce: its model kind, the MoE aux loss, and heads whose
+    ``logits/*`` metric (the mean of every logit) is not :func:`sum_logits`."""
+    out = []
+    if trainer.is_encoder_decoder:
+        out.append("an encoder-decoder model")
+    if trainer.aux_loss_enabled:
+        out.append("MoE router aux loss (output_router_logits)")
+    head = find_head(trainer.accelerator.unwrap_model(trainer.model))
+    if head.transform.softcap is not None:
+        out.append("a soft-capped head (TRL's logits/* metric averages every logit, which logitless sums as a "
+                   "matrix-vector product for heads linear in the hidden state only)")
+    if head.shard is not None:
+        out.append("a vocabulary-sharded or padded head (TRL's logits/* metric averages the model's own logits)")
+    if head.lora is not None and head.lora.dropout is not None:
+        out.append("a LoRA adapter on lm_head with dropout (TRL's logits/* metric)")
+    return out
+
+
+def sum_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
+    """``Σ_v z_v`` at every position of ``hidden [..., H]`` for a head linear in the hidden state
+    (no soft-cap, no shard): ``(h · Σ_v w_v + Σ_v b_v + s · (h A^T) · Σ_v B_v) · scale / temperature``,
+    accumulated in fp32 (fp64 for fp64 inputs). Returns ``[...]``."""
+    dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    h = hidden.to(dt)
+    total = h @ head.weight.detach().to(dt).sum(0)
+    if head.bias is not None:
+        total = total + head.bias.detach().to(dt).sum()
+    if head.lora is not None:
+        low = h @ head.lora.a.detach().to(dt).t()
+        total = total + head.lora.scaling * (low @ head.lora.b.detach().to(dt).sum(0))
+    return total * (head.transform.logit_scale / head.transform.temperature)
+
+
+def attach_materialized(trainer: Any, config: LogitlessConfig | None) -> None:
+    """Resolve ``config`` into ``trainer.logitless`` for a trainer that materializes the logits
+    and has no reference or separate log-prob pass (TRL's experimental CPO and ORPO trainers):
+    only ``fused_loss`` applies; when it resolves on, the model returns its final hidden states
+    on request (``logitless_hidden_states=True``).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`LogitlessConfig`.
+    """
+    config = check_config(config)
+    resolved = dataclasses.replace(config, fused_logprobs=False)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    head_problem, _ = discover_heads([model], config)  # admits an unverified class first, if allowed
+    problems = materialized_logits_problems(trainer) if head_problem is None else []
+    trainer.logitless = Switches.resolve(resolved, head_problem, problems)
+    trainer.logitless.config = config
+    if trainer.logitless.fused_loss:
+        add_hidden_states_forward(model)
+    finish(trainer, trainer.logitless, ("fused_loss",))

@@ -6,9 +6,9 @@ concatenate them) and returns per-sequence sums; the loss functions are the fiel
 those sums, with TRL 1.16's semantics and metric names:
 
 * :func:`dpo_loss`: ``DPOTrainer._compute_loss`` (loss types below, ``f_divergence_type``,
-  ``loss_weights``); not supported: ``ld_alpha`` and ``use_weighting`` (WPO, which needs
-  ``Σ p²``, a statistic the pass does not compute), and the ``logits/*`` and
-  ``mean_token_accuracy`` metrics (need the mean logit and the argmax).
+  ``loss_weights``; ``ld_alpha`` in :func:`~logitless.dpo_loss_fused` only); not supported:
+  ``use_weighting`` (WPO, which needs ``Σ p²``, a statistic the pass does not compute), and the
+  ``logits/*`` and ``mean_token_accuracy`` metrics (need the mean logit and the argmax).
 * :func:`kto_loss`: ``KTOTrainer._compute_loss`` (``kto``, ``apo_zero_unpaired``).
 * :func:`cpo_loss`: ``CPOTrainer.cpo_loss`` + its NLL term (``sigmoid``, ``hinge``, ``ipo``,
   ``simpo``; AlphaPO's ``alpha``); SimPO is ``loss_type="simpo"`` with ``cpo_alpha=0``
@@ -147,6 +147,10 @@ class DPOLossConfig:
             ``alpha_divergence`` (only with the loss types built on the reward difference).
         f_alpha_divergence_coef: ``α`` of ``alpha_divergence``.
         discopop_tau: DiscoPOP's ``τ``.
+        ld_alpha: LD-DPO's ``α`` in ``[0, 1]``: a sequence's score is ``Σ logp`` over its first
+            ``min(chosen length, rejected length)`` completion tokens plus ``α ·`` the rest (the
+            ``sft`` term stays the plain token mean); ``None``: no weighting. Per-token, so only
+            the fused pass (:func:`~logitless.dpo_loss_fused`) takes it, not :func:`dpo_loss`.
     """
 
     beta: float = 0.1
@@ -156,6 +160,7 @@ class DPOLossConfig:
     f_divergence_type: FDivergence = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
+    ld_alpha: float | None = None
 
     def __post_init__(self) -> None:
         types = (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
@@ -175,6 +180,8 @@ class DPOLossConfig:
             raise ValueError(f"robust needs 0 <= label_smoothing < 0.5, got {self.label_smoothing}")
         if "exo_pair" in types and self.label_smoothing == 0.0:
             raise ValueError("exo_pair needs label_smoothing > 0 (the paper recommends 1e-3)")
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must be in [0, 1] (or None), got {self.ld_alpha}")
 
 
 def _f_scores(logratios: torch.Tensor, cfg: DPOLossConfig) -> torch.Tensor:
@@ -213,9 +220,13 @@ def dpo_loss(
         ``entropy`` (token mean over all completion tokens).
 
     Raises:
-        ValueError: reference shapes that do not match the pairs.
+        ValueError: reference shapes that do not match the pairs; ``config.ld_alpha`` set (it
+            weights tokens, which sums no longer tell apart: use :func:`~logitless.dpo_loss_fused`).
     """
     cfg = DPOLossConfig() if config is None else config
+    if cfg.ld_alpha is not None:
+        raise ValueError("dpo_loss takes sequence sums, but ld_alpha weights the tokens past the shorter completion "
+                         "of a pair: use dpo_loss_fused (or set ld_alpha=None)")
     chosen_logps, rejected_logps = policy.halves(policy.logps)
     chosen_len, rejected_len = policy.halves(policy.lengths)
     _check_pairs(chosen_logps, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)

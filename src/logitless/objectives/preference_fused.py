@@ -18,8 +18,8 @@ engine's fused mode runs the gradient GEMMs on the logits it still holds.
   recompute mode (one chunk of every pair, the backward recomputes the logits), with the same results.
 * The metrics are taken once after the pass from every token's detached statistics, by the
   two-call path's own code, so they are those of :func:`~logitless.dpo_loss` & co.
-* :func:`dpo_fused_pass`, :func:`kto_fused_pass` and :func:`cpo_fused_pass` are the same passes
-  for a caller that logs its own metrics (the TRL drop-ins): every sequence's sums (DPO, KTO: and
+* :func:`dpo_fused_pass`, :func:`kto_fused_pass`, :func:`cpo_fused_pass` and :func:`orpo_fused_pass`
+  are the same passes for a caller that logs its own metrics (the TRL drop-ins): every sequence's sums (DPO, KTO: and
   the :class:`TokenSums` of the mean logit and the top-1 hits), instead of the metrics.
 """
 
@@ -80,6 +80,8 @@ class _Units:
         order: ``[S]`` the caller's sequence index at each position of the pass's sequence order.
         seq: ``[n]`` each token's sequence position in the pass's order (non-decreasing).
         completion: ``[n]`` 1 for completion tokens, 0 for NLL-only ones (statistics dtype).
+        score: ``[n]`` each token's weight in its sequence's score ``logps`` (statistics dtype;
+            LD-DPO), or ``None``: ``completion``.
         nll: ``[n]`` 1 for NLL tokens (statistics dtype), or ``None`` without an ``nll_mask``.
         lengths, nll_count: ``[S]`` completion / NLL tokens per sequence, in the pass's order.
         ends: token count at each unit's end (host ints, non-decreasing).
@@ -94,6 +96,12 @@ class _Units:
     nll_count: torch.Tensor | None
     ends: list[int]
     size: int
+    score: torch.Tensor | None = None
+
+    @property
+    def score_weight(self) -> torch.Tensor:
+        """``[n]`` each token's weight in its sequence's ``logps``."""
+        return self.completion if self.score is None else self.score
 
     def span(self, sl: slice) -> tuple[int, int]:
         """The units ``[u0, u1)`` a chunk ``sl`` of the pass owns: those ending inside it (and,
@@ -116,7 +124,7 @@ class _Units:
             return per_sequence(logp.new_zeros(k * self.size).index_add(0, local, logp * w[sl]))
 
         nll = self.nll is not None
-        return SequenceLogps(logps=sums(self.completion), lengths=per_sequence(self.lengths[s0:s0 + k * self.size]),
+        return SequenceLogps(logps=sums(self.score_weight), lengths=per_sequence(self.lengths[s0:s0 + k * self.size]),
                              nll_sum=-sums(self.nll) if nll else None,
                              nll_count=per_sequence(self.nll_count[s0:s0 + k * self.size]) if nll else None,
                              entropy_sum=logp.new_zeros(k * self.size))
@@ -250,7 +258,7 @@ def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units,
     if not collected:  # no token, so no chunk: every unit's loss is a constant
         loss = loss + loss_of_units(0, len(units.ends), units.part(slice(0, 0), loss.new_zeros(0)))
     nll = units.nll is not None
-    policy = SequenceLogps(logps=units.caller_sums(stats.logp * units.completion),
+    policy = SequenceLogps(logps=units.caller_sums(stats.logp * units.score_weight),
                            lengths=units.caller_order(units.lengths),
                            nll_sum=-units.caller_sums(stats.logp * units.nll) if nll else None,
                            nll_count=units.caller_order(units.nll_count) if nll else None,
@@ -260,6 +268,19 @@ def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units,
         tokens = TokenSums(mean_logit=units.caller_sums(stats.sum_z / head.vocab_size() * units.completion),
                            top1=units.caller_sums(stats.is_top1.to(units.completion.dtype) * units.completion))
     return PreferencePass(loss, policy, tokens)
+
+
+def _ld_dpo_score(units: _Units, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's per-token weight ``[n]`` (TRL's ``DPOTrainer._compute_loss``): 1 for a sequence's
+    first ``min(chosen length, rejected length)`` completion tokens, ``ld_alpha`` past them. A pair's
+    weights depend on that pair's lengths only, so its loss stays a per-pair term of the pass.
+    Every token of ``units`` is a completion token (the DPO pass has no NLL-only tokens)."""
+    lengths = units.lengths.long()  # [S], pass order: pair i's chosen at 2i, its rejected at 2i + 1
+    start = torch.cumsum(lengths, 0) - lengths
+    rank = torch.arange(units.seq.shape[0], device=lengths.device) - start[units.seq] + 1  # 1-based in its sequence
+    shared = lengths.view(-1, 2).min(1).values.repeat_interleave(2)  # [S]
+    inside = rank <= shared[units.seq]
+    return torch.where(inside, units.completion, units.completion * ld_alpha)
 
 
 def _chosen_tokens(units: _Units) -> torch.Tensor:
@@ -308,7 +329,9 @@ def dpo_loss_fused(
     batch = _Batch(labels, completion_mask)
     loss, policy, _ = _dpo(hidden, as_head(head), batch, refs, cfg, as_options(options), False)
     with torch.no_grad():
-        _, metrics = dpo_loss(policy, ref_chosen_logps, ref_rejected_logps, config=cfg)
+        # ld_alpha already weighs policy.logps; dpo_loss (on sums) refuses it, and its loss is not used here.
+        _, metrics = dpo_loss(policy, ref_chosen_logps, ref_rejected_logps,
+                              config=dataclasses.replace(cfg, ld_alpha=None))
     return loss, metrics
 
 
@@ -349,8 +372,18 @@ def _dpo(hidden: torch.Tensor, head: Head, batch: _Batch, refs: tuple[torch.Tens
     if BATCH_COUPLED_DPO_LOSS_TYPES & set(cfg.loss_type):
         # The loss sorts over the batch: the objective must see every pair at once.
         options = dataclasses.replace(options, mode="recompute")
+    ld = cfg.ld_alpha is not None
+    plain_sft = ld and "sft" in cfg.loss_type
+    cm = batch.completion_mask
+    if plain_sft and isinstance(cm, torch.Tensor) and cm.dim() > 0:
+        # LD-DPO weights the scores only: the sft term is the plain NLL of the chosen completions.
+        chosen = torch.zeros_like(cm)
+        chosen[: cm.shape[0] // 2] = cm[: cm.shape[0] // 2]
+        batch = dataclasses.replace(batch, nll_mask=chosen)
     units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {"ref_chosen_logps": refs[0],
                                                                "ref_rejected_logps": refs[1]})
+    if ld:
+        units = dataclasses.replace(units, score=_ld_dpo_score(units, cfg.ld_alpha))
     sdt = stat_dtype_for(hidden.dtype)
     ref_c, ref_r = refs[0].to(sdt), refs[1].to(sdt)
     pairs = ref_c.shape[0]
@@ -359,6 +392,10 @@ def _dpo(hidden: torch.Tensor, head: Head, batch: _Batch, refs: tuple[torch.Tens
     def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
         (c, r), (c_len, r_len) = part.halves(part.logps), part.halves(part.lengths)
         terms = _dpo_pair_losses(c, r, c_len, r_len, ref_c[u0:u1], ref_r[u0:u1], cfg, sft_scale)
+        if plain_sft:
+            nll = _chosen_nll_parts(part)[0]
+            terms = [(nll * sft_scale, w) if t == "sft" else (per, w) for t, (per, w) in zip(cfg.loss_type, terms,
+                                                                                             strict=True)]
         return sum(per.sum() * w for per, w in terms) / pairs
 
     return _run(h_flat, head, t_flat, units, loss_of_pairs, options, token_sums)
@@ -612,8 +649,41 @@ def orpo_loss_fused(
     Raises:
         TypeError, ValueError: as :func:`sequence_logps`.
     """
-    head, options = as_head(head), as_options(options)
-    units, h_flat, t_flat = _prepare(hidden, head, _Batch(labels, completion_mask, nll_mask), 2, {})
+    loss, policy, _ = _orpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), beta, as_options(options))
+    with torch.no_grad():
+        _, metrics = orpo_loss(policy, beta=beta)
+    return loss, metrics
+
+
+@graph_break
+@autocast_head_inputs
+def orpo_fused_pass(
+    hidden: torch.Tensor,  # [2B, T, H]
+    head: Head | torch.Tensor,  # Head, or a [V, H] weight
+    labels: torch.Tensor,  # [2B, T]
+    completion_mask: torch.Tensor,  # [2B, T]
+    *,
+    nll_mask: torch.Tensor | None = None,  # [2B, T]
+    beta: float = 0.1,
+    options: PassOptions | None = None,
+) -> PreferencePass:
+    """:func:`orpo_loss_fused`'s pass for a caller that logs its own metrics (the TRL ORPO
+    drop-in): the loss and every sequence's sums (completion and NLL).
+
+    Args:
+        hidden, head, labels, completion_mask, nll_mask, beta, options: as :func:`orpo_loss_fused`.
+
+    Returns:
+        :class:`PreferencePass` (``tokens`` is ``None``).
+
+    Raises:
+        TypeError, ValueError: as :func:`orpo_loss_fused`.
+    """
+    return _orpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), beta, as_options(options))
+
+
+def _orpo(hidden: torch.Tensor, head: Head, batch: _Batch, beta: float, options: PassOptions) -> PreferencePass:
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {})
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 
@@ -621,7 +691,4 @@ def orpo_loss_fused(
         ratio = _orpo_log_odds(part)[3]
         return _chosen_nll_parts(part)[0].sum() / chosen_tokens - (beta * ratio).sum() / pairs
 
-    loss, policy, _ = _run(h_flat, head, t_flat, units, loss_of_pairs, options)
-    with torch.no_grad():
-        _, metrics = orpo_loss(policy, beta=beta)
-    return loss, metrics
+    return _run(h_flat, head, t_flat, units, loss_of_pairs, options)
