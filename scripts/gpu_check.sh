@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One script for the GPU machine (run from the repository root, no network there):
+#   0. puts CUTLASS's CuTe DSL on the path when its two parts were carried (step 0 says how);
 #   1. installs the carried wheels in .whl/ (trl, its missing deps, liger-kernel, cut-cross-entropy)
 #      into /tmp/site, and checks that TRL's chunked head imports;
 #   2. runs the GPU tests (tests/test_gpu.py, the kernel modules' compiled cases, the zero-row and fused preference
@@ -32,6 +33,18 @@ step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
 
+step "0. CuTe DSL (impl='cute')"
+# Its wheels exceed one transfer: ../shared/tools/carry-big-wheels.sh packs them into .bigwheels/part0
+# and part1; a call carrying part0 runs `bash .bigwheels/part0/stage.sh`, then this script's call
+# carries part1 (with .whl), while the machine is still warm.
+if [ -f .bigwheels/part1/stage.sh ]; then bash .bigwheels/part1/stage.sh || echo "CuTe DSL not staged"; fi
+if [ -d /tmp/site/nvidia_cutlass_dsl ]; then
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+    python3 -c 'import cutlass; print("ok      cutlass", cutlass.__file__)'
+else
+    echo "no CuTe DSL: its tests are skipped"
+fi
+
 step "1. carried wheels"
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -61,7 +74,7 @@ if [ "${SKIP_PYTEST:-0}" != "1" ]; then
     timeout "$PYTEST_S" python3 -m pytest -q -p no:cacheprovider \
         tests/test_gpu.py tests/test_gemm_backend.py tests/test_triton_backend.py tests/test_flash_backend.py \
         tests/test_weight_grad_kernels.py tests/test_zero_rows.py tests/test_preference_fused.py tests/test_backward_scale.py \
-        tests/test_distill_gemm.py \
+        tests/test_distill_gemm.py tests/test_cute_backend.py \
         ${PYTEST_MORE:-} 2>&1 | tail -40
     rc=${PIPESTATUS[0]}
     echo "pytest exit status $rc"; [ "$rc" = 0 ] || status=1

@@ -26,7 +26,6 @@ from logitless.ops.contract import RowCoefficients, RowStats, SavedStats, StatGr
 from logitless.ops.flash_backend.kernels import flash_config
 from logitless.ops.flash_backend.kernels import launch_stats as flash_stats
 from logitless.ops.gemm_backend.kernels import (
-    TileOperands,
     _epilogue_kernel,
     _grad_tile_kernel,
     gemm_config,
@@ -36,7 +35,7 @@ from logitless.ops.gemm_backend.kernels import (
 from logitless.ops.transform import LogitTransform
 from logitless.ops.triton_shared import centred
 from logitless.ops.triton_shared.centred import CentredTile, RowKernelConfig, launch_centred_grad
-from logitless.ops.triton_shared.tile_gemm import Tiles
+from logitless.ops.triton_shared.tile_gemm import TileOperands, Tiles
 
 # (tiles, programs per SM, warp specialization, token blocks per group): persistent launches,
 # tiles stored through a descriptor.

@@ -45,8 +45,9 @@ for name, fn in cases.items():
 # A statistics GEMM launch (the rollout's one Triton launch) at a bench shape, and its parts.
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from logitless.ops.gemm_backend.kernels import TileOperands, gemm_config, launch_forward  # noqa: E402
+from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward  # noqa: E402
 from logitless.ops.transform import LogitTransform  # noqa: E402
+from logitless.ops.triton_shared.tile_gemm import TileOperands  # noqa: E402
 
 w = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16)
 tgt = torch.randint(0, 128256, (8192,), device="cuda")

@@ -26,8 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import ROWS, Prepared
 from logitless.bench.timing import time_step
-from logitless.ops.gemm_backend.kernels import TileOperands, gemm_config, launch_forward
+from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
+from logitless.ops.triton_shared.tile_gemm import TileOperands
 
 
 def _profile(step, out: str, tag: str, timeline: bool = False) -> None:

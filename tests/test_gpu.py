@@ -14,11 +14,15 @@ from backend_calls import logp_grads
 import logitless
 from logitless import Head, HeadLoRA, LogitTransform, PassOptions, PolicyConfig
 from logitless.objectives.reference import reference_stats
+from logitless.ops.contract import cute_available, resolve_backend
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")]
 
 N, H, V = 4096, 2048, 32011  # V prime: no block size divides it
+# The compiled backends; the CuTe DSL one where it is installed and the GPU is a Hopper.
+CUTE = cute_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+KERNELS = ("triton", "gemm", *(("cute",) if CUTE else ()))
 TRANSFORM = LogitTransform(temperature=0.9, softcap=30.0)
 
 
@@ -48,9 +52,10 @@ def _vocab_stats(case, impl):
     return st, hh.grad, ww.grad, bb.grad
 
 
-@pytest.mark.parametrize("impl", ["triton", "gemm"])
+@pytest.mark.parametrize("impl", KERNELS)
 def test_vocab_stats_vs_torch_and_fp64(case, impl):
     hid, w, b, tgt, rows = case
+    assert resolve_backend(impl, hid).NAME == impl  # no silent fallback
     tri, tch = _vocab_stats(case, impl), _vocab_stats(case, "torch")
     ref = reference_stats(hid[rows], w, tgt[rows], bias=b, temperature=0.9, softcap=30.0)
     for k in ("logp", "lse", "entropy"):
@@ -79,7 +84,7 @@ def test_policy_loss_fused_and_recompute_vs_torch(case, level):
     adv = torch.randn(bsz, device="cuda", generator=gen)
     cfg = PolicyConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, importance_sampling_level=level)
     res = {}
-    runs = [(impl, mode) for impl in ("triton", "gemm") for mode in ("fused", "recompute")]
+    runs = [(impl, mode) for impl in KERNELS for mode in ("fused", "recompute")]
     for impl, mode in [*runs, ("torch", "fused")]:
         hh, ww = hid.reshape(bsz, t, H).clone().requires_grad_(), w.clone().requires_grad_()
         loss, m = logitless.policy_loss(hh, Head(ww, b, TRANSFORM), ids, mask, adv, old, ref_lp, config=cfg,
@@ -103,18 +108,18 @@ def test_weight_grad_over_several_chunks_vs_torch(case, monkeypatch, pairs):
 
     from logitless.ops import gemm
 
-    layouts = keep_planned_chunks(monkeypatch, lambda p: pairs and p.backend.NAME == "gemm")  # four chunks
+    layouts = keep_planned_chunks(monkeypatch, lambda p: pairs and p.backend.CAPS.pairs_weight_grad)  # 4 chunks
     assert gemm.cuda_store_ok()
     hid, w, b, tgt, _ = case
     res = {}
-    for impl in ("torch", "triton", "gemm"):
+    for impl in ("torch", *KERNELS):
         hh, ww = hid.clone().requires_grad_(), w.clone().requires_grad_()
         loss, _ = logitless.cross_entropy(hh, Head(ww, b, TRANSFORM), tgt,
                                           options=PassOptions(mode="fused", impl=impl, chunk_bytes=64 << 20))
         loss.backward()
         res[impl] = (loss.detach(), hh.grad, ww.grad)
-    assert layouts == ["fp32", "fp32", "pair" if pairs else "fp32"]
-    for impl in ("triton", "gemm"):
+    assert layouts == ["fp32", "fp32", *(["pair" if pairs else "fp32"] * (len(KERNELS) - 1))]
+    for impl in KERNELS:
         assert rel(res[impl][0], res["torch"][0]) <= 1e-4, impl
         assert rel(res[impl][1], res["torch"][1]) <= 2e-2 and rel(res[impl][2], res["torch"][2]) <= 2e-2, impl
 
@@ -188,13 +193,14 @@ def test_stride0_weight_and_lora_bf16_gradients_within_plain_error(kind):
 
     ref = logp_grads(leaves, targets, "fp64")
     plain = [(a - b).norm().item() for a, b in zip(logp_grads(leaves, targets, "plain"), ref, strict=True)]
-    for impl in ("triton", "gemm"):
+    for impl in KERNELS:
         for name, got, want, bound in zip(leaves, logp_grads(leaves, targets, impl), ref, plain, strict=True):
             assert (got - want).norm().item() <= 1.2 * bound, (impl, name, (got - want).norm().item() / bound)
 
 
 # The fused preference passes' runs checked against the torch backend's fused run.
-_PREFERENCE_RUNS = (("triton", "fused"), ("gemm", "fused"), ("gemm", "recompute"))
+_PREFERENCE_RUNS = (("triton", "fused"), ("gemm", "fused"), ("gemm", "recompute"),
+                    *((("cute", "fused"), ("cute", "recompute")) if CUTE else ()))
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto", "simpo"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import logitless.ops
 
 OPS = Path(logitless.ops.__file__).parent
-BACKENDS = ("torch_backend", "triton_backend", "flash_backend", "gemm_backend")
+BACKENDS = ("torch_backend", "triton_backend", "flash_backend", "gemm_backend", "cute_backend")
 ABOVE = ("objectives", "integrations", "cli", "bench", "demo", "refcache", "amp")
 
 

@@ -188,7 +188,14 @@ def test_kl_or_entropy_bonus_never_checks(seed, picked_counts):
     assert picked_counts == []
 
 
-@pytest.mark.parametrize("impl", ["triton", "gemm", "flash"])
+def _cute_ok() -> bool:
+    from logitless.ops.contract import cute_available
+
+    return cute_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("impl", ["triton", "gemm", "flash",
+                                  pytest.param("cute", marks=pytest.mark.skipif(not _cute_ok(), reason="sm90 + CuTe"))])
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
 def test_kernel_backends(seed, picked_counts, impl, mode):
     """The interpreter's kernels (bf16, kept tiles compacted in place) against the same backend

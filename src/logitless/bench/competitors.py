@@ -806,12 +806,28 @@ def _on_flash(prepare: Callable[[Inputs, str], Prepared]) -> Callable[[Inputs, s
     return run
 
 
+def _on_cute(prepare: Callable[[Inputs, str], Prepared]) -> Callable[[Inputs, str], Prepared]:
+    """The same logitless row on the CuTe DSL backend (its statistics GEMM in CUTLASS's CuTe DSL);
+    needs a Hopper GPU and ``logitless[cute]``."""
+    def run(x: Inputs, impl: str) -> Prepared:
+        from ..ops.contract import resolve_backend
+
+        _need_cuda(x, "the cute backend")
+        try:
+            resolve_backend("cute", x.hidden)
+        except ValueError as e:
+            raise Unavailable(str(e)) from None
+        return prepare(x, "cute")
+    return run
+
+
 ROWS: tuple[Row, ...] = (
     Row("floor", "grpo", floor_three_gemms, role="floor"),
     Row("logitless-fused", "grpo", partial(grpo_logitless, mode="fused"), role="reference"),
     Row("logitless-recompute", "grpo", partial(grpo_logitless, mode="recompute")),
     Row("logitless-fused-bf16", "grpo", partial(grpo_logitless, mode="fused", fp32_logits=False)),
     Row("logitless-flash", "grpo", _on_flash(partial(grpo_logitless, mode="recompute"))),
+    Row("logitless-cute", "grpo", _on_cute(partial(grpo_logitless, mode="fused"))),
     Row("trl-chunked", "grpo", grpo_trl_chunked),
     Row("liger", "grpo", grpo_liger),
     Row("torch-plain", "grpo", grpo_torch_plain, logit_bytes=_BYTES["grpo-plain"]),
@@ -820,6 +836,7 @@ ROWS: tuple[Row, ...] = (
     Row("logitless-fused", "ce", partial(ce_logitless, mode="fused"), role="reference"),
     Row("logitless-recompute", "ce", partial(ce_logitless, mode="recompute")),
     Row("logitless-fused-bf16", "ce", partial(ce_logitless, mode="fused", fp32_logits=False)),
+    Row("logitless-cute", "ce", _on_cute(partial(ce_logitless, mode="fused"))),
     Row("trl-chunked", "ce", ce_trl_chunked),
     Row("liger", "ce", ce_liger),
     Row("cce", "ce", ce_cce),
@@ -829,6 +846,7 @@ ROWS: tuple[Row, ...] = (
     Row("logitless", "rollout", rollout_logitless, role="reference"),
     Row("logitless-bf16", "rollout", partial(rollout_logitless, fp32_logits=False)),
     Row("logitless-flash", "rollout", _on_flash(rollout_logitless)),
+    Row("logitless-cute", "rollout", _on_cute(rollout_logitless)),
     Row("trl-chunked", "rollout", rollout_trl_chunked),
     Row("torch-plain", "rollout", rollout_torch_plain, logit_bytes=_BYTES["rollout-plain"]),
     Row("floor", "distill", floor_four_gemms, role="floor"),

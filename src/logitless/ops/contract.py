@@ -17,7 +17,8 @@ chain rule through the head's :class:`~logitless.ops.transform.LogitTransform`.
 
 Backends: :mod:`.torch_backend` (the specification; CPU and any GPU), :mod:`.triton_backend`
 (cuBLAS GEMMs around Triton row kernels), :mod:`.flash_backend` (Triton tile GEMMs, logits never
-in memory), :mod:`.gemm_backend` (statistics in a Triton GEMM's epilogue, 2-byte kept logits).
+in memory), :mod:`.gemm_backend` (statistics in a Triton GEMM's epilogue, 2-byte kept logits),
+:mod:`.cute_backend` (that design's statistics GEMM in CUTLASS's CuTe DSL; Hopper, opt-in).
 :func:`resolve_backend` makes every choice between them, delegations included.
 """
 
@@ -317,14 +318,18 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     accurate than the Triton backend: ``benchmarks/NOTES-h100.md``), the Triton backend otherwise;
     without CUDA or Triton, the torch backend. fp64 inputs always
     run on the torch backend (no fp64 tensor-core GEMMs to gain from); a head adapter under
-    ``"flash"``/``"gemm"`` runs on the Triton backend (those kernels have no low-rank term), as
-    do fp32 inputs under ``"gemm"`` (its GEMM is written for 16-bit tensor-core operands).
+    ``"flash"``/``"gemm"``/``"cute"`` runs on the Triton backend (those kernels have no low-rank
+    term), as do fp32 inputs under ``"gemm"``/``"cute"`` (their GEMMs are written for 16-bit
+    tensor-core operands). ``"cute"`` is never chosen by ``"auto"``: opt in.
 
     Raises:
-        ValueError: unknown ``impl``, or ``"triton"``/``"flash"``/``"gemm"`` where Triton cannot run.
+        ValueError: unknown ``impl``; ``"triton"``/``"flash"``/``"gemm"``/``"cute"`` where Triton cannot
+            run; ``"cute"`` without the CuTe DSL or off a Hopper GPU.
     """
-    if impl not in ("auto", "torch", "triton", "flash", "gemm"):
-        raise ValueError(f"impl must be 'auto', 'torch', 'triton', 'flash' or 'gemm', got {impl!r}")
+    if impl not in ("auto", "torch", "triton", "flash", "gemm", "cute"):
+        raise ValueError(f"impl must be 'auto', 'torch', 'triton', 'flash', 'gemm' or 'cute', got {impl!r}")
+    if impl == "cute":
+        _check_cute(hidden)
     if impl == "auto":
         impl = "torch"
         if hidden.device.type == "cuda" and triton_available():
@@ -340,6 +345,20 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     if hidden.dtype not in backend.CAPS.dtypes or (has_lora and not backend.CAPS.lora):
         return _module("triton")
     return backend
+
+
+def cute_available() -> bool:
+    """Whether CUTLASS's CuTe DSL imports (``pip install 'logitless[cute]'``); nothing is imported."""
+    return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cuda") is not None
+
+
+def _check_cute(hidden: torch.Tensor) -> None:
+    if not cute_available():
+        raise ValueError("impl='cute' needs CUTLASS's CuTe DSL: pip install 'logitless[cute]' (or impl='gemm', the "
+                         "same design in Triton)")
+    if hidden.device.type != "cuda" or torch.cuda.get_device_capability(hidden.device) != (9, 0):
+        where = hidden.device if hidden.device.type != "cuda" else torch.cuda.get_device_name(hidden.device)
+        raise ValueError(f"impl='cute' runs on Hopper GPUs (sm90: H100, H200), got {where}; use impl='gemm' or 'auto'")
 
 
 def _module(name: str) -> ModuleType:

@@ -275,7 +275,8 @@ def resolve_distill(impl: Impl, hidden: torch.Tensor, teacher_hidden: torch.Tens
     Raises:
         ValueError: as :func:`~logitless.ops.contract.resolve_backend` (bad ``impl`` for the device).
     """
-    backend = resolve_backend(impl, hidden)
+    # The CuTe statistics GEMM has no two-head pass: distillation runs the same design in Triton.
+    backend = resolve_backend("gemm" if impl == "cute" else impl, hidden)
     if backend.CAPS.distill:
         kernels = _distill_module(backend)
         if kernels.SCOPE.takes(hidden, teacher_hidden, n_targets):

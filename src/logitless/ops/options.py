@@ -10,10 +10,10 @@ from typing import Literal
 from .settings import LogitsPrecision, settings
 
 Mode = Literal["auto", "fused", "recompute"]
-Impl = Literal["auto", "torch", "triton", "flash", "gemm"]
+Impl = Literal["auto", "torch", "triton", "flash", "gemm", "cute"]
 
 _MODES = ("auto", "fused", "recompute")
-_IMPLS = ("auto", "torch", "triton", "flash", "gemm")
+_IMPLS = ("auto", "torch", "triton", "flash", "gemm", "cute")
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,10 @@ class PassOptions:
         impl: backend: ``"auto"`` (on CUDA with Triton: ``"gemm"`` for bf16/fp16 on Hopper or
             later, else ``"triton"``; torch elsewhere; see ``resolve_backend``), ``"torch"``,
             ``"triton"`` (cuBLAS GEMMs + Triton row kernels), ``"flash"`` (Triton tile GEMMs
-            that never write logits) or ``"gemm"`` (statistics in a Triton GEMM's epilogue,
-            logits kept in fp16 centred per tile, cuBLAS gradient GEMMs).
+            that never write logits), ``"gemm"`` (statistics in a Triton GEMM's epilogue,
+            logits kept in fp16 centred per tile, cuBLAS gradient GEMMs) or ``"cute"`` (that
+            design with the statistics GEMM written in CUTLASS's CuTe DSL: Hopper only,
+            ``pip install 'logitless[cute]'``).
         chunk_bytes: workspace budget of the pass in bytes; ``None``: ``LOGITLESS_CHUNK_BYTES``,
             else 1 GiB. Beyond it a training pass holds an fp32 ``d weight`` accumulator
             (``V x H x 4`` bytes), except where all its tokens fit one chunk within the budget

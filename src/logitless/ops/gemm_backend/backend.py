@@ -40,9 +40,9 @@ from ..contract import (
 from ..head import LocalHead
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, launch_centred_grad, launch_centred_grad_rows
-from ..triton_shared.tile_gemm import unit_stride
+from ..triton_shared.tile_gemm import TileOperands, unit_stride
 from ..triton_shared.weight_grad import block_grads
-from .kernels import GemmConfig, TileOperands, gemm_config, launch_forward, launch_grad_tile
+from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
 
 NAME = "gemm"
 PLAN = "gemm"

@@ -41,11 +41,12 @@ from ..head import LocalHead
 from ..options import PassOptions
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile
+from ..triton_shared.tile_gemm import TileOperands
 from ..triton_shared.weight_grad import block_grads
 from .backend import CAPS as CAPS
 from .backend import operands, recompute_tile
 from .distill_kernels import DistillRowCoefficients, launch_cross, launch_distill_grad, launch_jsd
-from .kernels import GemmConfig, TileOperands, gemm_config, launch_forward
+from .kernels import GemmConfig, gemm_config, launch_forward
 
 SCOPE = DistillScope(max_targets=1, mixed_dtypes=False)
 

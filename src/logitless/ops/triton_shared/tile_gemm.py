@@ -7,13 +7,32 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..transform import LogitTransform
 from .common import interpreting, to_logits
+
+
+class TileOperands(NamedTuple):
+    """One head's side of a forward launch: ``hidden [n, H]`` and ``weight [V, H]`` (bf16/fp16/fp32,
+    same dtype, unit stride along ``H``), ``bias [V]`` or ``None``, ``targets [n]`` int64 local to
+    ``weight``'s rows (outside ``[0, V)``: no target here), and the head's transform."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    targets: torch.Tensor
+    transform: LogitTransform
+
+    def block(self, rows: slice) -> TileOperands:
+        """The head's vocabulary rows ``rows`` (targets shifted to index them)."""
+        bias = None if self.bias is None else self.bias[rows]
+        return self._replace(weight=self.weight[rows], bias=bias, targets=self.targets - rows.start)
 
 
 @dataclass(frozen=True)

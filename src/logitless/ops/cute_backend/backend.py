@@ -1,0 +1,107 @@
+"""CuTe DSL backend of the vocabulary pass (Hopper): the statistics GEMM is a persistent,
+warp-specialized WGMMA kernel written in CUTLASS's CuTe DSL (:mod:`.kernels`); the backward is the
+GEMM-epilogue design's: a row kernel turns the kept fp16-centred tile into ``dy`` in place
+(:mod:`logitless.ops.triton_shared.centred`), then ``d hidden``/``d weight`` run in cuBLAS
+(:func:`~logitless.ops.triton_shared.weight_grad.block_grads`).
+
+The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backend` on the GPU
+(``tests/test_cute_backend.py``); the torch backend is its specification on CPUs, where CuTe
+kernels cannot run. Without kept logits (recompute mode, or a vocabulary cut into blocks) the
+backward recomputes a block's tile with the same kernel, storing it, and reads it back.
+
+bf16/fp16 inputs only, sm90 only (``PassOptions(impl="cute")``; ``pip install 'logitless[cute]'``):
+fp32/fp64 inputs and heads with a LoRA adapter run on the Triton or torch backend
+(:func:`~logitless.ops.contract.resolve_backend`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..contract import (
+    Accumulators,
+    Capabilities,
+    ChunkRows,
+    RowCoefficients,
+    RowStats,
+    SavedStats,
+    StatGrads,
+    StatRequest,
+)
+from ..head import LocalHead
+from ..plan import ChunkPlan
+from ..triton_shared.centred import CentredTile, launch_centred_grad, launch_centred_grad_rows
+from ..triton_shared.tile_gemm import TileOperands, unit_stride
+from ..triton_shared.weight_grad import block_grads
+from .kernels import TILE_V, launch_forward, z_buffer
+
+NAME = "cute"
+PLAN = "gemm"  # the same 2-byte kept tile as the GEMM-epilogue backend
+CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
+                    pairs_weight_grad=True, distill=False)
+
+
+def _operands(head: LocalHead, rows: ChunkRows) -> TileOperands:
+    if rows.low is not None:
+        raise ValueError("the cute backend has no LoRA adapter term; resolve_backend sends such heads to triton")
+    if rows.hidden.dtype not in CAPS.dtypes:
+        raise ValueError(f"the cute backend takes bf16/fp16 inputs, got {rows.hidden.dtype}; resolve_backend sends "
+                         "others to triton or torch")
+    bias = None if head.bias is None else head.bias.contiguous()
+    return TileOperands(unit_stride(rows.hidden), unit_stride(head.weight), bias,
+                        rows.targets.to(torch.int64).contiguous(), head.transform)
+
+
+def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
+                  keep_logits: bool) -> tuple[RowStats, CentredTile | None]:
+    """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
+    the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
+
+    Raises:
+        ValueError: adapter rows, or inputs that are not bf16/fp16.
+    """
+    ops = _operands(head, rows)
+    n, vocab = ops.hidden.shape[0], ops.weight.shape[0]
+    owned = (ops.targets >= 0) & (ops.targets < vocab)
+    if n == 0 or vocab == 0:
+        return RowStats.start(n, torch.float32, ops.hidden.device, want, owned), None
+    z = z_buffer(n, vocab, ops.hidden.device) if keep_logits and plan.vocab_block >= vocab else None
+    parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z)
+    return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)
+
+
+def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
+    """The kept tile restricted to its rows ``idx``: the backward's ``dy`` kernel reads those rows
+    and writes their ``dy`` compacted into the tile's first rows (no separate copy)."""
+    return kept._replace(rows=idx)
+
+
+def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
+                   acc: Accumulators, kept: CentredTile | None) -> torch.Tensor | None:
+    """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
+    **overwritten** with ``dy``.
+
+    Raises:
+        ValueError: an entropy gradient without ``saved.sum_pz``; adapter rows; inputs that
+            are not bf16/fp16.
+    """
+    ops = _operands(head, rows)
+    hidden, weight, targets = ops.hidden, ops.weight, ops.targets
+    rc = RowCoefficients.make(saved, grads)
+    grad_hidden = None
+    for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
+        tile = kept
+        if tile is None:
+            local = ops.block(block)
+            z = z_buffer(hidden.shape[0], block.stop - block.start, hidden.device)
+            tile = CentredTile(z, launch_forward(local, (False, False), plan.fp32_logits, z)["m"], TILE_V)
+        if tile.rows is not None:
+            dy = launch_centred_grad_rows(tile, hidden.dtype, targets, block.start, head.transform, rc)
+        else:
+            dy = tile.z.view(hidden.dtype)
+            launch_centred_grad(tile, dy, targets, block.start, head.transform, rc)
+        grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
+        del dy, tile
+    if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return grad_hidden

@@ -1,0 +1,484 @@
+"""The CuTe DSL statistics GEMM (Hopper, sm90): ``y = hidden @ weight.T`` in a persistent,
+warp-specialized WGMMA kernel whose epilogue reduces each ``128 x 256`` tile's rows to their
+softmax partials and, optionally, stores the tile in fp16 centred on its row maxima.
+
+The outputs are those of the Triton GEMM of :mod:`logitless.ops.gemm_backend` (``[tiles, n]``
+partials ``m``, ``se``, ``sez``, ``sz`` and the target logit ``zy``), so the backward's row kernels
+(:mod:`logitless.ops.triton_shared.centred`) and :meth:`~logitless.ops.contract.RowStats.combine`
+read them unchanged. The statistics come from the fp32 accumulator.
+
+* One producer warp issues TMA loads of ``hidden``/``weight`` blocks into a ring of shared-memory
+  stages (multicast of the weight block across a cluster of two CTAs along the tokens); two
+  consumer warpgroups run the WGMMAs, each on 64 of the tile's 128 rows, then the epilogue.
+* Epilogue: the WGMMA accumulator gives each thread 2 rows x 64 columns of the tile; each row's
+  maximum and sums are reduced over the thread's columns, then across the 4 threads that share the
+  row (two butterfly shuffles). The targets are read before the main loop, so their latency hides.
+* The tile store (``z - m`` in fp16) goes through shared memory and TMA bulk stores, as the
+  example's epilogue does.
+
+Adapted from the Hopper persistent dense GEMM of CUTLASS's CuTe DSL examples
+(``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm_persistent.py``,
+BSD-3-Clause, NVIDIA); the accumulator's row/column view follows QuACK's ``convert_layout_acc_mn``.
+
+Imported only where :func:`logitless.ops.contract.resolve_backend` picks this backend: the
+``cutlass`` package (``pip install 'logitless[cute]'``) is optional.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass.cute.runtime import from_dlpack
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from ..triton_shared.tile_gemm import TileOperands
+
+LOG2_E = 1.4426950408889634
+TILE_N, TILE_V = 128, 256  # token rows x vocabulary entries of one CTA tile
+
+
+class KernelKey(NamedTuple):
+    """What a compiled kernel is specialized on (each distinct key compiles once per process, ~2 s;
+    CuTe DSL caches the binary on disk for later processes)."""
+
+    dtype: torch.dtype
+    want_entropy: bool
+    want_sum_z: bool
+    store_z: bool
+    has_bias: bool
+    has_scale: bool
+    has_softcap: bool
+    has_temperature: bool
+    round_y: bool
+    raster_along_m: bool
+
+
+def _acc_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """The WGMMA accumulator layout ``((2, 2, V), MMA_M, MMA_N)`` viewed as
+    ``((2, MMA_M), (2, V, MMA_N))``: a thread's rows, then its columns."""
+    col_major = cute.make_layout(layout.shape)
+    shape = ((col_major.shape[0][1], col_major.shape[1]),
+             (col_major.shape[0][0], *col_major.shape[0][2:], col_major.shape[2]))
+    stride = ((col_major.stride[0][1], col_major.stride[1]),
+              (col_major.stride[0][0], *col_major.stride[0][2:], col_major.stride[2]))
+    return cute.composition(layout, cute.make_layout(shape, stride=stride))
+
+
+class StatsGemm:
+    """The kernel for one :class:`KernelKey`. ``__call__`` takes (all with a trailing batch mode of
+    1 where noted): ``hidden [n, H, 1]``, ``weight [V, H, 1]`` (16-bit, unit stride along ``H``),
+    ``z_out [n, V, 1]`` fp16 or ``None``, ``bias [V]`` fp32 or ``None``, ``targets [n]`` int64,
+    ``parts [k, tiles, n]`` fp32 (``m``, ``se``, then ``sez`` and/or ``sz`` as asked),
+    ``target_logit [n]`` fp32, the transform's ``(logit_scale, softcap, 1 / temperature)``."""
+
+    def __init__(self, key: KernelKey):
+        self.key = key
+        self.tile_mnk = (TILE_N, TILE_V, 64)
+        self.cluster_mn = (2, 1)
+        self.num_mma_wg = 2  # each holds 64 rows x 256 fp32 accumulators: 128 registers a thread
+        self.threads_per_cta = (1 + self.num_mma_wg) * 128
+        self.num_mma_threads = self.num_mma_wg * 128
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        self.z_dtype = cutlass.Float16
+        self.epi_tile = (TILE_N, 32)
+        self.epi_stage = 4 if key.store_z else 0
+
+    def _setup(self) -> None:
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.a_dtype, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (self.num_mma_wg, 1, 1),
+            tiler_mn=(64, TILE_V))
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
+        ab_bytes = (TILE_N + TILE_V) * self.tile_mnk[2] * self.a_dtype.width // 8
+        epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
+        self.ab_stage = (utils.get_smem_capacity_in_bytes("sm_90") - 1024 - epi_bytes) // ab_bytes
+
+        def staged(rows: int, dtype, stages: int) -> cute.ComposedLayout:
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, self.tile_mnk[2]), dtype)
+            return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], stages), order=(0, 1, 2))
+
+        self.a_smem = staged(TILE_N, self.a_dtype, self.ab_stage)
+        self.b_smem = staged(TILE_V, self.a_dtype, self.ab_stage)
+        self.z_smem = None
+        if cutlass.const_expr(self.key.store_z):
+            atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.z_dtype, self.epi_tile[1]),
+                self.z_dtype)
+            self.z_smem = cute.tile_to_shape(atom, (*self.epi_tile, self.epi_stage), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(self, hidden: cute.Tensor, weight: cute.Tensor, z_out: cute.Tensor | None,
+                 bias: cute.Tensor | None, targets: cute.Tensor, parts: cute.Tensor, target_logit: cute.Tensor,
+                 scalars: tuple[cutlass.Float32, cutlass.Float32, cutlass.Float32],
+                 max_active_clusters: cutlass.Constexpr, stream: cuda.CUstream):
+        self.a_dtype = hidden.element_type
+        self._setup()
+
+        def tma_load(tensor, smem_staged, rows, mcast):
+            op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1
+                  else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)),
+                                                          (rows, self.tile_mnk[2]), num_multicast=mcast)
+
+        tma_a, g_a = tma_load(hidden, self.a_smem, TILE_N, self.cluster_mn[1])
+        tma_b, g_b = tma_load(weight, self.b_smem, TILE_V, self.cluster_mn[0])
+        tma_z, g_z = None, None
+        if cutlass.const_expr(self.key.store_z):
+            tma_z, g_z = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), z_out, cute.slice_(self.z_smem, (None, None, 0)),
+                self.epi_tile)
+
+        n, vocab = hidden.shape[0], weight.shape[0]
+        tiles_mnl = (cute.ceil_div(n, TILE_N), cute.ceil_div(vocab, TILE_V), 1)
+        # Bands of 8 clusters traverse the other dimension, so a band's operand stays in L2.
+        sched = utils.PersistentTileSchedulerParams(tiles_mnl, (*self.cluster_mn, 1), 8, self.key.raster_along_m)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
+        z_cosize = cute.cosize(self.z_smem) if cutlass.const_expr(self.key.store_z) else 1
+
+        @cute.struct
+        class SharedStorage:
+            pipe: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.b_smem)], 1024]
+            sZ: cute.struct.Align[cute.struct.MemRange[self.z_dtype, z_cosize], 1024]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_a, g_a, tma_b, g_b, tma_z, g_z, bias, targets, parts, target_logit, n, vocab, scalars,
+                    self.tiled_mma, self.cta_layout_mnk, self.a_smem, self.b_smem, self.z_smem, sched).launch(
+            grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
+            stream=stream)
+
+    @cute.jit
+    def _logit(self, y: cutlass.Float32, col: cutlass.Int32, mBias: cute.Tensor | None, vocab: cutlass.Int32,
+               scalars: tuple[cutlass.Float32, cutlass.Float32, cutlass.Float32]) -> cutlass.Float32:
+        """``z = softcap(logit_scale · (y + bias)) / temperature`` (:mod:`logitless.ops.transform`)."""
+        if cutlass.const_expr(self.key.round_y):
+            y = y.to(self.a_dtype).to(cutlass.Float32)
+        if cutlass.const_expr(self.key.has_bias):
+            y = y + mBias[cutlass.min(col, vocab - 1)]
+        if cutlass.const_expr(self.key.has_scale):
+            y = y * scalars[0]
+        if cutlass.const_expr(self.key.has_softcap):
+            y = scalars[1] * cute.math.tanh(y / scalars[1])
+        if cutlass.const_expr(self.key.has_temperature):
+            y = y * scalars[2]
+        return y
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_z: cute.CopyAtom | None, mZ: cute.Tensor | None, mBias: cute.Tensor | None, mT: cute.Tensor,
+               mP: cute.Tensor, mZY: cute.Tensor, n: cutlass.Int32, vocab: cutlass.Int32,
+               scalars: tuple[cutlass.Float32, cutlass.Float32, cutlass.Float32], tiled_mma: cute.TiledMma,
+               cta_layout_mnk: cute.Layout, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               z_smem: cute.ComposedLayout | None, sched_params: utils.PersistentTileSchedulerParams):
+        key = self.key
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(key.store_z):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_z)
+
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(cta_rank)
+        b_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
+                     + cute.size_in_bytes(self.a_dtype, cute.slice_(b_smem, (None, None, 0))))
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        consumers = self.cluster_mn[0] * self.num_mma_wg * 4  # every CTA the weight block is multicast to
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.pipe.data_ptr(), num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        gA = cute.local_tile(mA, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # WGMMA reads its operands per warpgroup: the operand slice is the warpgroup's.
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg - 1))
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_N, TILE_V)), cutlass.Float32)
+        k_tiles = cute.size(gA, mode=[3])
+
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(40)
+        if warp_idx == 0:
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                               cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+            while work.is_valid_tile:
+                coord = work.tile_idx
+                tAgA_t = tAgA[(None, coord[0], None, coord[2])]
+                tBgB_t = tBgB[(None, coord[1], None, coord[2])]
+                state.reset_count()
+                for _k in range(k_tiles):
+                    mainloop.producer_acquire(state)
+                    bar = mainloop.producer_get_barrier(state)
+                    cute.copy(tma_a, tAgA_t[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_b, tBgB_t[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=b_mask)
+                    mainloop.producer_commit(state)
+                    state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            mainloop.producer_tail(state)
+
+        if wg > 0:
+            cute.arch.setmaxregister_increase(232)
+            sched = utils.StaticPersistentTileScheduler.create(sched_params, cute.arch.block_idx(),
+                                                               cute.arch.grid_dim())
+            work = sched.initial_work_tile_info()
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+            k_blocks = cute.size(tCrA, mode=[2])
+            mma_tidx = tidx - 128
+            lane = tidx % 32
+            # Each accumulator element's (row, column) in the tile, as this thread holds it.
+            tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((TILE_N, TILE_V)))
+            acc_mn = cute.make_tensor(acc.iterator, _acc_rows_cols(acc.layout))
+            crd_mn = cute.make_tensor(tCcC.iterator, _acc_rows_cols(tCcC.layout))
+            rows = cute.size(acc_mn, mode=[0])
+            cols = cute.size(acc_mn, mode=[1])
+
+            if cutlass.const_expr(key.store_z):
+                sZ = storage.sZ.get_tensor(z_smem.outer, swizzle=z_smem.inner)
+                gZ = cute.local_tile(mZ, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+                store_op = sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=self.z_dtype,
+                                                             elem_ty_acc=cutlass.Float32)
+                atom_c = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.z_dtype)
+                r2s = cute.make_tiled_copy_S(store_op, cute.make_tiled_copy_C_atom(atom_c, tiled_mma))
+                thr_r2s = r2s.get_slice(mma_tidx)
+                tRS_sZ = thr_r2s.partition_D(sZ)
+                tRS_acc = r2s.retile(acc)
+                rz_shape = cute.shape(thr_r2s.partition_S(sZ))[:3]
+                tRS_f32 = cute.make_rmem_tensor(rz_shape, cutlass.Float32)
+                tRS_f16 = cute.make_rmem_tensor(rz_shape, self.z_dtype)
+                per_epi = cute.size(tRS_f32)
+                store_pipe = pipeline.PipelineTmaStore.create(
+                    num_stages=self.epi_stage,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+
+            while work.is_valid_tile:
+                coord = work.tile_idx
+                m0 = coord[0] * TILE_N
+                n0 = coord[1] * TILE_V
+                # The tile scheduler rounds the tile grid up to whole bands: such tiles write nothing.
+                tile_ok = n0 < vocab
+                target = []
+                t_col = []
+                for r in cutlass.range_constexpr(rows):
+                    target.append(mT[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)])
+                    t_col.append(cutlass.Int32(target[r] - cutlass.Int64(n0)))
+
+                read.reset_count()
+                release.reset_count()
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                for k in range(k_tiles):
+                    mainloop.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)],
+                                  tCrB[(None, None, kb, read.index)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # Keep one WGMMA group in flight; the stage before it is free.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if k > 0:
+                        mainloop.consumer_release(release)
+                        release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop.consumer_release(release)
+                release.advance()
+
+                for r in cutlass.range_constexpr(rows):
+                    row = m0 + crd_mn[r, 0][0]
+                    mx = cutlass.Float32(-math.inf)
+                    for c in cutlass.range_constexpr(cols):
+                        col = n0 + crd_mn[r, c][1]
+                        z = self._logit(acc_mn[r, c], col, mBias, vocab, scalars)
+                        if col >= vocab:
+                            z = cutlass.Float32(-math.inf)
+                        acc_mn[r, c] = z
+                        mx = cute.arch.fmax(mx, z)
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                    mx_log2 = mx * LOG2_E
+                    se = cutlass.Float32(0.0)
+                    sez = cutlass.Float32(0.0)
+                    sz = cutlass.Float32(0.0)
+                    zy = cutlass.Float32(0.0)
+                    for c in cutlass.range_constexpr(cols):
+                        z = acc_mn[r, c]
+                        e = cute.math.exp2(z * LOG2_E - mx_log2, fastmath=True)
+                        se = se + e
+                        if cutlass.const_expr(key.want_entropy or key.want_sum_z):
+                            if n0 + crd_mn[r, c][1] < vocab:  # -inf padding: e = 0 but e * z is nan
+                                if cutlass.const_expr(key.want_entropy):
+                                    sez = sez + e * z
+                                if cutlass.const_expr(key.want_sum_z):
+                                    sz = sz + z
+                        if crd_mn[r, c][1] == t_col[r]:
+                            zy = z
+                        if cutlass.const_expr(key.store_z):
+                            acc_mn[r, c] = z - mx
+                    for off in cutlass.range_constexpr(1, 3):
+                        se = se + cute.arch.shuffle_sync_bfly(se, offset=off)
+                        zy = zy + cute.arch.shuffle_sync_bfly(zy, offset=off)
+                        if cutlass.const_expr(key.want_entropy):
+                            sez = sez + cute.arch.shuffle_sync_bfly(sez, offset=off)
+                        if cutlass.const_expr(key.want_sum_z):
+                            sz = sz + cute.arch.shuffle_sync_bfly(sz, offset=off)
+                    if lane % 4 == 0 and row < n and tile_ok:
+                        mP[0, coord[1], row] = mx
+                        mP[1, coord[1], row] = se
+                        if cutlass.const_expr(key.want_entropy):
+                            mP[2, coord[1], row] = sez
+                        if cutlass.const_expr(key.want_sum_z):
+                            mP[2 + int(key.want_entropy), coord[1], row] = sz
+                        if t_col[r] >= 0 and t_col[r] < TILE_V and target[r] < cutlass.Int64(vocab):
+                            mZY[row] = zy
+                        # A target outside [0, V) gets 0 from the first tile: no zero-filled buffer.
+                        if coord[1] == 0 and (target[r] < 0 or target[r] >= cutlass.Int64(vocab)):
+                            mZY[row] = cutlass.Float32(0.0)
+
+                if cutlass.const_expr(key.store_z):
+                    tiles_z = cute.zipped_divide(gZ[(None, None, *coord)], self.epi_tile)
+                    bSG_sZ, bSG_gZ = cute.nvgpu.cpasync.tma_partition(
+                        tma_z, 0, cute.make_layout(1), cute.group_modes(sZ, 0, 2), tiles_z)
+                    epi_count = cute.size(tiles_z, mode=[1])
+                    epi_shape = tiles_z.shape[1]
+                    epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+                    done_before = sched.num_tiles_executed * epi_count
+                    for e in cutlass.range_constexpr(epi_count):
+                        for v in cutlass.range_constexpr(per_epi):
+                            tRS_f32[v] = tRS_acc[e * per_epi + v]
+                        tRS_f16.store(tRS_f32.load().to(self.z_dtype))
+                        buf = (done_before + e) % self.epi_stage
+                        cute.copy(r2s, tRS_f16, tRS_sZ[(None, None, None, buf)])
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        self.epi_barrier.arrive_and_wait()
+                        if warp_idx == 4:  # the first consumer warp issues the bulk store
+                            cute.copy(tma_z, bSG_sZ[(None, buf)], bSG_gZ[(None, epi_layout.get_hier_coord(e))])
+                            store_pipe.producer_commit()
+                            store_pipe.producer_acquire()
+                        self.epi_barrier.arrive_and_wait()
+
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            if cutlass.const_expr(key.store_z):
+                store_pipe.producer_tail()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _max_active_clusters() -> int:
+    return cutlass.utils.HardwareInfo().get_max_active_clusters(2)
+
+
+_compiled: dict[KernelKey, object] = {}
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t [rows, K]`` as TMA reads it: 16-byte aligned base and row stride, unit stride along ``K``,
+    rows that do not overlap (a zero-padded copy otherwise: zero columns add nothing to a dot product;
+    an expanded weight of stride 0 becomes a real one)."""
+    if (t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0):
+        return t
+    k = -(-t.shape[1] // 8) * 8
+    out = torch.zeros((t.shape[0], k), dtype=t.dtype, device=t.device)
+    out[:, : t.shape[1]] = t
+    return out
+
+
+def _cute(t: torch.Tensor, align: int = 16):
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic()
+
+
+def z_buffer(n: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """An ``[n, V]`` fp16 view whose rows start 16-byte aligned (``V`` padded to a multiple of 8),
+    as :func:`launch_forward` stores into."""
+    return torch.empty((n, -(-vocab // 8) * 8), dtype=torch.float16, device=device)[:, :vocab]
+
+
+def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool,
+                   z_out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight`` (bf16/fp16), and
+    optionally the centred fp16 logits: the outputs of
+    :func:`logitless.ops.gemm_backend.kernels.launch_forward`, with ``TILE_V``-wide tiles.
+
+    Args:
+        ops: :class:`~logitless.ops.triton_shared.tile_gemm.TileOperands` (``targets`` int64).
+        want: ``(entropy, sum_z)``: whether ``sez``/``sz`` are computed.
+        fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input dtype first).
+        z_out: ``[n, V]`` fp16 from :func:`z_buffer`, overwritten with ``z - m`` of each tile; ``None``:
+            nothing stored.
+
+    Returns:
+        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``).
+    """
+    hidden, weight, bias, targets, transform = ops
+    n, vocab = hidden.shape[0], weight.shape[0]
+    assert hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
+    assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1
+                             and (z_out.stride(0) * 2) % 16 == 0 and z_out.data_ptr() % 16 == 0)
+    tiles = -(-vocab // TILE_V)
+    names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
+    flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
+    out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
+    out["zy"] = flat[-n:].view(1, n)
+    if n == 0 or vocab == 0:
+        return out
+    hidden, weight = _aligned(hidden), _aligned(weight)
+    key = KernelKey(hidden.dtype, want[0], want[1], z_out is not None, bias is not None,
+                    transform.logit_scale != 1.0, transform.softcap is not None, transform.temperature != 1.0,
+                    not fp32_logits,
+                    # raster_along_m, measured on one H200 (8192 tokens): along the vocabulary for
+                    # Llama-3's 4096-wide head (1.01x cuBLAS, 1.08x the other way), along the tokens for
+                    # Gemma-2's 2304-wide one (1.06x, 1.12x the other way).
+                    hidden.shape[1] < 3072)
+    args = (_cute(hidden.unsqueeze(-1)), _cute(weight.unsqueeze(-1)),
+            None if z_out is None else _cute(z_out.unsqueeze(-1)),
+            None if bias is None else _cute(bias.float().contiguous(), 4), _cute(targets.contiguous(), 8),
+            _cute(flat[:-n].view(len(names), tiles, n)), _cute(out["zy"].view(n), 4),
+            (cutlass.Float32(transform.logit_scale), cutlass.Float32(transform.softcap or 1.0),
+             cutlass.Float32(1.0 / transform.temperature)))
+    stream = cuda.CUstream(torch.cuda.current_stream(hidden.device).cuda_stream)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compiled[key] = cute.compile(StatsGemm(key), *args, _max_active_clusters(), stream)
+    kernel(*args, stream)
+    return out

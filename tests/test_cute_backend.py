@@ -1,0 +1,147 @@
+"""The CuTe DSL backend (``PassOptions(impl="cute")``) chunk by chunk against the torch backend
+(its specification) and a float64 oracle, on a Hopper GPU; and its refusals anywhere.
+
+CuTe kernels cannot run on a CPU: the ``cuda``-marked cases are skipped without an sm90 GPU and the
+CuTe DSL (``scripts/gpu_check.sh`` stages it), the refusals run in CI. The shapes leave a 44-row tail
+of the 128-row tile, a 232-entry tail of the 256-wide vocabulary tile, and a hidden size that is not
+a multiple of 8 (operands padded for TMA). Errors are bounded by the torch backend's own:
+``|ours - fp64| <= |torch - fp64| + tol``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backend_calls import backward, forward, lse_logp_sum_pz
+from test_flash_backend import TRANSFORMS, _assert_bounded
+
+from logitless import PassOptions
+from logitless.ops import contract
+from logitless.ops.contract import Accumulators, SavedStats, StatGrads
+from logitless.ops.plan import ChunkPlan
+from logitless.ops.transform import LogitTransform
+
+N, V = 300, 1000
+CUTE = contract.cute_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+on_hopper = pytest.mark.skipif(not CUTE, reason="needs an sm90 GPU and the CuTe DSL")
+
+
+def test_refused_where_it_cannot_run(monkeypatch):
+    """A named error saying what to do, before any kernel: without the CuTe DSL, and off a Hopper GPU."""
+    assert PassOptions(impl="cute").impl == "cute"
+    hidden = torch.randn(4, 8)
+    monkeypatch.setattr(contract, "cute_available", lambda: False)
+    with pytest.raises(ValueError, match=r"pip install 'logitless\[cute\]'"):
+        contract.resolve_backend("cute", hidden)
+    monkeypatch.setattr(contract, "cute_available", lambda: True)
+    with pytest.raises(ValueError, match="Hopper GPUs"):
+        contract.resolve_backend("cute", hidden)
+
+
+def _inputs(dtype, transform_key, hidden_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kw, has_bias = TRANSFORMS[transform_key]
+    h = torch.randn(N, hidden_size, generator=g).to(dtype)
+    w = (torch.randn(V, hidden_size, generator=g) * 3 / hidden_size**0.5).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype) if has_bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    t[3], t[5], t[299] = V + 2, -1, V  # targets of another vocabulary shard
+    return [x if x is None else x.cuda() for x in (h, w, b, t)] + [LogitTransform(**kw)]
+
+
+def _oracle(h, w, b, t, tr, grads: StatGrads | None = None):
+    """fp64 ``(lse, logp, sum_pz, sum_z)`` and, with ``grads``, the gradients of
+    ``Σ g_logp logp + g_lse lse + g_ent entropy + g_sz Σz`` w.r.t. ``(h, w[, b])``."""
+    leaves = [x.double().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    z = tr.apply(leaves[0] @ leaves[1].t() + (leaves[2] if b is not None else 0))
+    lse = torch.logsumexp(z, 1)
+    sum_pz = (torch.softmax(z, 1) * z).sum(1)
+    owned = (t >= 0) & (t < V)
+    logp = torch.where(owned, z.gather(1, t.clamp(0, V - 1)[:, None])[:, 0], 0.0) - lse
+    stats = (lse, logp, sum_pz, z.sum(1))
+    if grads is None:
+        return [s.detach() for s in stats], z.detach()
+    terms = ((grads.logp, logp), (grads.lse, lse), (grads.entropy, lse - sum_pz), (grads.sum_z, stats[3]))
+    sum(((g.double() * s).sum() for g, s in terms if g is not None), torch.zeros((), device=h.device,
+                                                                           dtype=torch.float64)).backward()
+    return [s.detach() for s in stats], [x.grad for x in leaves]
+
+
+def _plan(vocab_block=V, fp32_logits=True):
+    return ChunkPlan(token_chunk=N, vocab_block=vocab_block, keep_logits=vocab_block == V, fp32_logits=fp32_logits)
+
+
+def _backends():
+    from logitless.ops.cute_backend import backend as cute_backend
+    from logitless.ops.torch_backend import backend as torch_backend
+
+    return cute_backend, torch_backend
+
+
+@pytest.mark.parametrize(("dtype", "transform_key", "hidden_size"),
+                         [(torch.bfloat16, "plain", 72), (torch.bfloat16, "full", 70), (torch.float16, "full", 72)])
+@pytest.mark.parametrize("optional", [True, False])
+@pytest.mark.cuda
+@on_hopper
+def test_chunk_forward(dtype, transform_key, hidden_size, optional):
+    """Statistics as accurate as the torch backend's fp32 logits; the kept tile is each 256-wide
+    tile's logits centred on its row maximum, to fp16's resolution."""
+    cute_backend, torch_backend = _backends()
+    h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size)
+    ours, kept = forward(cute_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, want_sum_z=True)
+    oracle, z64 = _oracle(h, w, b, t, tr)
+    assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
+    for i, name in enumerate(("lse", "logp", "sum_pz")[: 3 if optional else 2]):
+        _assert_bounded(lse_logp_sum_pz(ours)[i], lse_logp_sum_pz(ref)[i], oracle[i], 1e-5, name)
+    if optional:
+        _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], 1e-5, "sum_z")
+    tiles = kept.tile_max.shape[0]
+    tile_of = torch.arange(V, device=h.device) // 256
+    assert kept.z.dtype == torch.float16 and kept.z.shape == (N, V) and tiles == 4 and kept.tile_v == 256
+    m64 = torch.stack([z64[:, tile_of == s].max(1).values for s in range(tiles)])
+    torch.testing.assert_close(kept.tile_max.double(), m64, rtol=0, atol=1e-4)
+    centred = z64 - m64.t()[:, tile_of]
+    assert torch.all(kept.z.double() <= 0)
+    assert torch.all((kept.z.double() - centred).abs() <= centred.abs() * 2**-10 + 1e-4)
+
+
+# Each statistic's gradient alone and all together, kept logits and recomputed vocabulary blocks
+# (300 entries: blocks that end inside a tile), both 16-bit dtypes.
+BACKWARD_CASES = [
+    (torch.bfloat16, "full", (True, True, True, True), 72, V),
+    (torch.bfloat16, "full", (True, True, True, True), 72, 300),
+    (torch.float16, "plain", (True, False, False, False), 70, V),
+    (torch.bfloat16, "full", (False, False, True, False), 70, 300),
+    (torch.bfloat16, "plain", (False, False, False, True), 72, V),
+]
+
+
+@pytest.mark.parametrize(("dtype", "transform_key", "present", "hidden_size", "block"), BACKWARD_CASES)
+@pytest.mark.cuda
+@on_hopper
+def test_chunk_backward(dtype, transform_key, present, hidden_size, block):
+    cute_backend, torch_backend = _backends()
+    h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    grads = StatGrads(*(torch.randn(N, generator=gen).cuda() if p else None for p in present))
+    _, oracle_grads = _oracle(h, w, b, t, tr, grads)
+    plan = _plan(block)
+    out = {}
+    for backend in (cute_backend, torch_backend):
+        partials, kept = forward(backend, h, w, b, t, tr, plan, grads.entropy is not None,
+                                 keep_logits=plan.keep_logits)
+        lse, _, sum_pz = lse_logp_sum_pz(partials)
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=h.device)
+        gb = torch.zeros(V, device=h.device) if b is not None else None
+        gh = backward(backend, h, w, b, t, tr, plan, SavedStats(lse, sum_pz), grads,
+                      Accumulators(gw, gb, hidden=True), kept)
+        out[backend.NAME] = (gh, gw, gb)
+    for i, name in enumerate(("d hidden", "d weight", "d bias")):
+        if out["torch"][i] is None:
+            continue
+        # dy is cut to the 16-bit dtype for the two GEMMs: 2**-7 of the gradient's largest entry.
+        a, r, c = out["cute"][i].double(), out["torch"][i].double(), oracle_grads[i]
+        assert ((a - c).abs() - (r - c).abs() - 2**-7 * c.abs().max()).max() <= 0, name
+        assert (a - c).abs().max() <= 2 * 2**-7 * c.abs().max(), name
+
