@@ -23,8 +23,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from logitless.bench.batches import group_inputs, is_group_objective
 from logitless.bench.cases import make_inputs, parse_shape
-from logitless.bench.competitors import ROWS, Prepared
+from logitless.bench.competitors import Prepared, rows_of
 from logitless.bench.timing import time_step
 from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
@@ -140,7 +141,9 @@ def main() -> None:
     def reset() -> None:
         x.hidden.grad = x.weight.grad = None
 
-    rows = [(r.name, r.prepare(x, "auto")) for r in ROWS if r.objective == objective and r.name in names]
+    if is_group_objective(objective):  # grpo-c<percent>[-kl]: advantages from group rewards
+        x = group_inputs(x, objective)
+    rows = [(r.name, r.prepare(x, "auto")) for r in rows_of(objective) if r.name in names]
     if "kernel" in names:  # the statistics GEMM alone, as a rollout launches it
         h2, y = x.hidden.detach().reshape(-1, case.hidden_size), x.targets.reshape(-1)
         ops = TileOperands(h2, x.weight.detach(), None, y, LogitTransform())
