@@ -30,6 +30,8 @@ def _shard_rows(v: int, world: int, rank: int, sizes: list[int] | None):
 
 
 _SKIPPED = []  # rows each of this process's backward decisions left out
+# the reduce-scatter logitless.distributed calls (torch 2.13 renamed it; it looks the name up per call)
+_RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def _small_row_multiple(case: dict) -> None:
@@ -217,7 +219,7 @@ def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
                         LogitTransform(temperature=1.2), shard=shard)
     counts = {"max": 0, "sum": 0, "other": 0}
     orig = dist.all_reduce
-    orig_rs = dist.reduce_scatter_single
+    orig_rs = getattr(dist, _RS)
 
     def counting(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
         counts["max" if op == dist.ReduceOp.MAX else "sum" if op == dist.ReduceOp.SUM else "other"] += 1
@@ -235,12 +237,14 @@ def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
         bias = case["bias"][start:start + rows].clone().requires_grad_()
         head = Head(weight, bias, LogitTransform(temperature=0.8, softcap=6.0), shard=shard)
         counts.update(max=0, sum=0, other=0)
-        dist.all_reduce, dist.reduce_scatter_single = counting, counting_rs
+        dist.all_reduce = counting
+        setattr(dist, _RS, counting_rs)
         try:
             loss, metrics = _distill_call(case, run, hidden, head, teacher_head)
             loss.backward()
         finally:
-            dist.all_reduce, dist.reduce_scatter_single = orig, orig_rs
+            dist.all_reduce = orig
+            setattr(dist, _RS, orig_rs)
         out["runs"].append(dict(loss=loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad,
                                 grad_bias=bias.grad, metrics={k: v.detach() for k, v in metrics.items()},
                                 counts=dict(counts)))
@@ -397,7 +401,7 @@ def sum_partials_cases(rank: int, world: int, case: dict) -> dict:
         return ld.all_reduce(t, "sum", group).to(dtype)
 
     calls = []
-    orig_rs = dist.reduce_scatter_single
+    orig_rs = getattr(dist, _RS)
 
     def counting_rs(*args, **kwargs):
         calls.append(1)
@@ -410,11 +414,11 @@ def sum_partials_cases(rank: int, world: int, case: dict) -> dict:
         t = torch.randn(shape, generator=g) * torch.exp(3 * torch.randn(shape, generator=g))
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             calls.clear()
-            dist.reduce_scatter_single = counting_rs
+            setattr(dist, _RS, counting_rs)
             try:
                 ours = ld.sum_partials(t.clone(), dtype, dist.group.WORLD)
             finally:
-                dist.reduce_scatter_single = orig_rs
+                setattr(dist, _RS, orig_rs)
             out["sums"].append(dict(shape=shape, dtype=dtype, partial=t, ours=ours, scatters=len(calls),
                                     reference=reference(t.clone(), dtype, dist.group.WORLD)))
     b, t_len, h, v = 4, 6, 8, 50
