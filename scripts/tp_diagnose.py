@@ -9,10 +9,10 @@ Per rank, fused GRPO (dapo, beta 0.04) at one shape, each variant run as a train
   communication, (a);
 * ``tp``: the same rows with a ``VocabShard`` over a group of k ranks;
 * ``tp-nodh``: ``tp`` with ``reduce_grad_hidden=False``: the step without its final ``d hidden``
-  all-reduce, (c).
+  sum (a 16-bit ``d hidden``: fp32 reduce-scatter + bf16 all-gather, ``distributed.sum_partials``), (c).
 
-Then, for one ``tp`` step each: every all-reduce the engine makes (caller, op, bytes), timed with
-CUDA events on the compute stream, and the same all-reduces alone after a barrier (the
+Then, for one ``tp`` step each: every collective the engine makes (caller, kind, op, bytes), timed with
+CUDA events on the compute stream, and the same collectives alone after a barrier (the
 difference is waiting for the slowest peer), (b) and (c); a ``torch.profiler`` trace split into
 GPU time in compute kernels, NCCL time not overlapped by compute, and idle time (the GPU waiting
 for the host: launch gaps, host synchronizations), (d); the host synchronizations of the step
@@ -37,12 +37,14 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 import logitless
 from logitless import Head, LogitTransform, PassOptions, PolicyConfig, VocabShard
+from logitless.distributed import all_reduce, sum_partials
 
 TRANSFORM = LogitTransform(temperature=0.9)
 CONFIG = PolicyConfig(loss_type="dapo", beta=0.04)
@@ -133,12 +135,18 @@ def _op_name(op) -> str:
 
 
 class AllReduceLog:
-    """Records every ``torch.distributed.all_reduce`` made inside the ``with`` block: caller,
-    op, shape, dtype, bytes, and (after :meth:`finish`) ms between the compute stream reaching
-    the call and the reduced tensor being ready on it (transfer plus waiting for peers)."""
+    """Records every ``torch.distributed`` all-reduce, reduce-scatter and all-gather (single
+    tensor) made inside the ``with`` block: caller, collective, op, shape, dtype, bytes (the
+    larger of input and output), and (after :meth:`finish`) ms between the compute stream
+    reaching the call and the result being ready on it (transfer plus waiting for peers)."""
+
+    # collective -> the names torch.distributed has had for it (logitless.distributed looks them up per call)
+    KINDS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "all_reduce": ("all_reduce",), "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+        "all_gather": ("all_gather_single", "all_gather_into_tensor")}
 
     def __init__(self, dev: torch.device):
-        self.dev, self.calls, self._orig = dev, [], None
+        self.dev, self.calls, self._orig = dev, [], []
 
     def _mark(self):
         if self.dev.type == "cuda":
@@ -147,24 +155,36 @@ class AllReduceLog:
             return event
         return time.perf_counter()
 
-    def __enter__(self) -> AllReduceLog:
-        self._orig = orig = dist.all_reduce
-
-        def recorded(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            caller = sys._getframe(2).f_code  # 0: here, 1: logitless.distributed.all_reduce
+    def _wrap(self, kind: str, orig):
+        def recorded(*args, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            caller = sys._getframe(2).f_code  # 0: here, 1: the logitless.distributed function
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if kind != "all_gather":
+                args = (*args, op)
             start = self._mark()
-            work = orig(tensor, op=op, group=group, async_op=async_op)
-            self.calls.append(dict(caller=f"{os.path.basename(caller.co_filename)}:{caller.co_name}", op=_op_name(op),
-                                   shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."),
-                                   bytes=tensor.numel() * tensor.element_size(), marks=(start, self._mark()),
-                                   group=group))
+            work = orig(*args, group=group, async_op=async_op)
+            big = max(tensors, key=lambda t: t.numel() * t.element_size())
+            self.calls.append(dict(caller=f"{os.path.basename(caller.co_filename)}:{caller.co_name}", kind=kind,
+                                   op=_op_name(op) if kind != "all_gather" else "-", shape=list(big.shape),
+                                   dtype=str(big.dtype).removeprefix("torch."),
+                                   bytes=big.numel() * big.element_size(), marks=(start, self._mark()),
+                                   tensors=[(list(t.shape), t.dtype) for t in tensors], group=group))
             return work
 
-        dist.all_reduce = recorded
+        return recorded
+
+    def __enter__(self) -> AllReduceLog:
+        for kind, names in self.KINDS.items():
+            for name in names:
+                if hasattr(dist, name):
+                    self._orig.append((name, getattr(dist, name)))
+                    setattr(dist, name, self._wrap(kind, getattr(dist, name)))
         return self
 
     def __exit__(self, *exc) -> None:
-        dist.all_reduce = self._orig
+        for name, orig in self._orig:
+            setattr(dist, name, orig)
+        self._orig = []
 
     def finish(self) -> list[dict]:
         sync(self.dev)
@@ -175,18 +195,21 @@ class AllReduceLog:
 
 
 def isolated_all_reduce_ms(call: dict, dev: torch.device, reps: int = 10) -> float:
-    """The all-reduce of ``call`` alone (same op, shape, dtype and group), all ranks aligned."""
-    dtype = getattr(torch, call["dtype"])
-    x = torch.ones(call["shape"], dtype=dtype, device=dev)
-    op = getattr(dist.ReduceOp, call["op"].upper())
-    return timed(lambda: dist.all_reduce(x, op=op, group=call["group"]), dev, reps)
+    """The collective of ``call`` alone (same kind, op, shapes, dtypes and group), all ranks aligned."""
+    tensors = [torch.ones(shape, dtype=dtype, device=dev) for shape, dtype in call["tensors"]]
+    if call["kind"] == "all_reduce":
+        op = getattr(dist.ReduceOp, call["op"].upper())
+        return timed(lambda: dist.all_reduce(tensors[0], op=op, group=call["group"]), dev, reps)
+    fn = next(getattr(dist, name) for name in AllReduceLog.KINDS[call["kind"]] if hasattr(dist, name))
+    return timed(lambda: fn(*tensors, group=call["group"]), dev, reps)
 
 
 def collective_probe(n: int, h: int, rows: int, group, dev: torch.device, reps: int = 10) -> dict:
     """Collectives of a TP step alone and their alternatives (ms), for the proposals:
 
     * the fp32 ``[n, h]`` d hidden all-reduce; in bf16; as an fp32 reduce-scatter + bf16
-      all-gather (the same fp32 sum, cast once, 3/4 of the bytes);
+      all-gather (the same fp32 sum, cast once, 3/4 of the bytes); the engine's d hidden sum
+      whole, as it was (copy, fp32 all-reduce, cast) and as it is (``sum_partials``);
     * the bf16 ``d weight = dyᵀ h`` GEMM of a ``rows``-row shard alone, and at once with the fp32
       all-reduce (launched async before it): can the engine hide the all-reduce there?
     * the statistics' MAX ``[n]`` + SUM ``[3, n]`` all-reduces against one all-gather of every
@@ -221,13 +244,17 @@ def collective_probe(n: int, h: int, rows: int, group, dev: torch.device, reps: 
             dist.all_gather_into_tensor(full, part.to(torch.bfloat16), group=group)
 
         out["rs_fp32_ag_bf16_ms"] = timed(rs_ag, dev, reps)
+    # the engine's d hidden sum as a whole: before (a copy, the fp32 all-reduce, the cast of all of it) and now
+    # (logitless.distributed.sum_partials: fp32 reduce-scatter, the shard's cast, bf16 all-gather)
+    out["dh_all_reduce_cast_ms"] = timed(lambda: all_reduce(dh, "sum", group).to(torch.bfloat16), dev, reps)
+    out["dh_sum_partials_ms"] = timed(lambda: sum_partials(dh, torch.bfloat16, group), dev, reps)
     return out
 
 
 class OverlapGradHidden:
     """Experiment, by patching (``ops`` unchanged): the ``d hidden`` all-reduce starts (async)
     right after the ``d hidden`` GEMM, so it runs during the ``d weight`` GEMM, and the engine's
-    own all-reduce after the pass is skipped. Only a pass of one chunk of all ``n`` rows whose
+    own sum after the pass (``sum_partials``) is skipped. Only a pass of one chunk of all ``n`` rows whose
     backward runs one vocabulary block takes it (``taken`` counts them); others run unchanged."""
 
     def __init__(self, group, n: int):
@@ -238,7 +265,7 @@ class OverlapGradHidden:
         from logitless.ops.gemm_backend import backend as gemm_backend
         from logitless.ops.triton_backend import backend as triton_backend
 
-        block_grads, engine_all_reduce = triton_backend.block_grads, fused.all_reduce
+        block_grads, engine_sum = triton_backend.block_grads, fused.sum_partials
 
         def overlapped(dy, weight, hidden, block, acc, grad_hidden):
             if not (acc.hidden and grad_hidden is None and block.start == 0 and block.stop == weight.shape[0]
@@ -252,16 +279,16 @@ class OverlapGradHidden:
             self._reduced, self.taken = True, self.taken + 1
             return gh
 
-        def all_reduce(t, op, group):
-            if self._reduced and op == "sum" and t.dim() == 2 and t.shape[0] == self.n:
+        def summed(t, dtype, group):
+            if self._reduced and t.dim() == 2 and t.shape[0] == self.n:
                 self._reduced = False  # reduced above
-                return t
-            return engine_all_reduce(t, op, group)
+                return t.to(dtype)
+            return engine_sum(t, dtype, group)
 
         self._saved = [(gemm_backend, "block_grads", gemm_backend.block_grads),
-                       (triton_backend, "block_grads", block_grads), (fused, "all_reduce", engine_all_reduce)]
+                       (triton_backend, "block_grads", block_grads), (fused, "sum_partials", engine_sum)]
         gemm_backend.block_grads = triton_backend.block_grads = overlapped
-        fused.all_reduce = all_reduce
+        fused.sum_partials = summed
         return self
 
     def __exit__(self, *exc) -> None:
@@ -467,8 +494,8 @@ def _cell(x: float | int | None, width: int) -> str:
 # (the model's forward in a trainer) that hides the step's host work before its first kernel;
 # busy: GPU time in compute kernels; idle: GPU waiting for the host; lead, 1stbig: from the
 # step's start to its first kernel, and to its first large kernel (>= 5% of busy: the pass's
-# first GEMM); nccl-exp: NCCL time not overlapped by compute; AR: all-reduce (event ms in the
-# step, and alone: iso); dh: d hidden.
+# first GEMM); nccl-exp: NCCL time not overlapped by compute; AR: collectives (event ms in the
+# step, and alone: iso); dh: d hidden (its all-reduce, or reduce-scatter + all-gather).
 _COLUMNS = [("rank", "rank", 4), ("tp1", "tp1", 7), ("tp1/k", "ideal", 7), ("local", "local", 7), ("tp", "tp", 7),
             ("tp-nodh", "tp_nodh", 7), ("speedup", "speedup", 7), ("tp1*", "tp1_b", 7), ("tp*", "tp_b", 7),
             ("speedup*", "speedup_b", 8), ("busy1/k", "busy_ideal", 7), ("busyloc", "busy_local", 7),
@@ -514,7 +541,8 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
             else avg["busy_local"] - avg["busy_ideal"],
             "(a+d) the local V/k step alone, no communication (local - tp1/k, wall)": avg["local"] - avg["ideal"],
             "(b) statistics all-reduces (MAX+SUM, event ms in the step)": avg["stats_ms"],
-            "(c) d hidden all-reduce, in situ (tp - tp-nodh, wall)": avg["tp"] - avg["tp_nodh"],
+            "(c) d hidden sum (all-reduce, or reduce-scatter + all-gather), in situ (tp - tp-nodh, wall)":
+                avg["tp"] - avg["tp_nodh"],
             "(b+c) NCCL kernel time not overlapped by compute (profile)": avg["nccl_exposed"],
             "(d) GPU idle beyond tp1's share (idle tp - idle tp1/k, profile)": None if avg["idle_tp"] is None
             else avg["idle_tp"] - avg["idle_ideal"],
@@ -549,6 +577,10 @@ def report(ranks: list[dict]) -> tuple[str, dict]:
         elif exp and "error" in exp[0]:
             lines.append(f"   experiment not run: {exp[0]['error']}")
         probe = ranks[0][key].get("overlap")
+        if probe and "dh_sum_partials_ms" in probe:
+            lines.append("   rank 0, the engine's d hidden sum alone: as it was (copy, fp32 all-reduce, cast) "
+                         "{dh_all_reduce_cast_ms:.2f} ms, as it is (fp32 reduce-scatter, shard cast, bf16 all-gather: "
+                         "sum_partials) {dh_sum_partials_ms:.2f} ms".format(**probe))
         if probe:
             lines.append("   rank 0 collectives alone: d hidden all-reduce fp32 {all_reduce_fp32_ms:.2f} ms, bf16 "
                          "{all_reduce_bf16_ms:.2f} ms, fp32 reduce-scatter + bf16 all-gather {rs:.2f} ms; "

@@ -30,6 +30,8 @@ def _shard_rows(v: int, world: int, rank: int, sizes: list[int] | None):
 
 
 _SKIPPED = []  # rows each of this process's backward decisions left out
+# the reduce-scatter logitless.distributed calls (torch 2.13 renamed it; it looks the name up per call)
+_RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 def _small_row_multiple(case: dict) -> None:
@@ -217,10 +219,16 @@ def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
                         LogitTransform(temperature=1.2), shard=shard)
     counts = {"max": 0, "sum": 0, "other": 0}
     orig = dist.all_reduce
+    orig_rs = getattr(dist, _RS)
 
     def counting(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
         counts["max" if op == dist.ReduceOp.MAX else "sum" if op == dist.ReduceOp.SUM else "other"] += 1
         return orig(t, op=op, group=group, async_op=async_op)
+
+    def counting_rs(out, t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        # a 16-bit d hidden is summed by a reduce-scatter (then all-gathered): it counts as its SUM
+        counts["sum" if op == dist.ReduceOp.SUM else "other"] += 1
+        return orig_rs(out, t, op=op, group=group, async_op=async_op)
 
     out = {"start": start, "rows": rows, "runs": []}
     for run in case["runs"]:
@@ -230,11 +238,13 @@ def distill_vocab_parallel(rank: int, world: int, case: dict) -> dict:
         head = Head(weight, bias, LogitTransform(temperature=0.8, softcap=6.0), shard=shard)
         counts.update(max=0, sum=0, other=0)
         dist.all_reduce = counting
+        setattr(dist, _RS, counting_rs)
         try:
             loss, metrics = _distill_call(case, run, hidden, head, teacher_head)
             loss.backward()
         finally:
             dist.all_reduce = orig
+            setattr(dist, _RS, orig_rs)
         out["runs"].append(dict(loss=loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad,
                                 grad_bias=bias.grad, metrics={k: v.detach() for k, v in metrics.items()},
                                 counts=dict(counts)))
@@ -375,4 +385,61 @@ def tp_against_tp1(rank: int, world: int, case: dict) -> dict:
         tp, tp1, f64 = res["tp"], res["tp1"], res["64"]
         out["runs"][name] = {q: {"tp_tp1": _rel(tp[q], tp1[q]), "tp1_64": _rel(tp1[q], f64[q]),
                                  "tp_64": _rel(tp[q], f64[q])} for q in tp}
+    return out
+
+
+def sum_partials_cases(rank: int, world: int, case: dict) -> dict:
+    """``distributed.sum_partials`` against an fp32 all-reduce then the cast, on this rank's
+    random fp32 partials of each ``case["shapes"]`` in each dtype (``ours``, ``reference``, the
+    partials, and how many reduce-scatters it made); then a bf16 vocabulary-parallel
+    ``policy_loss`` (fused and recompute, this rank's rows of the head) with its ``d hidden``
+    summed both ways (``pass``: the two ``d hidden`` per mode)."""
+    import logitless.distributed as ld
+    from logitless.ops import fused, recompute
+
+    def reference(t, dtype, group):
+        return ld.all_reduce(t, "sum", group).to(dtype)
+
+    calls = []
+    orig_rs = getattr(dist, _RS)
+
+    def counting_rs(*args, **kwargs):
+        calls.append(1)
+        return orig_rs(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(case["seed"] * 100 + rank)
+    out: dict = {"sums": []}
+    for shape in case["shapes"]:
+        # magnitudes spread over many binades: the fp32 sums round, and so do their casts
+        t = torch.randn(shape, generator=g) * torch.exp(3 * torch.randn(shape, generator=g))
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            calls.clear()
+            setattr(dist, _RS, counting_rs)
+            try:
+                ours = ld.sum_partials(t.clone(), dtype, dist.group.WORLD)
+            finally:
+                setattr(dist, _RS, orig_rs)
+            out["sums"].append(dict(shape=shape, dtype=dtype, partial=t, ours=ours, scatters=len(calls),
+                                    reference=reference(t.clone(), dtype, dist.group.WORLD)))
+    b, t_len, h, v = 4, 6, 8, 50
+    hidden = (torch.randn(b, t_len, h, generator=g) * 2).to(torch.bfloat16)
+    weight = (torch.randn(v, h, generator=g) / h**0.5 * 2).to(torch.bfloat16)
+    ids = torch.randint(0, v, (b, t_len), generator=g)
+    adv, old = torch.randn(b, generator=g), torch.randn(b, t_len, generator=g) * 0.1 - 3
+    start, rows = _shard_rows(v, world, rank, None)
+    head = Head(weight[start:start + rows], shard=VocabShard(group=dist.group.WORLD, vocab_start=start, vocab_size=v))
+    out["pass"] = {}
+    for mode in ("fused", "recompute"):
+        got = []
+        for summed in (ld.sum_partials, reference):
+            fused.sum_partials = recompute.sum_partials = summed
+            try:
+                hh = hidden.clone().requires_grad_()
+                loss, _ = policy_loss(hh, head, ids, torch.ones(b, t_len), adv, old,
+                                      options=PassOptions(mode=mode, impl="torch"))
+                loss.backward()
+            finally:
+                fused.sum_partials = recompute.sum_partials = ld.sum_partials
+            got.append(hh.grad)
+        out["pass"][mode] = got
     return out

@@ -132,6 +132,33 @@ def test_vocab_parallel_rollout_one_max_one_sum():
         assert o["counts"] == {"max": 1, "sum": 1, "other": 0}
 
 
+def test_sum_partials_reduce_scatter_equals_all_reduce_then_cast(seed):
+    """``d hidden`` of a 16-bit head under a vocabulary split is summed by an fp32
+    reduce-scatter, cast per shard, and a 16-bit all-gather (``distributed.sum_partials``): on 4
+    gloo ranks it equals the fp32 all-reduce then the cast bit for bit (bf16, fp16), as does the
+    fallback (fp32 output; a size that 4 does not divide: no reduce-scatter); every result is
+    the float64 sum of the partials to one rounding. In a bf16 ``policy_loss`` (fused and
+    recompute) over the 4 ranks' rows, ``d hidden`` is the same bits either way."""
+    case = dict(seed=seed, shapes=[(12, 8), (5, 3)])
+    outs = _spawn("sum_partials_cases", 4, case)
+    for i, first in enumerate(outs[0]["sums"]):
+        exact = sum(o["sums"][i]["partial"].double() for o in outs)
+        dtype, even = first["dtype"], first["partial"].numel() % 4 == 0
+        # one rounding to dtype, plus the fp32 sum's own roundings (relative to the partials' sizes)
+        bound = torch.finfo(dtype).eps * exact.abs() + 4 * 2.0**-23 * sum(o["sums"][i]["partial"].double().abs()
+                                                                            for o in outs)
+        for o in outs:
+            got = o["sums"][i]
+            assert got["ours"].dtype == dtype and torch.equal(got["ours"], got["reference"]), (got["shape"], dtype)
+            assert torch.equal(got["ours"], first["ours"])  # every rank holds the same sum
+            assert got["scatters"] == (1 if even and dtype != torch.float32 else 0), (got["shape"], dtype)
+            assert ((got["ours"].double() - exact).abs() <= bound).all(), (got["shape"], dtype)
+    for o in outs:
+        for mode, (ours, reference) in o["pass"].items():
+            assert ours.dtype == torch.bfloat16 and torch.equal(ours, reference), mode
+            assert torch.equal(ours, outs[0]["pass"][mode][0]), mode
+
+
 def _packed_case(gen, lens=(5, 9, 3, 7), h=16, v=53):
     n = sum(lens)
     seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))

@@ -8,6 +8,7 @@ inputs give the same numbers, and masked-out tokens never reach the vocabulary p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -40,6 +41,8 @@ class TokenLayout:
         group: sequence-parallel process group whose ranks hold pieces of the same segments
             (global segment ids); ``seg_len`` and :meth:`seq_sum` are then over the group.
         distributed: ``group`` spans more than this process.
+        permuted: ``index`` is every position in another order (:meth:`counted_first`): gathers
+            are copies even though every position is a token.
     """
 
     index: torch.Tensor
@@ -50,6 +53,7 @@ class TokenLayout:
     shape: torch.Size
     group: object | None = None
     distributed: bool = False
+    permuted: bool = False
 
     @functools.cached_property
     def cuts(self) -> list[int]:
@@ -66,7 +70,7 @@ class TokenLayout:
     @property
     def complete(self) -> bool:
         """Every position counts (``index`` is ``0..n-1``): gathers are views, not copies."""
-        return self.n == self.shape.numel()
+        return self.n == self.shape.numel() and not self.permuted
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """The counted rows of ``x [*shape, ...]`` → ``[n, ...]`` (a view when :attr:`complete`)."""
@@ -110,6 +114,37 @@ class TokenLayout:
         index = (flat != 0).nonzero().squeeze(1)
         seg = index // max(t, 1)
         return cls._build(index, seg, b, flat, mask.shape)
+
+    @classmethod
+    def counted_first(cls, mask: torch.Tensor) -> tuple[TokenLayout, torch.Tensor]:
+        """Every position of a ``[B, T]`` mask as a token, the counted ones (non-zero) first, each
+        part in position order, and how many count (a 0-dim device tensor): no host
+        synchronization, so a caller prepares and checks its per-token tensors while the device
+        works, and reads the count with its checks. Uncounted tokens have ``weight`` 0 (``seg_len``
+        is :meth:`from_padded`'s), ``seg`` is non-decreasing over the counted ones only, and
+        ``first(count)`` is :meth:`from_padded`'s layout, its per-token tensors their first ``count``
+        rows (views)."""
+        if mask.dim() != 2:
+            raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
+        b, t = mask.shape
+        flat = mask.reshape(-1)
+        counted = flat != 0
+        inc = torch.cumsum(counted, 0)  # counted positions at or before each position
+        count = inc[-1] if flat.numel() else inc.new_zeros(())
+        positions = torch.arange(flat.numel(), device=flat.device)
+        # a stable partition: a counted position goes to slot inc - 1, another to count + (others before it)
+        slot = torch.where(counted, inc - 1, count + positions - inc)
+        index = torch.empty_like(positions).scatter_(0, slot, positions)
+        seg = index // max(t, 1)
+        weight = flat[index].to(torch.get_default_dtype() if not flat.is_floating_point() else flat.dtype)
+        seg_len = weight.new_zeros(b).index_add(0, seg, weight)
+        return cls(index=index, seg=seg, num_segments=b, weight=weight, seg_len=seg_len, shape=mask.shape,
+                   permuted=True), count
+
+    def first(self, n: int) -> TokenLayout:
+        """The layout of this one's first ``n`` tokens (views; the same segments and ``seg_len``)."""
+        # the first n of counted_first's order are ascending: n = all of them is every position in order
+        return dataclasses.replace(self, index=self.index[:n], seg=self.seg[:n], weight=self.weight[:n], permuted=False)
 
     @classmethod
     def from_segments(cls, mask: torch.Tensor, segment_ids: torch.Tensor, group=None) -> TokenLayout:

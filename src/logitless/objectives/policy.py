@@ -165,19 +165,25 @@ def policy_loss(
     return loss, metrics
 
 
-def _zero_gradient_rows(cfg: PolicyConfig, tok: PolicyTokens) -> torch.Tensor | None:
-    """``[n]`` bool, the counted tokens whose gradient is exactly zero whatever the pass computes:
-    without a KL term or an entropy bonus every loss type's term is its advantage times a factor,
-    so a token of zero advantage has none; at sequence level (not GSPO-token's, whose sequence
-    ratio is detached) a token's log-ratio also reaches its sequence's ratio, so only the tokens
-    of sequences with zero advantage throughout (over the sequence-parallel group). ``None``
-    where no token can be known to have none."""
+def _zero_gradient_rows(cfg: PolicyConfig, lay: TokenLayout, advantages: torch.Tensor,
+                        counted: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``[n]`` bool over the tokens of ``lay``, those whose gradient is exactly zero whatever the
+    pass computes: without a KL term or an entropy bonus every loss type's term is its advantage
+    (``advantages``, per token) times a factor, so a token of zero advantage has none; at
+    sequence level (not GSPO-token's, whose sequence ratio is detached) a token's log-ratio also
+    reaches its sequence's ratio, so only the tokens of sequences with zero advantage throughout
+    (over the sequence-parallel group). ``counted``: ``[n]`` bool, the tokens of ``lay`` that count
+    (the others are marked too, and none of their advantages is read). ``None`` where no token can
+    be known to have none."""
     if cfg.beta != 0.0 or cfg.entropy_coef != 0.0:
         return None
-    zero = tok.advantages == 0
+    zero = advantages == 0
+    if counted is not None:
+        zero = zero | ~counted
     if cfg.importance_sampling_level == "sequence":
-        lay = tok.layout
-        zero = (lay.seq_sum((~zero).to(tok.m.dtype)) == 0)[lay.seg]
+        zero = (lay.seq_sum((~zero).to(lay.weight.dtype)) == 0)[lay.seg]
+        if counted is not None:
+            zero = zero | ~counted
     return zero
 
 
@@ -279,7 +285,9 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                          "modes), as TRL requires")
 
     # One host synchronization for the masks', the head's, the per-token inputs' and the
-    # count's value checks.
+    # count's value checks, which also reads how many tokens count (padded inputs): the checks
+    # see every position of the caller's layout and check the counted ones, so the GPU keeps
+    # working while the host prepares them, and the counted layout needs no read of its own.
     checks = ValueChecks()
     check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=False)
     if tool_mask is not None:
@@ -287,45 +295,45 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     mask = completion_mask if tool_mask is None else completion_mask * tool_mask
     if mask.dtype == torch.bool:
         mask = mask.to(torch.int64)
-    lay = TokenLayout.from_segments(mask, segment_ids, sequence_group) if packed else TokenLayout.from_padded(mask)
     sdt = stat_dtype_for(hidden.dtype)
-    lay.weight = lay.weight.to(sdt)
-    lay.seg_len = lay.seg_len.to(sdt)
-    h_flat = lay.rows(hidden)
-    t_flat = lay.gather(completion_ids).long()
-    check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
+    if packed:  # the segment count is read first (a synchronization of its own)
+        seen = TokenLayout.from_segments(mask, segment_ids, sequence_group)
+        count = counted = None
+        check_head_inputs(seen.rows(hidden), head, seen.gather(completion_ids), ignore_index=None, checks=checks)
+    else:  # every position, the counted ones first; the hidden rows and ids checked in place
+        seen, count = TokenLayout.counted_first(mask)
+        counted = seen.weight != 0
+        check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, completion_ids.reshape(-1), ignore_index=None,
+                          checks=checks, counted=mask.reshape(-1) != 0)
 
     def bad_values(name: str):
         return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
 
-    def tok_tensor(x, name):
-        if x is None:
-            return None
-        out = lay.gather(x).to(sdt)
-        if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
-            checks.add_finite(out, bad_values(name))
-        return out
-
-    per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
-    adv_tok = lay.per_token(advantages, "advantages").to(sdt)
-    checks.add_finite(adv_tok, bad_values("advantages"))
-    is_tok = log_is_seq = None
+    adv_seen = seen.per_token(advantages, "advantages").to(sdt)
+    checks.add_finite(adv_seen, bad_values("advantages"), where=counted)
+    is_seen = None
     if importance_sampling_ratio is not None:
-        is_tok = lay.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
-        checks.add_range(is_tok, 0.0, math.inf, bad_values("importance_sampling_ratio"))
-        if cfg.loss_type == "vespo":
-            log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
-
+        is_seen = seen.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
+        checks.add_range(is_seen, 0.0, math.inf, bad_values("importance_sampling_ratio"), where=counted)
     if num_items_in_batch is not None:
         # TRL clamps the count to 1: 0 is its count of a generation batch with no counted token.
-        num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device, zero_ok=lay.n == 0)
-    m = lay.weight
-    n_seq = lay.num_segments
+        num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device,
+                                         zero_ok=seen.n == 0 if count is None else count)
+    seen_logps = {}
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp)):
+        if x is not None:
+            seen_logps[name] = seen.gather(x).to(sdt)
+            if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
+                checks.add_finite(seen_logps[name], bad_values(name), where=counted)
+    # Per-token weights before the read too (0 at uncounted tokens, which come last).
+    seen.weight = m = seen.weight.to(sdt)
+    seen.seg_len = seen.seg_len.to(sdt)
+    n_seq = seen.num_segments
     m_total = all_reduce(m.sum(), "sum", sequence_group)
     g = _accum(cfg)
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
-        loss_weight = m / lay.seg_len.clamp(min=1.0)[lay.seg] / n_seq / g
+        loss_weight = m / seen.seg_len.clamp(min=1.0)[seen.seg] / n_seq / g
     elif lt in ("bnpo", "ppo"):
         loss_weight = m / m_total.clamp(min=1.0) / g
     elif lt == "dr_grpo":
@@ -348,16 +356,32 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                 denom = denom * cfg.gradient_accumulation_steps / spg
         loss_weight = m / denom
     bonus_weight = m / m_total.clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
+    zero = _zero_gradient_rows(cfg, seen, adv_seen, counted)
 
-    tok = PolicyTokens(layout=lay, m=m, advantages=adv_tok,
+    reads = [] if count is None else [count]
+    read = checks.run(*reads, *(() if zero is None else ((~zero).sum(),)))  # the value checks' one synchronization
+    lay = seen if count is None else seen.first(int(read[0]))
+
+    def counted_rows(x: torch.Tensor | None) -> torch.Tensor | None:
+        """A per-token tensor of ``seen``, at ``lay``'s tokens (its first rows: a view)."""
+        return None if x is None else x[:lay.n]
+
+    h_flat = lay.rows(hidden)
+    t_flat = lay.gather(completion_ids).long()
+    per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
+    adv_tok, is_tok = counted_rows(adv_seen), counted_rows(is_seen)
+    log_is_seq = None
+    if is_tok is not None and cfg.loss_type == "vespo":
+        log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
+    tok = PolicyTokens(layout=lay, m=lay.weight, advantages=adv_tok,
                        adv_per_sequence=advantages.to(sdt) if per_seq else None,
-                       old_logp=tok_tensor(old_logp, "old_logp"), ref_logp=tok_tensor(ref_logp, "ref_logp"),
-                       sampling_logp=tok_tensor(sampling_logp, "sampling_logp"), is_ratio=is_tok,
-                       log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight)
-    zero = _zero_gradient_rows(cfg, tok)
-    others = checks.run(*(() if zero is None else ((~zero).sum(),)))  # the value checks' one synchronization
+                       old_logp=counted_rows(seen_logps.get("old_logp")),
+                       ref_logp=counted_rows(seen_logps.get("ref_logp")),
+                       sampling_logp=counted_rows(seen_logps.get("sampling_logp")), is_ratio=is_tok,
+                       log_is_ratio_seq=log_is_seq, loss_weight=counted_rows(loss_weight),
+                       bonus_weight=counted_rows(bonus_weight))
     if zero is not None:
-        tok.zero_rows = ZeroRows(zero, int(others[0]))
+        tok.zero_rows = ZeroRows(counted_rows(zero), int(read[-1]))
     return tok, h_flat, t_flat
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..distributed import all_reduce
+from ..distributed import all_reduce, sum_partials
 from . import grad_layout
 from .contract import (
     Accumulators,
@@ -266,7 +266,7 @@ class _FusedFn(torch.autograd.Function):
         total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
         grad_x = full.lora_x
         if partial and grad_hidden is not None:
-            grad_hidden = all_reduce(grad_hidden, "sum", p.head.group).to(hidden.dtype)
+            grad_hidden = sum_partials(grad_hidden, hidden.dtype, p.head.group)
         if partial and grad_x is not None:
             grad_x = all_reduce(grad_x, "sum", p.head.group)
         ctx.save_for_backward(grad_hidden, full.weight, full.bias, grad_x, full.lora_b)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..distributed import all_reduce
+from ..distributed import all_reduce, sum_partials
 from . import grad_layout
 from .grad_layout import rows_of
 from .memory import advise_on_oom, check_workspace_fits
@@ -79,7 +79,7 @@ class _RecomputeFn(torch.autograd.Function):
             grad_hidden = torch.zeros_like(hidden, dtype=grad_rows.dtype)
             grad_hidden[picked] = grad_rows
         if partial:
-            grad_hidden = all_reduce(grad_hidden, "sum", local.group).to(hidden.dtype)
+            grad_hidden = sum_partials(grad_hidden, hidden.dtype, local.group)
         if acc.lora_x is not None and local.parallel and local.reduce_grad_hidden:
             acc.lora_x.copy_(all_reduce(acc.lora_x, "sum", local.group))
         return (grad_hidden, _cast(acc.weight, weight), _cast(acc.bias, bias), _cast(acc.lora_x, lora_x),

@@ -21,7 +21,8 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | None, ignore_index: int | None,
-                      checks: ValueChecks | None = None, *, pending: ValueChecks | None = None) -> bool:
+                      checks: ValueChecks | None = None, *, pending: ValueChecks | None = None,
+                      counted: torch.Tensor | None = None) -> bool:
     """Validate ``hidden [..., H]``, the head (``weight [V, H]``, ``bias [V]``, its shard and
     adapter: :meth:`HeadLoRA.check`, then NaN/inf in its factors with the other values) and
     ``targets [...]`` (global ids; ``None``: a pass without target ids, e.g. distillation's).
@@ -31,7 +32,9 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     checks are added to it instead (the caller runs them with its own, in one synchronization)
     and the return value is ``False``; pass ``ignore_index=None`` then. ``pending``: checks the
     caller has already added (e.g. :func:`check_count`'s), run here in this function's
-    synchronization.
+    synchronization. ``counted``: bool of ``targets``' shape, the positions whose hidden row
+    and target are value-checked (the others may hold anything), so a caller checks its own
+    layout before it knows which positions count; with deferred ``checks`` only.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
@@ -81,11 +84,17 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     vocab = head.vocab_size()  # raises on a bad shard
     if checks is not None and pending is not None:
         raise ValueError("check_head_inputs: give checks (deferred) or pending (run here), not both")
+    if counted is not None and (checks is None or targets is None):
+        raise ValueError("check_head_inputs: counted positions need deferred checks and targets")
     own = checks if checks is not None else pending if pending is not None else ValueChecks()
     t = None
+    rows = None
     if targets is not None:
         _check_target_tensor(targets, hidden)
         t = targets.reshape(-1)
+        if counted is not None:
+            rows = counted.reshape(-1)
+            hidden = hidden.reshape(-1, hidden.shape[-1])
     # An ignore_index outside [0, V) (TRL's -100) can only occur where the targets' range check
     # fails: one reduction answers both in the common case; the exact check runs only then.
     span = ignored = None
@@ -93,10 +102,10 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         with torch.no_grad():
             span = torch.aminmax(t)
     elif t is not None:
-        ignored = _add_target_range(own, t, vocab, ignore_index)
+        ignored = _add_target_range(own, t, vocab, ignore_index, rows)
     if lora is not None:
         lora.check(hidden, weight)
-    norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"))]
+    norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"), where=rows)]
     known = _FINITE_WEIGHTS.known(weight)
     if known is None:
         norms.append(own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
@@ -123,13 +132,14 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     return bool(own.run(ignored.any())[0])
 
 
-def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int,
-                      ignore_index: int | None) -> torch.Tensor | None:
-    """Targets in ``[0, vocab)``, ``ignore_index`` allowed too, added to ``checks``; returns the
-    ``ignore_index`` mask (``None`` without one)."""
+def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int, ignore_index: int | None,
+                      rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Targets in ``[0, vocab)``, ``ignore_index`` allowed too, added to ``checks`` (at ``rows``
+    only, when given; then without an ``ignore_index``); returns the ``ignore_index`` mask
+    (``None`` without one)."""
     ignored = None if ignore_index is None else t == ignore_index
     checks.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
-                     lambda: _bad_targets(t, vocab, ignore_index))
+                     lambda: _bad_targets(t if rows is None else t[rows], vocab, ignore_index), where=rows)
     return ignored
 
 
@@ -168,22 +178,28 @@ def check_devices(device: torch.device, tensors: dict[str, torch.Tensor | None])
 
 
 def check_count(value: object, checks: ValueChecks, device: torch.device, *,
-                zero_ok: bool = False) -> float | torch.Tensor:
+                zero_ok: bool | torch.Tensor = False) -> float | torch.Tensor:
     """``num_items_in_batch``, a token count given as an int, a float or a one-element tensor (TRL
-    passes a tensor on the accelerator), checked finite and > 0 (``>= 0`` where ``zero_ok``). A
+    passes a tensor on the accelerator), checked finite and > 0 (``>= 0`` where ``zero_ok``; a
+    one-element tensor there: where it is 0, e.g. the call's own count, read with ``checks``). A
     tensor's value is read with ``checks`` (no synchronization of its own) and returned on
-    ``device``; a number is checked at once and returned as a float.
+    ``device``; a number is checked at once (with ``checks`` when ``zero_ok`` is a tensor) and
+    returned as a float.
 
     Raises:
         TypeError: not a number or a one-element real tensor (a bool, a string, a complex tensor).
         ValueError: NaN, inf, negative, or zero where not ``zero_ok``; a tensor on the meta device.
     """
-    need = ">= 0" if zero_ok else "> 0"
+    read_zero_ok = isinstance(zero_ok, torch.Tensor)
+    allow_zero = [False if read_zero_ok else zero_ok]  # a tensor's verdict once read
 
-    def bad(v: float) -> bool:
-        return not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0))
+    def bad(v: float, count: float | None = None) -> bool:
+        if count is not None:
+            allow_zero[0] = count == 0
+        return not (math.isfinite(v) and (v >= 0 if allow_zero[0] else v > 0))
 
     def error(v: object) -> ValueError:
+        need = ">= 0" if allow_zero[0] else "> 0"
         return ValueError(f"num_items_in_batch must be a finite count {need} (the counted tokens of the whole "
                           f"batch, over processes and accumulation steps), got {v}")
 
@@ -194,12 +210,17 @@ def check_count(value: object, checks: ValueChecks, device: torch.device, *,
         if value.is_meta:
             raise ValueError("num_items_in_batch is on the meta device (a shape without data)")
         value = value.detach().to(device).reshape(())
-        checks.add((value,), bad, lambda: error(value.item()))
+        if read_zero_ok:
+            checks.add((value, zero_ok), bad, lambda: error(value.item()))
+        else:
+            checks.add((value,), bad, lambda: error(value.item()))
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"num_items_in_batch must be a number or a one-element tensor, got {value!r} "
                         f"({type(value).__name__})")
-    if bad(float(value)):
+    if read_zero_ok and float(value) == 0:  # allowed where the call counts no token: read with the checks
+        checks.add((zero_ok,), lambda count: count != 0, lambda: error(value))
+    elif bad(float(value)):
         raise error(value)
     return float(value)
 
@@ -319,28 +340,37 @@ class ValueChecks:
         self._then.append(then)
 
     def add_finite(self, x: torch.Tensor, error: Callable[[], Exception],
-                   on_pass: Callable[[float], None] | None = None) -> torch.Tensor | None:
+                   on_pass: Callable[[float], None] | None = None,
+                   where: torch.Tensor | None = None) -> torch.Tensor | None:
         """Fails when ``x`` holds NaN or inf (the inf-norm, max |x|, propagates both; unlike
         ``isfinite(x).all()`` it reads ``x`` once and writes nothing its size). Returns that
         inf-norm (a 0-dim device tensor; ``None`` for an empty ``x``, whose norm is 0), which
-        ``on_pass`` receives as a float."""
+        ``on_pass`` receives as a float. ``where``: a bool mask of ``x``'s shape, or of its
+        shape without the last dimension (rows): only those elements or rows are checked and
+        measured (a position of the caller's layout that does not count may hold anything)."""
         if x.numel() == 0:
             if on_pass is not None:
                 on_pass(0.0)
             return None
         # A float32 (fp64 for fp64) norm: the stack below then keeps every value exact.
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         with torch.no_grad():
-            norm = torch.linalg.vector_norm(x.reshape(-1), float("inf"),
-                                            dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+            if where is not None:
+                if where.shape != x.shape:  # one norm per row first, [..., H] -> [...]
+                    x = torch.linalg.vector_norm(x, float("inf"), dim=-1, dtype=dtype)
+                x = torch.where(where, x, 0)
+            norm = torch.linalg.vector_norm(x.reshape(-1), float("inf"), dtype=dtype)
         self.add((norm,), lambda v: not math.isfinite(v), error, on_pass)
         return norm
 
-    def add_range(self, x: torch.Tensor, low: float, high: float, error: Callable[[], Exception]) -> None:
-        """Fails when a value of ``x`` lies outside ``[low, high)`` (NaN and inf fail too)."""
+    def add_range(self, x: torch.Tensor, low: float, high: float, error: Callable[[], Exception],
+                  where: torch.Tensor | None = None) -> None:
+        """Fails when a value of ``x`` lies outside ``[low, high)`` (NaN and inf fail too);
+        ``where``: a bool mask of ``x``'s shape, the only elements checked."""
         if x.numel() == 0:
             return
         with torch.no_grad():
-            lo, hi = torch.aminmax(x.reshape(-1))
+            lo, hi = torch.aminmax((x if where is None else x.masked_fill(~where, low)).reshape(-1))
         self.add((lo, hi), lambda a, b: not (low <= a and b < high), error)
 
     def run(self, *reads: torch.Tensor) -> list[float]:

@@ -1,0 +1,105 @@
+"""Host synchronizations of a policy step before its first GEMM: one, the value checks' read, which
+also reads the token count (padded inputs), so the host prepares every check and per-token tensor
+while the device works. Counted on the CPU as reads of tensor values on the host (on a GPU each
+is a synchronization): ``nonzero``, ``tolist``, ``item`` and the conversions to Python numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from logitless import PassOptions, PolicyConfig, policy_loss
+from logitless.objectives.layout import TokenLayout
+from logitless.ops.torch_backend import backend as torch_backend
+
+_READS = ("nonzero", "tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """The names of the host reads of tensor values made before the first GEMM (``chunk_forward``)."""
+    reads: list[str] = []
+    state = {"before_gemm": True}
+    for name in _READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            if state["before_gemm"]:
+                reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    forward = torch_backend.chunk_forward
+
+    def first_gemm(*a, **k):
+        state["before_gemm"] = False
+        return forward(*a, **k)
+
+    monkeypatch.setattr(torch_backend, "chunk_forward", first_gemm)
+    return reads, state
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.04])  # 0: the zero-advantage rows' count is read too
+def test_one_host_read_before_the_first_gemm(seed, host_reads, masked, beta):
+    b, t, h, v = 4, 6, 8, 30
+    hidden, weight = torch.randn(b, t, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    ids, adv, old = torch.randint(0, v, (b, t)), torch.randn(b), torch.randn(b, t) - 3
+    adv[0] = 0.0
+    mask = (torch.rand(b, t) > 0.3).float() if masked else torch.ones(b, t)
+    reads, state = host_reads
+    policy_loss(hidden, weight, ids, mask, adv, old, old, config=PolicyConfig(beta=beta),
+                num_items_in_batch=torch.tensor(40.0), options=PassOptions(impl="torch"))
+    assert not state["before_gemm"]  # the pass ran
+    assert reads == ["tolist"]  # ValueChecks.run's one stacked copy
+
+
+def test_counted_first_is_the_counted_layout(seed):
+    """``TokenLayout.counted_first(mask).first(count)`` (no host read) is ``from_padded(mask)``
+    (``nonzero``): every field, for empty, full, sparse and weighted masks; its tokens are every
+    position once."""
+    for b, t, p in ((3, 7, 0.4), (2, 5, 1.0), (2, 4, 0.0), (1, 1, 1.0), (0, 3, 0.5), (5, 9, 0.9)):
+        mask = (torch.rand(b, t) < p) * torch.rand(b, t).add(0.25)  # weights, zeros where not counted
+        want = TokenLayout.from_padded(mask)
+        every, count = TokenLayout.counted_first(mask)
+        assert sorted(every.index.tolist()) == list(range(b * t))
+        assert int(count) == want.n and torch.equal(every.seg_len, want.seg_len)
+        got = every.first(int(count))
+        for name in ("index", "seg", "weight", "seg_len"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (b, t, p, name)
+        assert got.complete == want.complete and got.num_segments == want.num_segments
+
+
+def test_uncounted_positions_may_hold_anything(seed):
+    """NaN hidden rows and out-of-range ids at uncounted positions (checked in the caller's layout,
+    counted positions only) change nothing: the same loss and gradients, bit for bit, as with
+    clean values there, and no gradient reaches those rows; at a counted position they raise."""
+    b, t, h, v = 3, 5, 8, 20
+    hidden, weight = torch.randn(b, t, h), torch.randn(v, h)
+    ids, adv, old = torch.randint(0, v, (b, t)), torch.randn(b), torch.randn(b, t) - 3
+    mask = torch.ones(b, t)
+    mask[1, 3:] = 0
+    mask[2, 4] = 0
+
+    def run(hid, tgt):
+        hh, ww = hid.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, _ = policy_loss(hh, ww, tgt, mask, adv, old, options=PassOptions(impl="torch"))
+        loss.backward()
+        return loss, hh.grad, ww.grad
+
+    dirty_h, dirty_ids = hidden.clone(), ids.clone()
+    dirty_h[1, 3] = math.nan
+    dirty_h[2, 4, 0] = math.inf
+    dirty_ids[1, 4] = v + 7
+    clean, dirty = run(hidden, ids), run(dirty_h, dirty_ids)
+    for a, c in zip(clean, dirty, strict=True):
+        assert torch.equal(a, c)
+    assert (dirty[1][mask == 0] == 0).all()
+    bad = hidden.clone()
+    bad[0, 2, 1] = math.nan
+    with pytest.raises(ValueError, match="hidden contains NaN or inf"):
+        run(bad, ids)
+    with pytest.raises(ValueError, match=rf"\[0, {v}\).*{v + 2}"):
+        run(hidden, torch.where(torch.arange(t) == 1, v + 2, ids))
