@@ -126,16 +126,20 @@ def _centred_grad_rows_kernel(
     walks the output rows in ascending blocks, so every input row is read before the block that
     overwrites it (a later block, or its own, which loads first); loads of later blocks may
     run ahead (they read rows no earlier block writes)."""
-    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    start = tl.program_id(0) * BLOCK_V
+    cols = start + tl.arange(0, BLOCK_V)
     col_ok = cols < width
-    tile_of = (cols // TILE_V) * n
+    # BLOCK_V divides TILE_V: the block lies in one tile, so each row has one maximum (a vector
+    # load per row block, not a gather per entry).
+    tile_row = (start // TILE_V) * n
     for i0 in tl.range(0, m, BLOCK_N, num_stages=STAGES):
         out = i0 + tl.arange(0, BLOCK_N)
         ok = out < m
         src = tl.load(rows_ptr + out, mask=ok, other=0)
         both = ok[:, None] & col_ok[None, :]
-        mx = tl.load(m_ptr + tile_of[None, :] + src[:, None], mask=both, other=0.0)
-        z = tl.load(z_ptr + src[:, None] * stride_zn + cols[None, :], mask=both, other=0.0).to(tl.float32) + mx
+        mx = tl.load(m_ptr + tile_row + src, mask=ok, other=0.0)
+        z = tl.load(z_ptr + src[:, None] * stride_zn + cols[None, :], mask=both, other=0.0).to(tl.float32)
+        z += mx[:, None]
         dz = tile_dz(z, out, ok, cols + v_start, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr,
                      g_sz_ptr, HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
         dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
@@ -200,6 +204,8 @@ def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: tor
     scalars, flags = transform_args(transform)
     lse = rc.lse
     block_n, block_v = row_kernel_config().rows_block
+    block_v = min(block_v, tile.tile_v)
+    assert tile.tile_v % block_v == 0  # powers of two
 
     def arg(x: torch.Tensor | None) -> torch.Tensor:
         return lse if x is None else x
