@@ -396,8 +396,8 @@ def test_hidden_size_one_with_a_non_unit_stride(impl, dtype):
     assert h.stride(1) != 1 and h.is_contiguous()
     w = torch.randn(9, 1, generator=g).to(dtype)
     t = torch.randint(0, 9, (6,), generator=g)
-    got = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl=impl))
-    want = token_logprobs(h.contiguous().clone(), w, t, return_entropy=True, options=PassOptions(impl="torch"))
+    got = token_logprobs(h, w, t, entropy=True, options=PassOptions(impl=impl))
+    want = token_logprobs(h.contiguous().clone(), w, t, entropy=True, options=PassOptions(impl="torch"))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
@@ -490,8 +490,8 @@ def test_rollout_runs_one_statistics_chunk(monkeypatch):
     real = gemm_backend.chunk_forward
     monkeypatch.setattr(gemm_backend, "chunk_forward", lambda head, rows, *a: calls.append(rows.hidden.shape[0])
                         or real(head, rows, *a))
-    got = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl="gemm", chunk_bytes=budget))
-    ref = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl="torch", chunk_bytes=budget))
+    got = token_logprobs(h, w, t, entropy=True, options=PassOptions(impl="gemm", chunk_bytes=budget))
+    ref = token_logprobs(h, w, t, entropy=True, options=PassOptions(impl="torch", chunk_bytes=budget))
     assert calls == [N]
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

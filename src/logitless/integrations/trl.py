@@ -201,7 +201,7 @@ class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
                 st = vocab_stats(hidden, head, targets, entropy=compute_entropy, options=sw.options)
                 lp, en = st.logp, st.entropy
             else:
-                out = token_logprobs(hidden, head, targets, return_entropy=compute_entropy, options=sw.options)
+                out = token_logprobs(hidden, head, targets, entropy=compute_entropy, options=sw.options)
                 lp, en = out if compute_entropy else (out, None)
             logps.append(lp)
             if compute_entropy:

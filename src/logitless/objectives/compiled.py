@@ -66,7 +66,7 @@ F = TypeVar("F", bound=Callable)
 Args = dict[str, Any]  # an entry point's arguments by name, defaults filled in
 
 _RECORDS = {cls.__name__: cls for cls in (PolicyConfig, PassOptions, LogitTransform, VocabShard)}
-_POLICY_TENSORS = ("completion_ids", "completion_mask", "advantages", "old_logp", "ref_logp", "tool_mask",
+_POLICY_TENSORS = ("targets", "completion_mask", "advantages", "old_logp", "ref_logp", "tool_mask",
                    "sampling_logp", "importance_sampling_ratio", "segment_ids", "num_items_in_batch")
 _STATS = ("logp", "lse", "entropy", "mean_logit")
 # The kernels read values on the host (eager's value checks) and allocate per call: a CUDA graph
@@ -116,12 +116,12 @@ def vocab_stats(eager: Callable, args: Args) -> tuple[Tensor | None, ...]:
 
 def token_logprobs(eager: Callable, args: Args) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`logitless.token_logprobs` as ``logitless::token_stats`` (no gradient)."""
-    names = ("logp", "entropy") if args["return_entropy"] else ("logp",)
-    values = {name: args[name] for name in ("ignore_index", "return_entropy")}
+    names = ("logp", "entropy") if args["entropy"] else ("logp",)
+    values = {name: args[name] for name in ("ignore_index", "entropy")}
     out = _token_stats("token_logprobs", args, {"targets": args["targets"]}, values, names, ())
     if out is None:
         return _eagerly(eager, **args)
-    return tuple(out[0]) if args["return_entropy"] else out[0][0]
+    return tuple(out[0]) if args["entropy"] else out[0][0]
 
 
 def _count(args: Args, tensors: Args) -> Args:

@@ -36,7 +36,7 @@ from .policy_terms import LOG_1E8, PolicyTokens, chunk_terms, sequence_metrics, 
 class _PolicyInputs:
     """The per-token tensors of one :func:`policy_loss` call, as given."""
 
-    completion_ids: torch.Tensor
+    targets: torch.Tensor
     completion_mask: torch.Tensor
     advantages: torch.Tensor
     old_logp: torch.Tensor | None
@@ -52,7 +52,7 @@ class _PolicyInputs:
 def policy_loss(
     hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    completion_ids: torch.Tensor,  # [B, T] or [N]
+    targets: torch.Tensor,  # [B, T] or [N]
     completion_mask: torch.Tensor,  # [B, T] or [N]
     advantages: torch.Tensor,  # [B] (per sequence) or [B, T]
     old_logp: torch.Tensor | None = None,  # [B, T]
@@ -84,7 +84,8 @@ def policy_loss(
             :class:`LogitTransform` with the sampling temperature, LoRA adapter — gradients
             reach its ``a``/``b``, and a frozen weight skips its ``d weight`` GEMM — and
             vocabulary shard), or a bare ``[V, H]`` weight.
-        completion_ids: sampled tokens ``[B, T]`` / ``[N]``; only counted ones are read.
+        targets: the completion token ids (TRL's ``completion_ids``), integer ``[B, T]`` /
+            ``[N]``, each in ``[0, V)``; only counted ones are read.
         completion_mask: ``[B, T]`` / ``[N]``, 1 for counted tokens (multiplied by
             ``tool_mask``); masked tokens never reach the vocabulary pass. Bool, integer or
             floating; values finite and >= 0 (a value is the token's weight).
@@ -134,7 +135,7 @@ def policy_loss(
     head, options = as_head(head), as_options(options)
     if sequence_group is not None and segment_ids is None:
         raise ValueError("sequence_group needs packed inputs with global segment_ids")
-    inputs = _PolicyInputs(completion_ids, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
+    inputs = _PolicyInputs(targets, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
                            importance_sampling_ratio, segment_ids)
     tok, h_flat, t_flat = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group)
     # Under sequence parallelism a sequence-level objective takes collectives inside the
@@ -241,7 +242,7 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
              sequence_group) -> tuple[PolicyTokens, torch.Tensor, torch.Tensor]:
     """Validate the inputs and gather the counted tokens: ``(tokens, hidden rows, ids)``."""
-    completion_ids, completion_mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages
+    targets, completion_mask, advantages = inputs.targets, inputs.completion_mask, inputs.advantages
     old_logp, ref_logp, sampling_logp = inputs.old_logp, inputs.ref_logp, inputs.sampling_logp
     tool_mask, importance_sampling_ratio, segment_ids = inputs.tool_mask, inputs.importance_sampling_ratio, \
         inputs.segment_ids
@@ -253,7 +254,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         raise ValueError(f"hidden must be {'[N, H] with segment_ids' if packed else '[B, T, H]'}, got shape "
                          f"{tuple(hidden.shape)}")
     lead = hidden.shape[:-1]
-    per_token = {"completion_ids": completion_ids, "completion_mask": completion_mask, "tool_mask": tool_mask,
+    per_token = {"targets": targets, "completion_mask": completion_mask, "tool_mask": tool_mask,
                  "old_logp": old_logp, "ref_logp": ref_logp, "sampling_logp": sampling_logp,
                  "segment_ids": segment_ids}
     for name, x in per_token.items():
@@ -292,7 +293,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     lay.weight = lay.weight.to(sdt)
     lay.seg_len = lay.seg_len.to(sdt)
     h_flat = lay.rows(hidden)
-    t_flat = lay.gather(completion_ids).long()
+    t_flat = lay.gather(targets).long()
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
 
     def bad_values(name: str):

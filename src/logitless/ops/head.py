@@ -91,7 +91,10 @@ class Head:
             merged weight), or ``None``.
         shard: :class:`VocabShard` for a vocabulary-parallel or padded head, or ``None``.
 
-    A plain ``weight`` tensor wherever a ``Head`` is accepted means ``Head(weight)``.
+    A plain ``weight`` tensor wherever a ``Head`` is accepted means ``Head(weight)``. A ``Head``
+    is checked where it is used, with the hidden states (the entry points'
+    :class:`TypeError`/:class:`ValueError`: a part of the wrong type, dtypes, shapes or devices that
+    do not fit, NaN/inf values; :func:`logitless.ops.validate.check_head_inputs`).
     """
 
     weight: torch.Tensor
