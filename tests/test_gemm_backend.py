@@ -326,7 +326,7 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
     added), also when the objective does not depend on the statistics (then exactly 0), and a
     vocabulary shard's padding rows are 0; it equals the torch backend's fp32-accumulated gradient."""
     from logitless import VocabShard
-    from logitless.ops import grad_layout
+    from logitless.ops import fused
     from logitless.ops.engine import ObjectiveSpec, run_objective
 
     _poison_weight_grad_buffer(monkeypatch)
@@ -339,10 +339,10 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
         layouts = keep_planned_chunks(monkeypatch, lambda p: chunks == "several-pair")
         monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
         budget = 8 * V * 2
-    stores = []
-    real_first = grad_layout.first_stores
-    monkeypatch.setattr(grad_layout, "first_stores",
-                        lambda p, acc, first: stores.append(first) or real_first(p, acc, first))
+    stores = []  # each chunk's Accumulators.write_weight, as the fused loop hands them on
+    real_chunk = fused._run_chunk
+    monkeypatch.setattr(fused, "_run_chunk", lambda call, hidden, i, low, acc, picked:
+                        stores.append(acc.write_weight) or real_chunk(call, hidden, i, low, acc, picked))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(24, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V + 5, H, generator=g) / H**0.5 * 3).to(torch.bfloat16)  # 5 padding rows

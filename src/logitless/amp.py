@@ -30,7 +30,7 @@ FRAMEWORK_KEYWORDS = {
 }
 
 
-def autocast_head_inputs(fn: F) -> F:
+def autocast_head_inputs(fn: F | None = None, *, compiled: Callable[[Callable], Callable] | None = None):
     """``fn`` with its head operands (``hidden``, the head's weight and bias, and the teacher's) cast to
     the autocast dtype when autocast is enabled on their device, as ``nn.Linear`` casts them.
 
@@ -46,12 +46,19 @@ def autocast_head_inputs(fn: F) -> F:
     A keyword of :data:`FRAMEWORK_KEYWORDS` that ``fn`` does not take raises a ``TypeError`` naming
     the core's spelling (``policy_loss(..., completion_ids=ids)``: ``policy_loss takes `targets` (the
     completion token ids), not `completion_ids```), where Python's own would only call it unexpected.
+
+    ``compiled``: the entry point's ``torch.compile`` path (``objectives/compiled.py::route``):
+    ``compiled(fn)`` is made once, here, and under ``torch.compiler.is_compiling()`` the call, its
+    operands cast, goes to it instead of ``fn``. Used as ``@autocast_head_inputs(compiled=...)``.
     """
+    if fn is None:
+        return functools.partial(autocast_head_inputs, compiled=compiled)
     params = inspect.signature(fn).parameters
     positions = {name: i for i, name in enumerate(params)
                  if params[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     names = tuple(n for n in HEAD_OPERANDS if n in params)
     renamed = {old: new for old, new in FRAMEWORK_KEYWORDS.items() if old not in params}
+    routed = None if compiled is None else compiled(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -66,6 +73,8 @@ def autocast_head_inputs(fn: F) -> F:
                 args[i] = _cast(args[i])
             elif name in kwargs:
                 kwargs[name] = _cast(kwargs[name])
+        if routed is not None and torch.compiler.is_compiling():
+            return routed(args, kwargs)
         return fn(*args, **kwargs)
 
     return wrapper

@@ -47,8 +47,7 @@ class _PolicyInputs:
     segment_ids: torch.Tensor | None
 
 
-@autocast_head_inputs
-@compiled.route(compiled.policy_loss)
+@autocast_head_inputs(compiled=compiled.route(compiled.policy_loss))
 def policy_loss(
     hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
@@ -148,18 +147,15 @@ def policy_loss(
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    def objective(sl: slice, stats: ChunkStats):
-        return chunk_terms(cfg, tok, sl, stats.logp, stats.entropy, metrics=False)
-
     spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
                          zero_rows=tok.zero_rows)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
-    loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)
+    loss, stats, _ = run_objective(h_flat, head, t_flat, tok.loss_term, spec, options)
     with torch.no_grad():
-        _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), stats.logp, stats.entropy)
+        _, sums = chunk_terms(cfg, tok, slice(None), stats.logp, stats.entropy)  # every token
         metrics = _finalize_metrics(cfg, tok, sums, group)
         if tok.sampling_logp is not None:
             metrics.update(sampler_mismatch(stats.logp, tok.sampling_logp, group))
@@ -322,7 +318,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device, zero_ok=lay.n == 0)
     m = lay.weight
     n_seq = lay.num_segments
-    m_total = all_reduce(m.sum(), "sum", sequence_group)
+    m_total = all_reduce(m.sum(), "sum", sequence_group) if lay.distributed else m.sum()
     g = _accum(cfg)
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
@@ -354,7 +350,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                        adv_per_sequence=advantages.to(sdt) if per_seq else None,
                        old_logp=tok_tensor(old_logp, "old_logp"), ref_logp=tok_tensor(ref_logp, "ref_logp"),
                        sampling_logp=tok_tensor(sampling_logp, "sampling_logp"), is_ratio=is_tok,
-                       log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight)
+                       log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight, config=cfg)
     zero = _zero_gradient_rows(cfg, tok)
     others = checks.run(*(() if zero is None else ((~zero).sum(),)))  # the value checks' one synchronization
     if zero is not None:
@@ -427,16 +423,20 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
         # over processes at the optimizer step: they stay local here.
         local["entropy_bonus/entropy_sum"] = sums["bonus_entropy"].sum()
         local["entropy_bonus/token_count"] = sums["bonus_tokens"].sum()
+
+    def over_group(t: torch.Tensor, op: str) -> torch.Tensor:  # without a group: this process's values
+        return t if group is None else all_reduce(t, op, group)
+
     names = list(means)
-    stacked = all_reduce(torch.stack([v for k in names for v in means[k]]), "sum", group) if names else None
+    stacked = over_group(torch.stack([v for k in names for v in means[k]]), "sum") if names else None
     out = {k: stacked[2 * i] / stacked[2 * i + 1].clamp(min=1.0) for i, k in enumerate(names)}
     for k, v in mins.items():  # nanmin over sequences of all processes
-        v = all_reduce(torch.where(torch.isnan(v), torch.inf, v).min() if v.numel() else nan.new_tensor(torch.inf),
-                       "min", group)
+        v = over_group(torch.where(torch.isnan(v), torch.inf, v).min() if v.numel() else nan.new_tensor(torch.inf),
+                       "min")
         out[k] = torch.where(torch.isinf(v), nan, v)
     for k, v in maxs.items():
-        v = all_reduce(torch.where(torch.isnan(v), -torch.inf, v).max() if v.numel() else nan.new_tensor(-torch.inf),
-                       "max", group)
+        v = over_group(torch.where(torch.isnan(v), -torch.inf, v).max() if v.numel() else nan.new_tensor(-torch.inf),
+                       "max")
         out[k] = torch.where(torch.isinf(v), nan, v)
     out.update(local)
     return out

@@ -56,8 +56,7 @@ def _compiled_vocab_stats(eager, args) -> VocabStats:
     return VocabStats(*compiled.vocab_stats(eager, args))
 
 
-@autocast_head_inputs
-@compiled.route(_compiled_vocab_stats)
+@autocast_head_inputs(compiled=compiled.route(_compiled_vocab_stats))
 def vocab_stats(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
@@ -115,8 +114,7 @@ def vocab_stats(
                       mean_logit=_expand(st.sum_z / vocab, valid, shape) if mean_logit else None)
 
 
-@autocast_head_inputs
-@compiled.route(compiled.token_logprobs)
+@autocast_head_inputs(compiled=compiled.route(compiled.token_logprobs))
 @torch.no_grad()
 def token_logprobs(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
