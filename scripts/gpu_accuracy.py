@@ -31,7 +31,7 @@ if cute_available() and torch.cuda.is_available() and torch.cuda.get_device_capa
 def _run(x, hidden, weight, options):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
-    lp, ent = logitless.token_logprobs(h.detach(), w.detach(), x.targets, return_entropy=True, options=options)
+    lp, ent = logitless.token_logprobs(h.detach(), w.detach(), x.targets, entropy=True, options=options)
     loss, _ = logitless.policy_loss(h, w, x.targets, x.mask, x.advantages, x.old_logp, x.ref_logp,
                                     config=GRPO_CONFIG, options=options)
     loss.backward()

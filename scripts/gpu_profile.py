@@ -47,7 +47,7 @@ def main() -> None:
         hid.grad = w.grad = None
 
     def rollout():
-        logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True,
+        logitless.token_logprobs(hid.detach(), w.detach(), ids, entropy=True,
                                 options=PassOptions(impl=impl))
 
     t_w = (torch.randn(v, h, device=dev) / h**0.5).to(torch.bfloat16)
@@ -55,7 +55,7 @@ def main() -> None:
 
     def distill(divergence: str):
         def run():
-            loss, _ = logitless.distill_loss(hid, w, t_hid, t_w, labels=ids,
+            loss, _ = logitless.distill_loss(hid, w, t_hid, t_w, targets=ids,
                                              config=DistillConfig(divergence=divergence),
                                              options=PassOptions(mode="fused", impl=impl))
             loss.backward()

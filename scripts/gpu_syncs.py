@@ -35,7 +35,7 @@ def main() -> None:
         "grpo": lambda: logitless.policy_loss(hid, w, ids, mask, adv, old, old, options=opts,
                                               config=PolicyConfig(loss_type="dapo", beta=0.04))[0].backward(),
         "ce": lambda: logitless.cross_entropy(hid, w, ids, options=opts)[0].backward(),
-        "rollout": lambda: logitless.token_logprobs(hid.detach(), w.detach(), ids, return_entropy=True,
+        "rollout": lambda: logitless.token_logprobs(hid.detach(), w.detach(), ids, entropy=True,
                                                     options=PassOptions(impl=impl)),
     }
     for name, fn in calls.items():

@@ -86,7 +86,7 @@ def vocab_parallel(rank: int, world: int, case: dict) -> dict:
                 hidden.detach(),
                 Head(weight.detach(), shard=shard),
                 case["targets"],
-                return_entropy=True,
+                entropy=True,
                 options=PassOptions(impl="torch", chunk_bytes=case.get("chunk")),
             )
         finally:
@@ -200,7 +200,7 @@ def _distill_call(case: dict, run: dict, hidden, head, teacher_head):
     teacher = (dict(teacher_hidden=case["teacher_hidden"], teacher=teacher_head) if dense else
                dict(teacher_topk_ids=case["topk_ids"], teacher_topk_logprobs=case["topk_logprobs"]))
     cfg = DistillConfig(divergence=run["divergence"] if dense else "forward_kl", beta=0.3, ce_weight=0.4)
-    return distill_loss(hidden, head, labels=case["labels"], mask=case["mask"], config=cfg,
+    return distill_loss(hidden, head, targets=case["labels"], mask=case["mask"], config=cfg,
                         options=PassOptions(mode=run["mode"], impl=case.get("impl", "auto"), chunk_bytes=case["chunk"]),
                         **teacher)
 
@@ -371,7 +371,7 @@ def tp_against_tp1(rank: int, world: int, case: dict) -> dict:
             opts = PassOptions(impl=impl, mode=mode or "auto")
             if mode is None:
                 with torch.no_grad():
-                    logp, ent = token_logprobs(hid, head, ids, return_entropy=True, options=opts)
+                    logp, ent = token_logprobs(hid, head, ids, entropy=True, options=opts)
                 res[key] = {"logp": logp, "entropy": ent}
                 continue
             stat_dtype = torch.float64 if hid.dtype == torch.float64 else torch.float32

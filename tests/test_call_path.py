@@ -1,7 +1,8 @@
-"""scripts/call_path.py: its counting rules on a two-file package, and the structure of the traced
+"""scripts/call_path.py: its counting rules on a two-file package, the structure of the traced
 call path of each entry point (which files it passes, that the backward is traced, and that data
-flows one way: ``ops/`` reaches ``objectives/`` only through the callbacks handed to it). No
-counts are expected here: they change as the engine changes, and the script reports them."""
+flows one way: ``ops/`` reaches ``objectives/`` only through the callbacks handed to it), and a
+regression guard on ``policy_loss``'s counts (the numbers measured when issue 28's call-path work
+ended: a change that lengthens the path must say so here)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,22 @@ def test_policy_loss_chunks():
         path = call_path.measure(case, chunks)
         callbacks = [c for c in path.calls if c.callback]
         assert len(callbacks) == chunks
-        assert {c.callee_file for c in callbacks} == {"objectives/policy.py"}
+        assert {c.callee_file for c in callbacks} == {"objectives/policy_terms.py"}  # PolicyTokens.loss_term
+
+
+# policy_loss as measured at the end of issue 28's call-path work (docs/architecture.md): cross-file
+# calls, files, and cross-file calls added by each extra chunk. Issue 28's targets: <= 45, <= 10, <= 8.
+_POLICY_LOSS_PATH = {"cross_file_calls": 38, "files": 14, "per_extra_chunk": 5}
+
+
+def test_policy_loss_path_does_not_grow():
+    case = call_path.Case()
+    paths = {chunks: call_path.measure(case, chunks) for chunks in (1, 2, 3)}
+    calls = {chunks: len(path.cross_file) for chunks, path in paths.items()}
+    assert calls[1] <= _POLICY_LOSS_PATH["cross_file_calls"], paths[1].edges()
+    assert len(paths[1].files) <= _POLICY_LOSS_PATH["files"], paths[1].files
+    assert calls[2] - calls[1] <= _POLICY_LOSS_PATH["per_extra_chunk"]
+    assert calls[3] - calls[2] <= _POLICY_LOSS_PATH["per_extra_chunk"]
 
 
 def test_cli_json(tmp_path, capsys):

@@ -192,7 +192,7 @@ def test_token_logprobs_compiled_equals_eager(seed, backend):
 
     def step(model, ids):
         logp, entropy = logitless.token_logprobs(model.hidden(ids[:, :-1]), head_of(model), ids[:, 1:],
-                                                 return_entropy=True)
+                                                 entropy=True)
         return logp.sum(), {"logp": logp, "entropy": entropy}
 
     compiled_equals_eager(step, model, list(model.parameters()), backend, ids)
@@ -338,9 +338,9 @@ def test_ops_pass_opcheck(seed):
     hidden = model.hidden(x["ids"][:, :-1]).detach().requires_grad_()
     w, b = model.lm_head.weight, model.lm_head.bias
     args = {"hidden": hidden, "head": Head(w, b), "options": None, "config": PolicyConfig(beta=0.04),
-            "completion_ids": x["ids"][:, 1:], "completion_mask": x["mask"], "advantages": x["adv"],
-            "old_logp": x["old"], "ref_logp": x["ref"], "sampling_logp": x["old"], "targets": x["ids"][:, 1:]}
-    tensors = {k: args[k] for k in ("completion_ids", "completion_mask", "advantages", "old_logp", "ref_logp",
+            "targets": x["ids"][:, 1:], "completion_mask": x["mask"], "advantages": x["adv"],
+            "old_logp": x["old"], "ref_logp": x["ref"], "sampling_logp": x["old"]}
+    tensors = {k: args[k] for k in ("targets", "completion_mask", "advantages", "old_logp", "ref_logp",
                                     "sampling_logp")}
     names = metric_names(args["config"], True)
     diff, others, text, numbers = compiled._inputs(

@@ -79,7 +79,7 @@ def test_matches_trl_generalized_jsd(beta):
     hs, ws, _, ht, wt, _ = _heads()
     labels = _labels()
     temp = 1.7
-    loss, metrics = distill_loss(hs, Head(ws, transform=LogitTransform(temperature=temp)), ht, wt, labels=labels,
+    loss, metrics = distill_loss(hs, Head(ws, transform=LogitTransform(temperature=temp)), ht, wt, targets=labels,
                                  config=DistillConfig(beta=beta), options=SMALL)
     ref = GKDTrainer.generalized_jsd_loss((hs @ ws.T)[None], (ht @ wt.T)[None], labels=labels[None], beta=beta,
                                           temperature=temp)
@@ -138,7 +138,7 @@ def test_padded_vocabularies_own_teacher_temperature_and_ce(divergence):
     mask = (torch.rand(N) < 0.8).long()
     st, tt = LogitTransform(temperature=1.3), LogitTransform(temperature=0.6, logit_scale=1.1)
     cfg = DistillConfig(divergence=divergence, beta=0.7, ce_weight=0.35, vocab_size=V)
-    loss, metrics = distill_loss(hs, Head(ws, bs, st), ht, Head(wt, bt, tt), mask=mask, labels=labels, config=cfg,
+    loss, metrics = distill_loss(hs, Head(ws, bs, st), ht, Head(wt, bt, tt), mask=mask, targets=labels, config=cfg,
                                  num_items_in_batch=torch.tensor(31.0), options=SMALL)
     ref = _oracle(hs, ws, bs, ht, wt, bt, st, tt, {"forward_kl": 0.0, "reverse_kl": 1.0}.get(divergence, 0.7), V)
     counted = (mask != 0) & (labels != -100)
@@ -185,7 +185,7 @@ def test_sparse_topk_matches_trl_server_forward_kl(add_tail):
     pad[:, 0] = False  # every token keeps its top-1
     top_lp = top_lp.masked_fill(pad, float("-inf"))
     top_ids = top_ids.masked_fill(pad, 0)
-    loss, metrics = distill_loss(hs, Head(ws, transform=LogitTransform(temperature=temp)), labels=labels,
+    loss, metrics = distill_loss(hs, Head(ws, transform=LogitTransform(temperature=temp)), targets=labels,
                                  teacher_topk_ids=top_ids, teacher_topk_logprobs=top_lp,
                                  config=DistillConfig(divergence="forward_kl", topk_add_tail=add_tail), options=SMALL)
     stub = types.SimpleNamespace(loss_add_tail=add_tail,
@@ -206,7 +206,7 @@ def test_fp32_error_bounded_by_plain_fp32():
     hs, ws, _, ht, wt, _ = _heads(dtype=torch.float32)
     labels = _labels()
     cfg = DistillConfig(beta=0.5, ce_weight=0.5)
-    loss, _ = distill_loss(hs, ws, ht, wt, labels=labels, config=cfg, options=SMALL)
+    loss, _ = distill_loss(hs, ws, ht, wt, targets=labels, config=cfg, options=SMALL)
     g32 = _grads(loss, hs, ws)
 
     def plain(dtype):
@@ -247,7 +247,7 @@ def test_ce_mixed_in_costs_no_extra_pass(monkeypatch):
     results = {}
     for ce_weight in (0.0, 1.0):
         before = dict(calls)
-        loss, _ = distill_loss(hs, ws, ht, wt, labels=labels if ce_weight else None,
+        loss, _ = distill_loss(hs, ws, ht, wt, targets=labels if ce_weight else None,
                                config=DistillConfig(beta=0.5, ce_weight=ce_weight),
                                options=PassOptions(chunk_bytes=chunk // 4))
         loss.backward()
@@ -284,7 +284,7 @@ def test_fused_equals_recompute(case):
     mask = (torch.rand(N) < 0.8).long()
     out = {}
     for mode in ("fused", "recompute"):
-        loss, metrics = distill_loss(hs, head, labels=labels, mask=mask, config=cfg,
+        loss, metrics = distill_loss(hs, head, targets=labels, mask=mask, config=cfg,
                                      options=PassOptions(mode=mode, chunk_bytes=SMALL_CHUNK // 2), **teacher)
         out[mode] = (loss, metrics, _grads(loss, *leaves))
     (lf, mf, gf), (lr, mr, gr) = out["fused"], out["recompute"]
@@ -328,16 +328,16 @@ def test_padded_shard_without_group(mode):
     labels = torch.randint(0, real, (N,))
     cfg = DistillConfig(beta=0.3, ce_weight=0.4)
     opts = PassOptions(mode=mode, chunk_bytes=SMALL_CHUNK // 2)
-    loss, metrics = distill_loss(hs, Head(ws, bs, shard=VocabShard(vocab_size=real)), ht, wt, labels=labels,
+    loss, metrics = distill_loss(hs, Head(ws, bs, shard=VocabShard(vocab_size=real)), ht, wt, targets=labels,
                                  config=cfg, options=opts)
-    ref, ref_metrics = distill_loss(hs, Head(ws[:real], bs[:real]), ht, wt[:real], labels=labels, config=cfg,
+    ref, ref_metrics = distill_loss(hs, Head(ws[:real], bs[:real]), ht, wt[:real], targets=labels, config=cfg,
                                     options=opts)
     g, g_ref = _grads(loss, hs, ws, bs), _grads(ref, hs, ws, bs)
     _assert_close([loss, *metrics.values()], [ref, *ref_metrics.values()], what="loss, metrics")
     _assert_close([g[0], g[1][:real], g[2][:real]], [g_ref[0], g_ref[1][:real], g_ref[2][:real]], what="grads")
     assert (g[1][real:] == 0).all() and (g[2][real:] == 0).all()
-    with pytest.raises(ValueError, match=f"labels must lie in \\[0, {real}\\)"):
-        distill_loss(hs, Head(ws, shard=VocabShard(vocab_size=real)), ht, wt, labels=torch.full((N,), real),
+    with pytest.raises(ValueError, match=f"targets must lie in \\[0, {real}\\)"):
+        distill_loss(hs, Head(ws, shard=VocabShard(vocab_size=real)), ht, wt, targets=torch.full((N,), real),
                      config=cfg)
 
 
@@ -399,7 +399,7 @@ _MEMORY_SCRIPT = textwrap.dedent("""
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     cfg = DistillConfig(divergence="forward_kl", ce_weight=0.5)
-    loss, m = distill_loss(hs, ws, ht, wt, labels=labels, config=cfg, options=PassOptions(chunk_bytes=chunk))
+    loss, m = distill_loss(hs, ws, ht, wt, targets=labels, config=cfg, options=PassOptions(chunk_bytes=chunk))
     loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     # spot check a few rows against the materialized float64 path

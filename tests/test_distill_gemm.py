@@ -55,7 +55,7 @@ def _run(case, dtype, cfg, options):
     leaves = [x.to(dtype).requires_grad_() for x in (hs, ws) + ((bs,) if bs is not None else ())]
     teacher = Head(wt.to(dtype), None if bt is None else bt.to(dtype), tt)
     loss, metrics = distill_loss(leaves[0], Head(leaves[1], leaves[2] if bs is not None else None, ts),
-                                 ht.to(dtype), teacher, mask=mask, labels=labels if cfg.ce_weight else None,
+                                 ht.to(dtype), teacher, mask=mask, targets=labels if cfg.ce_weight else None,
                                  config=cfg, options=options)
     grads = torch.autograd.grad(loss, leaves)
     return [loss.detach().double()], {k: v.detach().double() for k, v in metrics.items()}, [g.double() for g in grads]

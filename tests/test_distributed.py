@@ -124,7 +124,7 @@ def test_vocab_parallel_rollout_one_max_one_sum():
     targets = case["targets"].reshape(-1)
     # chunk=1500 makes several token chunks: still one MAX and one SUM for the whole pass
     rc = dict(hidden=hidden, weight=case["weight"], targets=targets, objective="rollout", chunk=1500)
-    ref_logp, ref_ent = token_logprobs(hidden, case["weight"], targets, return_entropy=True)
+    ref_logp, ref_ent = token_logprobs(hidden, case["weight"], targets, entropy=True)
     lsm = torch.log_softmax(hidden @ case["weight"].T, -1)  # float64 materialized logits
     assert _close(ref_logp, lsm.gather(-1, targets[:, None]).squeeze(1)) and _close(ref_ent, -(lsm.exp() * lsm).sum(-1))
     for o in _spawn("vocab_parallel", 2, rc):

@@ -487,7 +487,7 @@ def test_no_grad_and_inference_mode(ctx, mode):
         loss, metrics = logitless.policy_loss(h, head, batch.ids, batch.mask, batch.adv,
                                               batch.old, batch.ref, config=CFG, options=PassOptions(mode=mode))
         st = logitless.vocab_stats(h, head, batch.ids)
-        lp, ent = logitless.token_logprobs(h, head, batch.ids, return_entropy=True)
+        lp, ent = logitless.token_logprobs(h, head, batch.ids, entropy=True)
         return [loss, metrics["entropy"], metrics["kl"], st.logp, st.lse, st.entropy, lp, ent]
 
     with_grad = run()

@@ -326,7 +326,7 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
     added), also when the objective does not depend on the statistics (then exactly 0), and a
     vocabulary shard's padding rows are 0; it equals the torch backend's fp32-accumulated gradient."""
     from logitless import VocabShard
-    from logitless.ops import grad_layout
+    from logitless.ops import fused
     from logitless.ops.engine import ObjectiveSpec, run_objective
 
     _poison_weight_grad_buffer(monkeypatch)
@@ -339,10 +339,10 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
         layouts = keep_planned_chunks(monkeypatch, lambda p: chunks == "several-pair")
         monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
         budget = 8 * V * 2
-    stores = []
-    real_first = grad_layout.first_stores
-    monkeypatch.setattr(grad_layout, "first_stores",
-                        lambda p, acc, first: stores.append(first) or real_first(p, acc, first))
+    stores = []  # each chunk's Accumulators.write_weight, as the fused loop hands them on
+    real_chunk = fused._run_chunk
+    monkeypatch.setattr(fused, "_run_chunk", lambda call, hidden, i, low, acc, picked:
+                        stores.append(acc.write_weight) or real_chunk(call, hidden, i, low, acc, picked))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(24, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V + 5, H, generator=g) / H**0.5 * 3).to(torch.bfloat16)  # 5 padding rows
@@ -396,8 +396,8 @@ def test_hidden_size_one_with_a_non_unit_stride(impl, dtype):
     assert h.stride(1) != 1 and h.is_contiguous()
     w = torch.randn(9, 1, generator=g).to(dtype)
     t = torch.randint(0, 9, (6,), generator=g)
-    got = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl=impl))
-    want = token_logprobs(h.contiguous().clone(), w, t, return_entropy=True, options=PassOptions(impl="torch"))
+    got = token_logprobs(h, w, t, entropy=True, options=PassOptions(impl=impl))
+    want = token_logprobs(h.contiguous().clone(), w, t, entropy=True, options=PassOptions(impl="torch"))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
@@ -490,8 +490,8 @@ def test_rollout_runs_one_statistics_chunk(monkeypatch):
     real = gemm_backend.chunk_forward
     monkeypatch.setattr(gemm_backend, "chunk_forward", lambda head, rows, *a: calls.append(rows.hidden.shape[0])
                         or real(head, rows, *a))
-    got = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl="gemm", chunk_bytes=budget))
-    ref = token_logprobs(h, w, t, return_entropy=True, options=PassOptions(impl="torch", chunk_bytes=budget))
+    got = token_logprobs(h, w, t, entropy=True, options=PassOptions(impl="gemm", chunk_bytes=budget))
+    ref = token_logprobs(h, w, t, entropy=True, options=PassOptions(impl="torch", chunk_bytes=budget))
     assert calls == [N]
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

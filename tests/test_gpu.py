@@ -64,7 +64,7 @@ def test_vocab_stats_vs_torch_and_fp64(case, impl):
     assert rel(tri[0].mean_logit, tch[0].mean_logit) <= 1e-4
     for i, k in ((1, "grad hidden"), (2, "grad weight"), (3, "grad bias")):
         assert rel(tri[i], tch[i]) <= 1e-2, k
-    lp, ent = logitless.token_logprobs(hid, Head(w, b, TRANSFORM), tgt, return_entropy=True,
+    lp, ent = logitless.token_logprobs(hid, Head(w, b, TRANSFORM), tgt, entropy=True,
                                        options=PassOptions(impl=impl))
     assert rel(lp, tri[0].logp) <= 1e-6 and rel(ent, tri[0].entropy) <= 1e-6
 

@@ -104,7 +104,7 @@ def test_token_logprobs_and_cross_entropy_with_lora(impl):
     hidden, weight, a, b, _, targets = _setup(4)
     lora = HeadLoRA(a=a, b=b, scaling=2.0)
     merged = _merged(weight, a, b, 2.0)
-    logp, ent = logitless.token_logprobs(hidden, Head(weight, lora=lora), targets, return_entropy=True,
+    logp, ent = logitless.token_logprobs(hidden, Head(weight, lora=lora), targets, entropy=True,
                                          options=PassOptions(impl=impl))
     ref = reference_stats(hidden.double(), merged, targets)
     torch.testing.assert_close(logp.double(), ref.logp, **TOL)

@@ -157,7 +157,7 @@ def _ours(model, ids):
             hidden,
             head.at_temperature(TEMPERATURE),
             ids[:, 1:],
-            return_entropy=True,
+            entropy=True,
         )
 
 

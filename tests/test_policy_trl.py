@@ -352,7 +352,7 @@ def test_top_entropy_quantile_keeps_ties_at_the_threshold(seed, dtype, where):
     mask = (torch.rand(b // 2, t) > 0.25).long().repeat(2, 1)
     mask[:, 0] = 1
     adv = torch.randn(b)
-    logp, entropy = token_logprobs(hidden, weight, ids, return_entropy=True)
+    logp, entropy = token_logprobs(hidden, weight, ids, entropy=True)
     n = int(mask.sum())
     # "max": quantile 0 keeps only the largest entropy (a tie with itself and its copy); "middle":
     # the threshold's rank falls between the two copies of one entropy.

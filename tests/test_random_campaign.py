@@ -172,7 +172,7 @@ def _outputs(case: dict, aux: dict, z: torch.Tensor | None, t: dict, teacher_z: 
         if z is not None:
             return {"logp": torch.where(mask, logp_all, zero), "entropy": torch.where(mask, ent, zero)}, None
         with torch.no_grad():
-            lp, en = logitless.token_logprobs(hidden, head, labels, return_entropy=True, options=opts)
+            lp, en = logitless.token_logprobs(hidden, head, labels, entropy=True, options=opts)
         return {"logp": lp, "entropy": en}, None
     if entry == "cross_entropy":
         eps, zl = abs(coef[0].item()) % 0.3, abs(coef[1].item()) % 0.01

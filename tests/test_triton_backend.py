@@ -261,10 +261,10 @@ def test_vocab_stats_and_token_logprobs_match_torch():
     for a, c in zip(grads["triton"], grads["torch"], strict=True):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
     lp_tri, ent_tri = logitless.token_logprobs(
-        h, Head(w, b, tr), t, return_entropy=True, options=PassOptions(impl="triton", chunk_bytes=SMALL_BUDGET)
+        h, Head(w, b, tr), t, entropy=True, options=PassOptions(impl="triton", chunk_bytes=SMALL_BUDGET)
     )
     lp_tch, ent_tch = logitless.token_logprobs(
-        h, Head(w, b, tr), t, return_entropy=True, options=PassOptions(impl="torch", chunk_bytes=SMALL_BUDGET)
+        h, Head(w, b, tr), t, entropy=True, options=PassOptions(impl="torch", chunk_bytes=SMALL_BUDGET)
     )
     torch.testing.assert_close(lp_tri, lp_tch, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent_tri, ent_tch, rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 
+import logitless
 import logitless.ops.torch_backend.backend as torch_backend
 from logitless import Head, LogitTransform, PassOptions, PolicyConfig, policy_loss, token_logprobs, vocab_stats
 
@@ -131,13 +132,13 @@ def test_token_logprobs_not_a_tensor(no_kernel):
 
 def policy_inputs(b=3, t=4, dtype=torch.float32):
     return dict(hidden=torch.randn(b, t, H, dtype=dtype), weight=torch.randn(V, H, dtype=dtype),
-                completion_ids=torch.randint(0, V, (b, t)), completion_mask=torch.ones(b, t, dtype=torch.long),
+                targets=torch.randint(0, V, (b, t)), completion_mask=torch.ones(b, t, dtype=torch.long),
                 advantages=torch.randn(b, dtype=dtype), old_logp=-torch.rand(b, t, dtype=dtype) * 3)
 
 
 def _call(inp, **kw):
     head, options, rest = _split(inp["weight"], kw)
-    args = [inp[k] for k in ("hidden", "completion_ids", "completion_mask", "advantages")]
+    args = [inp[k] for k in ("hidden", "targets", "completion_mask", "advantages")]
     return policy_loss(args[0], head, *args[1:], inp.get("old_logp"), inp.get("ref_logp"), options=options, **rest)
 
 
@@ -148,14 +149,14 @@ def _policy_bad():
     nan_adv[2] = math.inf
     return {
         "hidden 2d without segment_ids": (dict(hidden=torch.randn(12, H)), {}, ValueError, "hidden"),
-        "ids shape": (dict(completion_ids=torch.randint(0, V, (3, 5))), {}, ValueError, "completion_ids"),
+        "ids shape": (dict(targets=torch.randint(0, V, (3, 5))), {}, ValueError, "targets"),
         "mask shape": (dict(completion_mask=torch.ones(3, 5)), {}, ValueError, "completion_mask"),
         "old_logp shape": (dict(old_logp=torch.zeros(3, 5)), {}, ValueError, "old_logp"),
         "advantages shape": (dict(advantages=torch.randn(4)), {}, ValueError, "advantages"),
         "advantages list": (dict(advantages=[1.0, 2.0, 3.0]), {}, TypeError, "advantages"),
         "advantages None": (dict(advantages=None), {}, TypeError, "advantages"),
-        "ids out of range": (dict(completion_ids=torch.full((3, 4), V)), {}, ValueError, "targets|range"),
-        "ids device": (dict(completion_ids=torch.empty(3, 4, dtype=torch.long, device="meta")), {}, ValueError,
+        "ids out of range": (dict(targets=torch.full((3, 4), V)), {}, ValueError, "targets|range"),
+        "ids device": (dict(targets=torch.empty(3, 4, dtype=torch.long, device="meta")), {}, ValueError,
                        "meta"),
         "weight device": (dict(weight=torch.empty(V, H, device="meta")), {}, ValueError, "meta"),
         "weight dtype": (dict(weight=torch.randn(V, H, dtype=torch.float64)), {}, TypeError, "dtype"),
@@ -185,6 +186,40 @@ def test_policy_inputs_rejected(no_kernel, case):
     inp.update(over)
     with pytest.raises(exc, match=pattern):
         _call(inp, **kw)
+
+
+# A framework's spelling of a core argument (completion_ids, labels, return_entropy, ...) is named, with the core's.
+_RENAMED = {
+    "policy_loss completion_ids": (lambda h, w, t, m: policy_loss(h[None], w, completion_ids=t[None],
+                                                                  completion_mask=m[None], advantages=torch.ones(1)),
+                                   r"policy_loss takes `targets` \(the completion token ids\), not `completion_ids`"),
+    "policy_loss old_per_token_logps": (lambda h, w, t, m: policy_loss(h[None], w, t[None], m[None], torch.ones(1),
+                                                                       old_per_token_logps=torch.zeros(1, len(t))),
+                                        "policy_loss takes `old_logp`"),
+    "sequence_logps labels": (lambda h, w, t, m: logitless.sequence_logps(h[None], w, labels=t[None],
+                                                                          completion_mask=m[None]),
+                              "sequence_logps takes `targets`"),
+    "dpo_loss_fused labels": (lambda h, w, t, m: logitless.dpo_loss_fused(
+        h[None].expand(2, -1, -1), w, labels=t[None].expand(2, -1), completion_mask=m[None].expand(2, -1),
+        ref_chosen_logps=torch.zeros(1), ref_rejected_logps=torch.zeros(1)), "dpo_loss_fused takes `targets`"),
+    "simpo_loss_fused labels": (lambda h, w, t, m: logitless.simpo_loss_fused(
+        h[None].expand(2, -1, -1), w, labels=t[None].expand(2, -1), completion_mask=m[None].expand(2, -1)),
+        "simpo_loss_fused takes `targets`"),
+    "distill_loss labels": (lambda h, w, t, m: logitless.distill_loss(h, w, h, w, labels=t),
+                            "distill_loss takes `targets`"),
+    "token_logprobs return_entropy": (lambda h, w, t, m: token_logprobs(h, w, t, return_entropy=True),
+                                      r"token_logprobs takes `entropy` \(a bool: also return the entropy\)"),
+    "vocab_stats return_entropy": (lambda h, w, t, m: vocab_stats(h, w, t, return_entropy=True),
+                                   "vocab_stats takes `entropy`"),
+}
+
+
+@pytest.mark.parametrize("case", list(_RENAMED))
+def test_framework_keyword_names_the_core_one(no_kernel, case):
+    call, pattern = _RENAMED[case]
+    h, w, t = head_inputs()
+    with pytest.raises(TypeError, match=pattern):
+        call(h, w, t, torch.ones(len(t)))
 
 
 @pytest.mark.parametrize(("field", "value", "pattern"), [

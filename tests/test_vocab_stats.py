@@ -170,7 +170,7 @@ def test_token_logprobs_equals_vocab_stats(seed, dtype):
     st_ = vocab_stats(hidden, head, targets, **kw)
     hidden.requires_grad_(True)
     lp = token_logprobs(hidden, head, targets, **kw)
-    lp2, ent = token_logprobs(hidden, head, targets, return_entropy=True, **kw)
+    lp2, ent = token_logprobs(hidden, head, targets, entropy=True, **kw)
     assert not lp.requires_grad and not ent.requires_grad
     assert torch.equal(lp, st_.logp.detach()) and torch.equal(lp2, lp)
     assert torch.equal(ent, st_.entropy.detach())

@@ -1,4 +1,5 @@
-"""Autocast (mixed precision) at the public entry points."""
+"""The public entry points' one wrapper: autocast (mixed precision) of the head operands, and a
+named error for a keyword that another framework spells differently."""
 
 from __future__ import annotations
 
@@ -16,8 +17,20 @@ F = TypeVar("F", bound=Callable)
 # hidden states, and heads (a Head's weight and bias, or a bare weight tensor).
 HEAD_OPERANDS = ("hidden", "head", "teacher_hidden", "teacher")
 
+# Keywords of the frameworks (TRL, verl, AgileRL, OpenRLHF) that the core spells one way: the framework's name,
+# the core's, and what the argument is. The integrations map them (STYLE.md rule 22).
+FRAMEWORK_KEYWORDS = {
+    "completion_ids": ("targets", "the completion token ids"),
+    "labels": ("targets", "the token ids each hidden state predicts"),
+    "return_entropy": ("entropy", "a bool: also return the entropy"),
+    "old_per_token_logps": ("old_logp", "the old policy's per-token log-probs"),
+    "old_log_prob": ("old_logp", "the old policy's per-token log-probs"),
+    "old_log_probs": ("old_logp", "the old policy's per-token log-probs"),
+    "ref_per_token_logps": ("ref_logp", "the reference model's per-token log-probs"),
+}
 
-def autocast_head_inputs(fn: F) -> F:
+
+def autocast_head_inputs(fn: F | None = None, *, compiled: Callable[[Callable], Callable] | None = None):
     """``fn`` with its head operands (``hidden``, the head's weight and bias, and the teacher's) cast to
     the autocast dtype when autocast is enabled on their device, as ``nn.Linear`` casts them.
 
@@ -29,14 +42,30 @@ def autocast_head_inputs(fn: F) -> F:
     differentiable, so fp32 parameters receive fp32 gradients. As autocast does, float64 tensors
     are left alone, and nothing happens without autocast (disable it around the call for an fp32
     head, e.g. TRL's ``cast_lm_head_to_fp32``).
+
+    A keyword of :data:`FRAMEWORK_KEYWORDS` that ``fn`` does not take raises a ``TypeError`` naming
+    the core's spelling (``policy_loss(..., completion_ids=ids)``: ``policy_loss takes `targets` (the
+    completion token ids), not `completion_ids```), where Python's own would only call it unexpected.
+
+    ``compiled``: the entry point's ``torch.compile`` path (``objectives/compiled.py::route``):
+    ``compiled(fn)`` is made once, here, and under ``torch.compiler.is_compiling()`` the call, its
+    operands cast, goes to it instead of ``fn``. Used as ``@autocast_head_inputs(compiled=...)``.
     """
+    if fn is None:
+        return functools.partial(autocast_head_inputs, compiled=compiled)
     params = inspect.signature(fn).parameters
     positions = {name: i for i, name in enumerate(params)
                  if params[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
     names = tuple(n for n in HEAD_OPERANDS if n in params)
+    renamed = {old: new for old, new in FRAMEWORK_KEYWORDS.items() if old not in params}
+    routed = None if compiled is None else compiled(fn)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        for key in kwargs:
+            if key in renamed:
+                new, what = renamed[key]
+                raise TypeError(f"{fn.__name__} takes `{new}` ({what}), not `{key}`")
         args = list(args)
         for name in names:
             i = positions.get(name)
@@ -44,6 +73,8 @@ def autocast_head_inputs(fn: F) -> F:
                 args[i] = _cast(args[i])
             elif name in kwargs:
                 kwargs[name] = _cast(kwargs[name])
+        if routed is not None and torch.compiler.is_compiling():
+            return routed(args, kwargs)
         return fn(*args, **kwargs)
 
     return wrapper

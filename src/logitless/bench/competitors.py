@@ -292,13 +292,13 @@ def ce_cce(x: Inputs, impl: str) -> Prepared:
 
 
 def rollout_logitless(x: Inputs, impl: str, fp32_logits: bool = True) -> Prepared:
-    """logitless ``token_logprobs(..., return_entropy=True)``: no-grad log-probs + entropy;
+    """logitless ``token_logprobs(..., entropy=True)``: no-grad log-probs + entropy;
     ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
     h2, y = x.hidden.detach().reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
     w = x.weight.detach()
 
     def step() -> Outputs:
-        logp, ent = logitless.token_logprobs(h2, w, y, return_entropy=True,
+        logp, ent = logitless.token_logprobs(h2, w, y, entropy=True,
                                              options=_options("auto", impl, fp32_logits))
         return {"logp": logp, "entropy": ent}
 

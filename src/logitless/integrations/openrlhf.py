@@ -18,6 +18,9 @@ Returned like OpenRLHF's: ``action_log_probs [B, A]`` (zero where ``action_mask`
 whose ``logits`` is None. With ``action_mask`` the head runs only on the last ``A`` positions:
 log-probs and entropy are 0 at the other positions and where ``action_mask`` is 0 (OpenRLHF's
 trainer reads the entropy only there, through ``action_mask``).
+
+Names (OpenRLHF's → the core's): ``roll(sequences, -1)`` → ``targets``, ``return_entropy`` →
+``entropy=``.
 """
 
 from __future__ import annotations

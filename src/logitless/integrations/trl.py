@@ -8,6 +8,9 @@ Matches TRL 1.16 ``GRPOTrainer._compute_loss`` for every option it accepts. What
 logitless is set by a :class:`~logitless.integrations.config.LogitlessConfig`; a part logitless
 cannot take (an unrecognized head, an option not reproduced yet) runs TRL's own code instead of
 computing something different, with a warning when it was asked for explicitly.
+
+Names (TRL's → the core's): ``completion_ids`` → ``targets``, ``old_per_token_logps`` /
+``ref_per_token_logps`` → ``old_logp`` / ``ref_logp``, ``compute_entropy`` → ``entropy=``.
 """
 
 from __future__ import annotations
@@ -201,7 +204,7 @@ class LogitlessGRPOTrainer(ActiveMetric, GRPOTrainer):
                 st = vocab_stats(hidden, head, targets, entropy=compute_entropy, options=sw.options)
                 lp, en = st.logp, st.entropy
             else:
-                out = token_logprobs(hidden, head, targets, return_entropy=compute_entropy, options=sw.options)
+                out = token_logprobs(hidden, head, targets, entropy=compute_entropy, options=sw.options)
                 lp, en = out if compute_entropy else (out, None)
             logps.append(lp)
             if compute_entropy:

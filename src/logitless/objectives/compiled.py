@@ -3,10 +3,10 @@
 Under ``torch.compiler.is_compiling()``, :func:`~logitless.policy_loss`,
 :func:`~logitless.cross_entropy`, :func:`~logitless.vocab_stats` and
 :func:`~logitless.token_logprobs` hand their arguments to the function of the same name here
-(:func:`route`, their decorator). The call becomes one op of namespace ``logitless`` in the
-caller's graph, with a fake implementation (exact output shapes and dtypes, whatever the data) and
-registered autograd, so ``torch.compile(fullgraph=True)`` traces through the head, forward and
-backward. Why an op rather
+(:func:`route`, through their wrapper ``amp.autocast_head_inputs``). The call becomes one op of
+namespace ``logitless`` in the caller's graph, with a fake implementation (exact output shapes
+and dtypes, whatever the data) and registered autograd, so ``torch.compile(fullgraph=True)``
+traces through the head, forward and backward. Why an op rather
 than tracing the pass: the pass is Python loops over token and vocabulary chunks whose sizes
 depend on the data, and its fused mode runs ``torch.autograd.grad`` inside its forward; traced, it
 would break the graph at a dozen places, and compiled code could not beat a pass that never
@@ -51,7 +51,7 @@ import functools
 import inspect
 import operator
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -62,11 +62,10 @@ from .config import PolicyConfig
 from .policy_terms import metric_names
 
 Tensor = torch.Tensor
-F = TypeVar("F", bound=Callable)
 Args = dict[str, Any]  # an entry point's arguments by name, defaults filled in
 
 _RECORDS = {cls.__name__: cls for cls in (PolicyConfig, PassOptions, LogitTransform, VocabShard)}
-_POLICY_TENSORS = ("completion_ids", "completion_mask", "advantages", "old_logp", "ref_logp", "tool_mask",
+_POLICY_TENSORS = ("targets", "completion_mask", "advantages", "old_logp", "ref_logp", "tool_mask",
                    "sampling_logp", "importance_sampling_ratio", "segment_ids", "num_items_in_batch")
 _STATS = ("logp", "lse", "entropy", "mean_logit")
 # The kernels read values on the host (eager's value checks) and allocate per call: a CUDA graph
@@ -116,12 +115,12 @@ def vocab_stats(eager: Callable, args: Args) -> tuple[Tensor | None, ...]:
 
 def token_logprobs(eager: Callable, args: Args) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`logitless.token_logprobs` as ``logitless::token_stats`` (no gradient)."""
-    names = ("logp", "entropy") if args["return_entropy"] else ("logp",)
-    values = {name: args[name] for name in ("ignore_index", "return_entropy")}
+    names = ("logp", "entropy") if args["entropy"] else ("logp",)
+    values = {name: args[name] for name in ("ignore_index", "entropy")}
     out = _token_stats("token_logprobs", args, {"targets": args["targets"]}, values, names, ())
     if out is None:
         return _eagerly(eager, **args)
-    return tuple(out[0]) if args["return_entropy"] else out[0][0]
+    return tuple(out[0]) if args["entropy"] else out[0][0]
 
 
 def _count(args: Args, tensors: Args) -> Args:
@@ -188,30 +187,28 @@ def _eagerly(fn: Callable, /, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def route(compiled: Callable[[Callable, Args], Any]) -> Callable[[F], F]:
-    """Decorator of an entry point ``fn``: called under ``torch.compiler.is_compiling()``, it returns
-    ``compiled(fn, args)`` (``args``: the call's arguments by name, defaults filled in) instead.
-    Eagerly it is ``fn`` (one ``is_compiling`` check more). Arguments that do not bind go to ``fn``
-    eagerly, which raises Python's ``TypeError``."""
+def route(compiled: Callable[[Callable, Args], Any]) -> Callable[[Callable], Callable[[list, dict], Any]]:
+    """An entry point's compiled path, for ``@autocast_head_inputs(compiled=route(compiled))``:
+    for the entry point ``fn`` (its signature read once), a function of a call's ``(args,
+    kwargs)`` that returns ``compiled(fn, args)`` (``args``: the call's arguments by name, defaults
+    filled in). The entry point's wrapper calls it only under ``torch.compiler.is_compiling()``.
+    Arguments that do not bind go to ``fn`` eagerly, which raises Python's ``TypeError``."""
 
-    def decorate(fn: F) -> F:
+    def bind(fn: Callable) -> Callable[[list, dict], Any]:
         params = inspect.signature(fn).parameters
         positional = tuple(n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         defaults = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if not torch.compiler.is_compiling():
-                return fn(*args, **kwargs)
+        def routed(args: list, kwargs: dict):
             given = dict(zip(positional, args, strict=False))  # (too many: caught below)
             bound = {**defaults, **given, **kwargs}
             if len(args) > len(positional) or bound.keys() != params.keys() or set(kwargs) & set(given):
                 return _eagerly(fn, *args, **kwargs)
             return compiled(fn, bound)
 
-        return wrapper
+        return routed
 
-    return decorate
+    return bind
 
 
 # ----------------------------------------------------------------------------- non-tensor arguments

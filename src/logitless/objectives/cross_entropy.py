@@ -16,8 +16,7 @@ from .vocab_stats import vocab_stats
 Reduction = Literal["mean", "sum", "none"]
 
 
-@autocast_head_inputs
-@compiled.route(compiled.cross_entropy)
+@autocast_head_inputs(compiled=compiled.route(compiled.cross_entropy))
 def cross_entropy(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight

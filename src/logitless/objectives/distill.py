@@ -53,7 +53,7 @@ class DistillConfig:
             (``KL(q‖p)``, whatever ``beta``) or ``"reverse_kl"`` (``KL(p‖q)``).
         beta: the JSD interpolation ``β ∈ [0, 1]`` (GKD's default 0.5).
         ce_weight: weight of the hard-label cross-entropy added to the divergence (needs
-            ``labels``): ``loss = divergence + ce_weight * ce``, both token means.
+            ``targets``): ``loss = divergence + ce_weight * ce``, both token means.
         reduction: ``"mean"`` over counted tokens (TRL's ``batchmean``; divided by
             ``num_items_in_batch`` when given), ``"sum"``, or ``"none"`` (per-token loss in the
             caller's layout, 0 at tokens not counted).
@@ -63,6 +63,10 @@ class DistillConfig:
         topk_add_tail: sparse teacher only (TRL ``loss_add_tail``, default ``True``): append a
             tail bucket ``log(1 - Σ_topk p)`` to both distributions; ``False``: renormalize both
             over the top-k support.
+
+    Raises:
+        ValueError: an unknown ``divergence`` or ``reduction``, ``beta`` outside ``[0, 1]``, a
+            negative or non-finite ``ce_weight``, a ``vocab_size`` that is not a positive int.
     """
 
     divergence: Divergence = "generalized_jsd"
@@ -102,7 +106,7 @@ def distill_loss(
     teacher: Head | torch.Tensor | None = None,  # Head, or a [V_t, H_t] weight
     *,
     mask: torch.Tensor | None = None,  # [B, T] or [N]
-    labels: torch.Tensor | None = None,  # [B, T] or [N]
+    targets: torch.Tensor | None = None,  # [B, T] or [N]
     teacher_topk_ids: torch.Tensor | None = None,  # [B, T, k] or [N, k]
     teacher_topk_logprobs: torch.Tensor | None = None,  # [B, T, k] or [N, k]
     config: DistillConfig | None = None,
@@ -127,22 +131,25 @@ def distill_loss(
     Vocabulary (tensor) parallelism: give the student head a :class:`logitless.VocabShard` and
     this rank's rows; a dense teacher must hold the same rows under the same shard (a bare
     teacher weight takes the student's shard, a teacher :class:`Head` needs its own equal one).
-    Labels and top-k ids are global; padding rows (``VocabShard.vocab_size``) get no
+    Targets and top-k ids are global; padding rows (``VocabShard.vocab_size``) get no
     probability. The statistics combine over the group (one MAX and one SUM all-reduce per
     chunk, fused, or per pass, recompute; one more SUM for the JSD), the ``d hidden`` partials
     are summed unless ``reduce_grad_hidden=False``, ``d weight`` is this rank's rows. With a
     shard, ``config.vocab_size`` is refused: the shard's ``vocab_size`` says where padding starts.
 
     Args:
-        hidden: the student's final hidden states (each predicting the token at its position).
+        hidden: the student's final hidden states ``[B, T, H_s]`` or ``[N, H_s]`` (fp16/bf16/fp32/
+            fp64; each predicting the token at its position).
         head: the student's :class:`logitless.Head` (weight ``[V_s, H_s]``, bias, transform) or
             a bare weight.
         teacher_hidden, teacher: the teacher's hidden states (same leading shape as ``hidden``;
             its hidden size may differ) and head (:class:`logitless.Head` or a bare weight).
         mask: counted tokens (completion mask: 0/1 or bool, any dtype); ``None``: all.
-        labels: hard labels, TRL's convention: ``-100`` marks a token not counted. Needed for
+        targets: integer hard-label token ids (TRL's ``labels``), shaped like ``mask``, each in
+            ``[0, V)`` or ``-100`` (TRL's convention: a token not counted). Needed for
             ``config.ce_weight > 0``; the cross-entropy is a column of the same pass.
-        teacher_topk_ids, teacher_topk_logprobs: sparse teacher, ``[..., k]``.
+        teacher_topk_ids, teacher_topk_logprobs: sparse teacher, ``[..., k]`` integer ids and
+            floating log-probs (nats; ``-inf`` for padding entries).
         config: :class:`DistillConfig`.
         num_items_in_batch: global count of counted tokens (gradient accumulation), a number or
             a one-element tensor, finite and > 0 (read with the other value checks); ``None``:
@@ -153,9 +160,10 @@ def distill_loss(
 
     Returns:
         ``(loss, metrics)``: a scalar loss (or per-token ``[B, T]`` / ``[N]`` with
-        ``reduction="none"``) and 0-dim tensors, means over counted tokens: ``divergence``,
+        ``reduction="none"``), fp32 (fp64 for fp64 inputs), nats, and 0-dim tensors, means over
+        counted tokens: ``divergence``,
         ``entropy`` (the student's, as TRL's DistillationTrainer logs it), ``nll`` (with
-        labels); dense teacher: ``forward_kl``, ``reverse_kl``, ``teacher_entropy``, ``jsd``
+        targets); dense teacher: ``forward_kl``, ``reverse_kl``, ``teacher_entropy``, ``jsd``
         (when computed); sparse teacher: ``topk_mass/teacher``, ``topk_mass/student``.
 
     Raises:
@@ -163,7 +171,7 @@ def distill_loss(
             out of range, NaN/inf in the heads, a ``mask`` value other than 0/1 (NaN, -1, 0.5), a
             ``num_items_in_batch`` that is not a finite count > 0,
             both or neither teacher kinds, heads of different vocabularies without
-            ``config.vocab_size``, ``ce_weight > 0`` without labels; a sparse teacher with
+            ``config.vocab_size``, ``ce_weight > 0`` without targets; a sparse teacher with
             ``k = 0``, an id repeated within a token's top-k, or a top-k mass above ``1 + 1e-4``;
             a vocabulary shard on one head only, student and teacher shards of different
             layouts, or ``config.vocab_size`` with a shard.
@@ -189,8 +197,8 @@ def distill_loss(
     if sparse and cfg.kind != "forward_kl":
         raise ValueError("a sparse (top-k) teacher supports only the forward KL: use divergence='forward_kl' "
                          "or generalized_jsd with beta=0")
-    if cfg.ce_weight > 0 and labels is None:
-        raise ValueError("ce_weight > 0 needs labels")
+    if cfg.ce_weight > 0 and targets is None:
+        raise ValueError("ce_weight > 0 needs targets")
 
     sharded = head.shard is not None or (dense and teacher.shard is not None)
     if sharded and cfg.vocab_size is not None:
@@ -200,7 +208,7 @@ def distill_loss(
         check_shards(head, teacher)
     vocab = _common_vocab(weight, teacher_weight if dense else None, cfg.vocab_size)
     weight, bias = weight[:vocab], None if bias is None else bias[:vocab]
-    # Labels and top-k ids are global: checked against the whole vocabulary, padding excluded.
+    # Targets and top-k ids are global: checked against the whole vocabulary, padding excluded.
     id_bound = head.vocab_size() if head.shard is not None else vocab
     shape = hidden.shape[:-1]
     # One synchronization for the student's and the teacher's value checks, the mask's and the count's.
@@ -218,7 +226,7 @@ def distill_loss(
                              f"hidden's {tuple(shape)}")
         check_head_inputs(teacher_hidden, Head(teacher_weight, teacher_bias, teacher.transform), None, None,
                           checks=checks)
-    for name, x in (("mask", mask), ("labels", labels), ("teacher_topk_ids", teacher_topk_ids),
+    for name, x in (("mask", mask), ("targets", targets), ("teacher_topk_ids", teacher_topk_ids),
                     ("teacher_topk_logprobs", teacher_topk_logprobs)):
         if isinstance(x, torch.Tensor):  # anything else is named by the type and shape checks below
             check_device(name, x, hidden.device)
@@ -228,7 +236,7 @@ def distill_loss(
         num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device)
     checks.run()
 
-    counted = _counted(shape, mask, labels, hidden.device)
+    counted = _counted(shape, mask, targets, hidden.device)
     idx = counted.reshape(-1).nonzero().squeeze(1)
     n, positions = int(idx.shape[0]), counted.numel()
 
@@ -241,18 +249,18 @@ def distill_loss(
         topk_ids, topk_lp = _check_topk(teacher_topk_ids, teacher_topk_logprobs, shape, id_bound)
         topk_ids, topk_lp = rows(topk_ids), rows(topk_lp)
         cols.append(topk_ids)
-    if labels is not None:
-        y = rows(labels).long()
+    if targets is not None:
+        y = rows(targets).long()
         bad = (y < 0) | (y >= id_bound)
         if n and bool(bad.any()):
-            raise ValueError(f"labels must lie in [0, {id_bound}) or equal -100; found {y[bad][:5].tolist()}")
+            raise ValueError(f"targets must lie in [0, {id_bound}) or equal -100; found {y[bad][:5].tolist()}")
         cols.append(y[:, None])
-    targets = torch.cat(cols, dim=1) if cols else torch.zeros((n, 0), dtype=torch.long, device=hidden.device)
+    columns = torch.cat(cols, dim=1) if cols else torch.zeros((n, 0), dtype=torch.long, device=hidden.device)
 
     th = rows(teacher_hidden) if dense else None
     # The pass reads the heads cut to the shared vocabulary; the gradient goes to the caller's
     # tensors (padded rows: zero).
-    p = DistillPass.make(h, replace(head, weight=weight, bias=bias), targets, th,
+    p = DistillPass.make(h, replace(head, weight=weight, bias=bias), columns, th,
                          replace(teacher, weight=teacher_weight, bias=teacher_bias) if dense else None,
                          cfg.beta if dense and cfg.kind == "jsd" else None, options)
     count = max(n, 1)
@@ -285,7 +293,7 @@ def distill_loss(
     else:
         _, mass_t, mass_s = sparse_forward_kl(stats.logp[:, :k], topk_lp, cfg.topk_add_tail)
         metrics.update({"topk_mass/teacher": mass_t, "topk_mass/student": mass_s})
-    if labels is not None:
+    if targets is not None:
         metrics["nll"] = -stats.logp[:, -1]
     metrics["divergence"] = div
     metrics["entropy"] = stats.entropy
@@ -351,10 +359,10 @@ def _common_vocab(weight: torch.Tensor, teacher_weight: torch.Tensor | None, voc
     return vocab_size
 
 
-def _counted(shape: torch.Size, mask: torch.Tensor | None, labels: torch.Tensor | None,
+def _counted(shape: torch.Size, mask: torch.Tensor | None, targets: torch.Tensor | None,
              device: torch.device) -> torch.Tensor:
     counted = torch.ones(shape, dtype=torch.bool, device=device)
-    for name, x in (("mask", mask), ("labels", labels)):
+    for name, x in (("mask", mask), ("targets", targets)):
         if x is None:
             continue
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):

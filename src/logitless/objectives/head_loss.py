@@ -71,7 +71,9 @@ def head_loss(
     softmax is computed once however many terms there are.
 
     Args:
-        hidden, head, targets: as :func:`logitless.vocab_stats`.
+        hidden, head, targets: as :func:`logitless.vocab_stats` (``hidden`` ``[N, H]`` or
+            ``[B, T, H]``, ``targets`` integer ``[N]`` or ``[B, T]``); a term sees the counted
+            tokens' statistics (:class:`TokenStats`: fp32, fp64 for fp64 inputs, nats).
         terms: ``{name: term}``; e.g. ``{"ce": lambda s: -s.logp.sum() / s.count,
             "z_loss": lambda s: 1e-4 * (s.lse ** 2).sum() / s.count}``.
         metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.

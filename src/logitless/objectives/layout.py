@@ -164,6 +164,9 @@ class TokenLayout:
     def _build(cls, index, seg, num, flat_mask, shape, group=None) -> TokenLayout:
         counted = flat_mask if index.shape[0] == flat_mask.numel() else flat_mask[index]
         weight = counted.to(torch.get_default_dtype() if not flat_mask.is_floating_point() else flat_mask.dtype)
-        seg_len = all_reduce(weight.new_zeros(num).index_add(0, seg, weight), "sum", group)
+        seg_len = weight.new_zeros(num).index_add(0, seg, weight)
+        distributed = group is not None and is_active(group)
+        if distributed:
+            seg_len = all_reduce(seg_len, "sum", group)
         return cls(index=index, seg=seg, num_segments=num, weight=weight, seg_len=seg_len, shape=shape, group=group,
-                   distributed=is_active(group))
+                   distributed=distributed)

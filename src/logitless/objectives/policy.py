@@ -36,7 +36,7 @@ from .policy_terms import LOG_1E8, PolicyTokens, chunk_terms, sequence_metrics, 
 class _PolicyInputs:
     """The per-token tensors of one :func:`policy_loss` call, as given."""
 
-    completion_ids: torch.Tensor
+    targets: torch.Tensor
     completion_mask: torch.Tensor
     advantages: torch.Tensor
     old_logp: torch.Tensor | None
@@ -47,12 +47,11 @@ class _PolicyInputs:
     segment_ids: torch.Tensor | None
 
 
-@autocast_head_inputs
-@compiled.route(compiled.policy_loss)
+@autocast_head_inputs(compiled=compiled.route(compiled.policy_loss))
 def policy_loss(
     hidden: torch.Tensor,  # [B, T, H] padded, or [N, H] packed
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    completion_ids: torch.Tensor,  # [B, T] or [N]
+    targets: torch.Tensor,  # [B, T] or [N]
     completion_mask: torch.Tensor,  # [B, T] or [N]
     advantages: torch.Tensor,  # [B] (per sequence) or [B, T]
     old_logp: torch.Tensor | None = None,  # [B, T]
@@ -84,7 +83,8 @@ def policy_loss(
             :class:`LogitTransform` with the sampling temperature, LoRA adapter — gradients
             reach its ``a``/``b``, and a frozen weight skips its ``d weight`` GEMM — and
             vocabulary shard), or a bare ``[V, H]`` weight.
-        completion_ids: sampled tokens ``[B, T]`` / ``[N]``; only counted ones are read.
+        targets: the completion token ids (TRL's ``completion_ids``), integer ``[B, T]`` /
+            ``[N]``, each in ``[0, V)``; only counted ones are read.
         completion_mask: ``[B, T]`` / ``[N]``, 1 for counted tokens (multiplied by
             ``tool_mask``); masked tokens never reach the vocabulary pass. Bool, integer or
             floating; values finite and >= 0 (a value is the token's weight).
@@ -134,7 +134,7 @@ def policy_loss(
     head, options = as_head(head), as_options(options)
     if sequence_group is not None and segment_ids is None:
         raise ValueError("sequence_group needs packed inputs with global segment_ids")
-    inputs = _PolicyInputs(completion_ids, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
+    inputs = _PolicyInputs(targets, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
                            importance_sampling_ratio, segment_ids)
     tok, h_flat, t_flat = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group)
     # Under sequence parallelism a sequence-level objective takes collectives inside the
@@ -147,18 +147,15 @@ def policy_loss(
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    def objective(sl: slice, stats: ChunkStats):
-        return chunk_terms(cfg, tok, sl, stats.logp, stats.entropy, metrics=False)
-
     spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
                          zero_rows=tok.zero_rows)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
-    loss, stats, _ = run_objective(h_flat, head, t_flat, objective, spec, options)
+    loss, stats, _ = run_objective(h_flat, head, t_flat, tok.loss_term, spec, options)
     with torch.no_grad():
-        _, sums = chunk_terms(cfg, tok, slice(0, tok.layout.n), stats.logp, stats.entropy)
+        _, sums = chunk_terms(cfg, tok, slice(None), stats.logp, stats.entropy)  # every token
         metrics = _finalize_metrics(cfg, tok, sums, group)
         if tok.sampling_logp is not None:
             metrics.update(sampler_mismatch(stats.logp, tok.sampling_logp, group))
@@ -247,7 +244,7 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
              sequence_group) -> tuple[PolicyTokens, torch.Tensor, torch.Tensor]:
     """Validate the inputs and gather the counted tokens: ``(tokens, hidden rows, ids)``."""
-    completion_ids, completion_mask, advantages = inputs.completion_ids, inputs.completion_mask, inputs.advantages
+    targets, completion_mask, advantages = inputs.targets, inputs.completion_mask, inputs.advantages
     old_logp, ref_logp, sampling_logp = inputs.old_logp, inputs.ref_logp, inputs.sampling_logp
     tool_mask, importance_sampling_ratio, segment_ids = inputs.tool_mask, inputs.importance_sampling_ratio, \
         inputs.segment_ids
@@ -259,7 +256,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         raise ValueError(f"hidden must be {'[N, H] with segment_ids' if packed else '[B, T, H]'}, got shape "
                          f"{tuple(hidden.shape)}")
     lead = hidden.shape[:-1]
-    per_token = {"completion_ids": completion_ids, "completion_mask": completion_mask, "tool_mask": tool_mask,
+    per_token = {"targets": targets, "completion_mask": completion_mask, "tool_mask": tool_mask,
                  "old_logp": old_logp, "ref_logp": ref_logp, "sampling_logp": sampling_logp,
                  "segment_ids": segment_ids}
     for name, x in per_token.items():
@@ -299,11 +296,11 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     if packed:  # the segment count is read first (a synchronization of its own)
         seen = TokenLayout.from_segments(mask, segment_ids, sequence_group)
         count = counted = None
-        check_head_inputs(seen.rows(hidden), head, seen.gather(completion_ids), ignore_index=None, checks=checks)
+        check_head_inputs(seen.rows(hidden), head, seen.gather(targets), ignore_index=None, checks=checks)
     else:  # every position, the counted ones first; the hidden rows and ids checked in place
         seen, count = TokenLayout.counted_first(mask)
         counted = seen.weight != 0
-        check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, completion_ids.reshape(-1), ignore_index=None,
+        check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), ignore_index=None,
                           checks=checks, counted=mask.reshape(-1) != 0)
 
     def bad_values(name: str):
@@ -329,7 +326,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     seen.weight = m = seen.weight.to(sdt)
     seen.seg_len = seen.seg_len.to(sdt)
     n_seq = seen.num_segments
-    m_total = all_reduce(m.sum(), "sum", sequence_group)
+    m_total = all_reduce(m.sum(), "sum", sequence_group) if seen.distributed else m.sum()
     g = _accum(cfg)
     lt = cfg.loss_type
     if lt in ("grpo", "sapo"):
@@ -367,7 +364,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         return None if x is None else x[:lay.n]
 
     h_flat = lay.rows(hidden)
-    t_flat = lay.gather(completion_ids).long()
+    t_flat = lay.gather(targets).long()
     per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
     adv_tok, is_tok = counted_rows(adv_seen), counted_rows(is_seen)
     log_is_seq = None
@@ -379,7 +376,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                        ref_logp=counted_rows(seen_logps.get("ref_logp")),
                        sampling_logp=counted_rows(seen_logps.get("sampling_logp")), is_ratio=is_tok,
                        log_is_ratio_seq=log_is_seq, loss_weight=counted_rows(loss_weight),
-                       bonus_weight=counted_rows(bonus_weight))
+                       bonus_weight=counted_rows(bonus_weight), config=cfg)
     if zero is not None:
         tok.zero_rows = ZeroRows(counted_rows(zero), int(read[-1]))
     return tok, h_flat, t_flat
@@ -450,16 +447,20 @@ def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torc
         # over processes at the optimizer step: they stay local here.
         local["entropy_bonus/entropy_sum"] = sums["bonus_entropy"].sum()
         local["entropy_bonus/token_count"] = sums["bonus_tokens"].sum()
+
+    def over_group(t: torch.Tensor, op: str) -> torch.Tensor:  # without a group: this process's values
+        return t if group is None else all_reduce(t, op, group)
+
     names = list(means)
-    stacked = all_reduce(torch.stack([v for k in names for v in means[k]]), "sum", group) if names else None
+    stacked = over_group(torch.stack([v for k in names for v in means[k]]), "sum") if names else None
     out = {k: stacked[2 * i] / stacked[2 * i + 1].clamp(min=1.0) for i, k in enumerate(names)}
     for k, v in mins.items():  # nanmin over sequences of all processes
-        v = all_reduce(torch.where(torch.isnan(v), torch.inf, v).min() if v.numel() else nan.new_tensor(torch.inf),
-                       "min", group)
+        v = over_group(torch.where(torch.isnan(v), torch.inf, v).min() if v.numel() else nan.new_tensor(torch.inf),
+                       "min")
         out[k] = torch.where(torch.isinf(v), nan, v)
     for k, v in maxs.items():
-        v = all_reduce(torch.where(torch.isnan(v), -torch.inf, v).max() if v.numel() else nan.new_tensor(-torch.inf),
-                       "max", group)
+        v = over_group(torch.where(torch.isnan(v), -torch.inf, v).max() if v.numel() else nan.new_tensor(-torch.inf),
+                       "max")
         out[k] = torch.where(torch.isinf(v), nan, v)
     out.update(local)
     return out

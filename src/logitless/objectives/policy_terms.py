@@ -41,6 +41,12 @@ class PolicyTokens:
     bonus_weight: torch.Tensor | None
     entropy_mask: torch.Tensor | None = None  # [n] bool, set after the quantile is known
     zero_rows: ZeroRows | None = None  # the tokens whose gradient is exactly zero (no KL, no bonus)
+    config: PolicyConfig | None = None  # the call's (read by loss_term)
+
+    def loss_term(self, sl: slice, stats) -> tuple[torch.Tensor, None]:
+        """The pass's chunk objective (``ops.ChunkObjective``): the loss term of the tokens ``sl``
+        from their statistics (a ``ChunkStats``: ``logp``, ``entropy``), without metric sums."""
+        return chunk_terms(self.config, self, sl, stats.logp, stats.entropy, metrics=False)
 
 
 def vespo_phi(cfg: PolicyConfig, seq_log_ratio: torch.Tensor, adv_seq: torch.Tensor) -> torch.Tensor:

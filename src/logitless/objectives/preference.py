@@ -42,7 +42,8 @@ FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_diverg
 
 
 class SequenceLogps(NamedTuple):
-    """Per-sequence results of one pass over ``S`` sequences (``[S]`` each, fp32/fp64).
+    """Per-sequence results of one pass over ``S`` sequences (``[S]`` each, fp32/fp64; log-probs
+    and entropies in nats).
 
     Attributes:
         logps: ``Σ_t logp`` over the completion tokens (differentiable).
@@ -75,43 +76,44 @@ class SequenceLogps(NamedTuple):
 def sequence_logps(
     hidden: torch.Tensor,  # [S, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [S, T]
+    targets: torch.Tensor,  # [S, T]
     completion_mask: torch.Tensor,  # [S, T]
     *,
     nll_mask: torch.Tensor | None = None,  # [S, T]
     options: PassOptions | None = None,
 ) -> SequenceLogps:
-    """Per-sequence log-prob sums of ``labels`` under the head, from one vocabulary pass.
+    """Per-sequence log-prob sums of ``targets`` under the head, from one vocabulary pass.
 
-    ``hidden[s, t]`` must be the hidden state that predicts ``labels[s, t]`` (the caller shifts:
+    ``hidden[s, t]`` must be the hidden state that predicts ``targets[s, t]`` (the caller shifts:
     ``hidden[:, :-1]`` with ``input_ids[:, 1:]``). Only tokens of ``completion_mask`` or
     ``nll_mask`` reach the pass (one pass for both).
 
     Args:
         hidden: ``[S, T, H]``; for preference losses ``S = 2B``, chosen rows first.
         head: the :class:`logitless.Head` or a bare weight (see :func:`logitless.vocab_stats`).
-        labels: ``[S, T]`` token ids (values at positions of neither mask are ignored).
+        targets: integer ``[S, T]`` token ids (TRL's ``labels``), each in ``[0, V)`` where a mask
+            counts it (values at positions of neither mask are ignored).
         completion_mask: ``[S, T]`` tokens whose log-probs are summed.
         nll_mask: ``[S, T]`` tokens of an NLL term that differ from the completion tokens
             (ORPO's NLL covers prompt and response); ``None``: no separate NLL sums.
         options: :class:`logitless.PassOptions`.
 
     Returns:
-        :class:`SequenceLogps`.
+        :class:`SequenceLogps`: ``[S]`` sums in fp32 (fp64 for fp64 inputs), nats.
 
     Raises:
         TypeError, ValueError: see :func:`logitless.vocab_stats`; masks of another shape or
             device, or holding a value other than 0/1 (bool, integer or floating alike).
     """
-    if labels.dim() != 2 or tuple(completion_mask.shape) != tuple(labels.shape):
-        raise ValueError(f"labels and completion_mask must both be [S, T], got {tuple(labels.shape)} and "
+    if targets.dim() != 2 or tuple(completion_mask.shape) != tuple(targets.shape):
+        raise ValueError(f"targets and completion_mask must both be [S, T], got {tuple(targets.shape)} and "
                          f"{tuple(completion_mask.shape)}")
-    if nll_mask is not None and tuple(nll_mask.shape) != tuple(labels.shape):
-        raise ValueError(f"nll_mask must be {tuple(labels.shape)}, got {tuple(nll_mask.shape)}")
+    if nll_mask is not None and tuple(nll_mask.shape) != tuple(targets.shape):
+        raise ValueError(f"nll_mask must be {tuple(targets.shape)}, got {tuple(nll_mask.shape)}")
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     check_device("hidden", hidden, hidden.device)
-    check_device("labels", labels, hidden.device)
+    check_device("targets", targets, hidden.device)
     # The masks select tokens (a 0.5 would count as 1): 0/1 only, read in one synchronization.
     checks = ValueChecks()
     check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=True)
@@ -120,8 +122,8 @@ def sequence_logps(
     checks.run()
     cm = completion_mask != 0
     used = cm if nll_mask is None else cm | (nll_mask != 0)
-    targets = torch.where(used, labels.long(), -100)
-    st = vocab_stats(hidden, head, targets, ignore_index=-100, options=options)
+    ids = torch.where(used, targets.long(), -100)
+    st = vocab_stats(hidden, head, ids, ignore_index=-100, options=options)
     cmf = cm.to(st.logp.dtype)
     nll_sum = nll_count = None
     if nll_mask is not None:
@@ -151,6 +153,11 @@ class DPOLossConfig:
             ``min(chosen length, rejected length)`` completion tokens plus ``α ·`` the rest (the
             ``sft`` term stays the plain token mean); ``None``: no weighting. Per-token, so only
             the fused pass (:func:`~logitless.dpo_loss_fused`) takes it, not :func:`dpo_loss`.
+
+    Raises:
+        ValueError: an unknown or empty ``loss_type``, ``loss_weights`` of another length, an
+            unknown ``f_divergence_type`` or one the loss types do not support,
+            ``label_smoothing`` outside what ``robust`` allows, and ``ld_alpha`` outside ``[0, 1]``.
     """
 
     beta: float = 0.1
@@ -210,18 +217,20 @@ def dpo_loss(
 
     Args:
         policy: :func:`sequence_logps` of chosen + rejected (``[2B]``, chosen first).
-        ref_chosen_logps, ref_rejected_logps: ``[B]`` reference log-prob sums.
+        ref_chosen_logps, ref_rejected_logps: ``[B]`` floating reference log-prob sums (nats).
         config: :class:`DPOLossConfig`.
 
     Returns:
-        ``(loss, metrics)``: scalar loss (``Σ_types weight · mean over pairs``) and TRL's
+        ``(loss, metrics)``: scalar loss (``Σ_types weight · mean over pairs``; in ``policy``'s
+        dtype) and TRL's
         metrics: ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
         ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (means over pairs of sums),
         ``entropy`` (token mean over all completion tokens).
 
     Raises:
-        ValueError: reference shapes that do not match the pairs; ``config.ld_alpha`` set (it
-            weights tokens, which sums no longer tell apart: use :func:`~logitless.dpo_loss_fused`).
+        ValueError: an odd number of sequences in ``policy``, reference shapes that do not
+            match the pairs; ``config.ld_alpha`` set (it weights tokens, which sums no longer tell
+            apart: use :func:`~logitless.dpo_loss_fused`).
     """
     cfg = DPOLossConfig() if config is None else config
     if cfg.ld_alpha is not None:
@@ -314,7 +323,16 @@ def _dpo_pair_losses(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, c
 
 @dataclass(frozen=True)
 class KTOLossConfig:
-    """TRL ``KTOConfig``'s loss options (same names and defaults)."""
+    """TRL ``KTOConfig``'s loss options (same names and defaults).
+
+    Attributes:
+        beta: deviation from the reference.
+        loss_type: ``"kto"`` or ``"apo_zero_unpaired"``.
+        desirable_weight, undesirable_weight: weights of the desirable / undesirable losses.
+
+    Raises:
+        ValueError: another ``loss_type``.
+    """
 
     beta: float = 0.1
     loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
@@ -340,8 +358,8 @@ def kto_loss(
     Args:
         policy: :func:`sequence_logps` of the ``B`` completions (unpaired).
         label: ``[B]`` desirable (True) / undesirable (False).
-        ref_logps: ``[B]`` reference log-prob sums.
-        kl_logps, ref_kl_logps: ``[B]`` policy / reference sums on the mismatched KL completions
+        ref_logps: ``[B]`` floating reference log-prob sums (nats).
+        kl_logps, ref_kl_logps: ``[B]`` policy / reference sums (nats) on the mismatched KL completions
             (TRL computes the policy's without gradient: pass
             :func:`logitless.token_logprobs` summed per row); needed by ``kto``, whose KL
             estimate is ``mean(kl_logps - ref_kl_logps)`` clamped at 0.
@@ -402,7 +420,19 @@ def _kto_losses(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor
 @dataclass(frozen=True)
 class CPOLossConfig:
     """TRL ``CPOConfig``'s loss options (same names and defaults). ``loss_type="simpo"`` with
-    ``cpo_alpha=0`` is SimPO; ``alpha != 0`` is AlphaPO's reward."""
+    ``cpo_alpha=0`` is SimPO; ``alpha != 0`` is AlphaPO's reward.
+
+    Attributes:
+        beta: temperature of the preference loss.
+        label_smoothing: the conservative (robust) loss's flip probability.
+        loss_type: ``"sigmoid"``, ``"hinge"``, ``"ipo"`` or ``"simpo"``.
+        cpo_alpha: weight of the chosen sequences' NLL term.
+        simpo_gamma: SimPO's target reward margin ``γ``.
+        alpha: AlphaPO's reward exponent (0: CPO/SimPO's log-prob reward).
+
+    Raises:
+        ValueError: another ``loss_type``.
+    """
 
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -431,9 +461,13 @@ def cpo_loss(policy: SequenceLogps, *,
         config: :class:`CPOLossConfig`.
 
     Returns:
-        ``(loss, metrics)``: TRL's ``rewards/chosen``, ``rewards/rejected``,
-        ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``,
-        ``nll_loss``, plus ``entropy``.
+        ``(loss, metrics)``: a scalar loss in ``policy``'s dtype and 0-dim metrics, TRL's
+        ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``,
+        ``logps/chosen``, ``logps/rejected`` (nats), ``nll_loss``, plus ``entropy``.
+
+    Raises:
+        ValueError: an odd number of sequences in ``policy``; a bad ``config``
+            (:class:`CPOLossConfig`).
     """
     cfg = CPOLossConfig() if config is None else config
     losses, (chosen, rejected), (chosen_r, rejected_r) = _cpo_pair_losses(policy, cfg)
@@ -476,7 +510,18 @@ def _cpo_pair_losses(policy: SequenceLogps, cfg: CPOLossConfig) -> tuple[torch.T
 def simpo_loss(policy: SequenceLogps, *, beta: float = 2.0, simpo_gamma: float = 0.5,
                label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SimPO: :func:`cpo_loss` with ``loss_type="simpo"`` and ``cpo_alpha=0`` (TRL's recipe;
-    ``beta=2.0`` is the SimPO paper's typical value, TRL's CPO default is 0.1)."""
+    ``beta=2.0`` is the SimPO paper's typical value, TRL's CPO default is 0.1).
+
+    Args:
+        policy: :func:`sequence_logps` of chosen + rejected (``[2B]``, chosen first).
+        beta, simpo_gamma, label_smoothing: as :class:`CPOLossConfig`.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`cpo_loss`.
+
+    Raises:
+        ValueError: as :func:`cpo_loss`.
+    """
     return cpo_loss(policy, config=CPOLossConfig(beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing,
                                                  loss_type="simpo", cpo_alpha=0.0))
 
@@ -489,6 +534,13 @@ def orpo_loss(policy: SequenceLogps, *, beta: float = 0.1) -> tuple[torch.Tensor
     with per-token **mean** log-probs and the NLL the token mean of the chosen sequences' ``-logp``
     over prompt **and** response (give :func:`sequence_logps` ``nll_mask`` = the chosen rows'
     attention mask shifted, zeros for rejected rows; without it, the completion tokens).
+
+    Args:
+        policy: :func:`sequence_logps` of chosen + rejected (``[2B]``, chosen first).
+        beta: weight ``β`` of the odds-ratio term.
+
+    Raises:
+        ValueError: an odd number of sequences in ``policy``.
 
     Returns:
         ``(loss, metrics)``: TRL's ``rewards/*``, ``logps/*``, ``nll_loss``, ``log_odds_ratio``

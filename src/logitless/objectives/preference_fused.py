@@ -146,7 +146,7 @@ UnitLoss = Callable[[int, int, SequenceLogps], torch.Tensor]
 class _Batch:
     """The caller's per-token inputs of a fused preference call."""
 
-    labels: torch.Tensor  # [S, T]
+    targets: torch.Tensor  # [S, T]
     completion_mask: torch.Tensor  # [S, T]
     nll_mask: torch.Tensor | None = None  # [S, T]
 
@@ -177,7 +177,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         raise ValueError(f"hidden must be a [S, T, H] tensor, got "
                          f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
-    for name, x in (("labels", batch.labels), ("completion_mask", batch.completion_mask),
+    for name, x in (("targets", batch.targets), ("completion_mask", batch.completion_mask),
                     ("nll_mask", batch.nll_mask)):
         if x is not None or name != "nll_mask":
             _check_shaped(name, x, tuple(hidden.shape[:2]), hidden.device, " (hidden's [S, T])")
@@ -186,7 +186,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     for name, x in (("completion_mask", batch.completion_mask), ("nll_mask", batch.nll_mask)):
         if x is not None:
             check_mask(x, name, checks, hidden.device, binary=True)
-    s, t = batch.labels.shape
+    s, t = batch.targets.shape
     if s % size:
         raise ValueError(f"expected chosen and rejected sequences concatenated ([2B, T]), got {s} sequences")
     units = s // size
@@ -204,7 +204,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     flat = order[seq] * t + pos % t
     complete = pos.shape[0] == s * t and (size == 1 or units == 1)
     h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
-    t_flat = batch.labels.reshape(-1)[flat].long()
+    t_flat = batch.targets.reshape(-1)[flat].long()
     ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
     check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
     for name, x in per_unit.items():
@@ -294,7 +294,7 @@ def _chosen_tokens(units: _Units) -> torch.Tensor:
 def dpo_loss_fused(
     hidden: torch.Tensor,  # [2B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [2B, T]
+    targets: torch.Tensor,  # [2B, T]
     completion_mask: torch.Tensor,  # [2B, T]
     ref_chosen_logps: torch.Tensor,  # [B]
     ref_rejected_logps: torch.Tensor,  # [B]
@@ -306,9 +306,10 @@ def dpo_loss_fused(
     :func:`sequence_logps` + :func:`~logitless.dpo_loss` in one call, with their results.
 
     Args:
-        hidden: ``[2B, T, H]``, chosen sequences first; ``hidden[s, t]`` predicts ``labels[s, t]``.
+        hidden: ``[2B, T, H]``, chosen sequences first; ``hidden[s, t]`` predicts ``targets[s, t]``.
         head: the :class:`logitless.Head` or a bare ``[V, H]`` weight.
-        labels: ``[2B, T]`` token ids (read at completion positions only).
+        targets: integer ``[2B, T]`` token ids (TRL's ``labels``), each in ``[0, V)`` at completion
+            positions (read there only).
         completion_mask: ``[2B, T]`` tokens whose log-probs are summed.
         ref_chosen_logps, ref_rejected_logps: ``[B]`` reference log-prob sums (nats).
         config: :class:`DPOLossConfig`; ``aot`` / ``aot_unpaired`` (which sort over the batch) run
@@ -326,7 +327,7 @@ def dpo_loss_fused(
     """
     cfg = DPOLossConfig() if config is None else config
     refs = (ref_chosen_logps, ref_rejected_logps)
-    batch = _Batch(labels, completion_mask)
+    batch = _Batch(targets, completion_mask)
     loss, policy, _ = _dpo(hidden, as_head(head), batch, refs, cfg, as_options(options), False)
     with torch.no_grad():
         # ld_alpha already weighs policy.logps; dpo_loss (on sums) refuses it, and its loss is not used here.
@@ -340,7 +341,7 @@ def dpo_loss_fused(
 def dpo_fused_pass(
     hidden: torch.Tensor,  # [2B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [2B, T]
+    targets: torch.Tensor,  # [2B, T]
     completion_mask: torch.Tensor,  # [2B, T]
     ref_chosen_logps: torch.Tensor,  # [B]
     ref_rejected_logps: torch.Tensor,  # [B]
@@ -353,7 +354,7 @@ def dpo_fused_pass(
     ``mean_token_accuracy``, from the same pass (the mean logit costs one more sum per logit).
 
     Args:
-        hidden, head, labels, completion_mask, ref_chosen_logps, ref_rejected_logps, config,
+        hidden, head, targets, completion_mask, ref_chosen_logps, ref_rejected_logps, config,
             options: as :func:`dpo_loss_fused`.
 
     Returns:
@@ -363,7 +364,7 @@ def dpo_fused_pass(
         TypeError, ValueError: as :func:`dpo_loss_fused`.
     """
     cfg = DPOLossConfig() if config is None else config
-    return _dpo(hidden, as_head(head), _Batch(labels, completion_mask), (ref_chosen_logps, ref_rejected_logps), cfg,
+    return _dpo(hidden, as_head(head), _Batch(targets, completion_mask), (ref_chosen_logps, ref_rejected_logps), cfg,
                 as_options(options), True)
 
 
@@ -406,7 +407,7 @@ def _dpo(hidden: torch.Tensor, head: Head, batch: _Batch, refs: tuple[torch.Tens
 def cpo_loss_fused(
     hidden: torch.Tensor,  # [2B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [2B, T]
+    targets: torch.Tensor,  # [2B, T]
     completion_mask: torch.Tensor,  # [2B, T]
     *,
     config: CPOLossConfig | None = None,
@@ -417,7 +418,7 @@ def cpo_loss_fused(
     + :func:`~logitless.cpo_loss` in one call.
 
     Args:
-        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        hidden, head, targets, completion_mask, options: as :func:`dpo_loss_fused`.
         config: :class:`CPOLossConfig`.
         nll_mask: ``[2B, T]`` the NLL term's tokens when they differ from the completion tokens
             (as :func:`sequence_logps`); ``None``: the chosen completion tokens (TRL's CPO).
@@ -429,7 +430,7 @@ def cpo_loss_fused(
         TypeError, ValueError: as :func:`sequence_logps`.
     """
     cfg = CPOLossConfig() if config is None else config
-    loss, policy, _ = _cpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), cfg, as_options(options))
+    loss, policy, _ = _cpo(hidden, as_head(head), _Batch(targets, completion_mask, nll_mask), cfg, as_options(options))
     with torch.no_grad():
         _, metrics = cpo_loss(policy, config=cfg)
     return loss, metrics
@@ -440,7 +441,7 @@ def cpo_loss_fused(
 def cpo_fused_pass(
     hidden: torch.Tensor,  # [2B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [2B, T]
+    targets: torch.Tensor,  # [2B, T]
     completion_mask: torch.Tensor,  # [2B, T]
     *,
     config: CPOLossConfig | None = None,
@@ -450,7 +451,7 @@ def cpo_fused_pass(
     the loss and every sequence's sums (the NLL tokens are the chosen completion tokens).
 
     Args:
-        hidden, head, labels, completion_mask, config, options: as :func:`cpo_loss_fused`.
+        hidden, head, targets, completion_mask, config, options: as :func:`cpo_loss_fused`.
 
     Returns:
         :class:`PreferencePass` (``tokens`` is ``None``).
@@ -459,7 +460,7 @@ def cpo_fused_pass(
         TypeError, ValueError: as :func:`cpo_loss_fused`.
     """
     cfg = CPOLossConfig() if config is None else config
-    return _cpo(hidden, as_head(head), _Batch(labels, completion_mask), cfg, as_options(options))
+    return _cpo(hidden, as_head(head), _Batch(targets, completion_mask), cfg, as_options(options))
 
 
 def _cpo(hidden: torch.Tensor, head: Head, batch: _Batch, cfg: CPOLossConfig, options: PassOptions) -> PreferencePass:
@@ -476,7 +477,8 @@ def _cpo(hidden: torch.Tensor, head: Head, batch: _Batch, cfg: CPOLossConfig, op
     return _run(h_flat, head, t_flat, units, loss_of_pairs, options)
 
 
-def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: torch.Tensor,
+@autocast_head_inputs
+def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.Tensor,
                      completion_mask: torch.Tensor, *, beta: float = 2.0, simpo_gamma: float = 0.5,
                      label_smoothing: float = 0.0,
                      options: PassOptions | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -484,7 +486,7 @@ def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: to
     ``cpo_alpha=0`` (as :func:`~logitless.simpo_loss`).
 
     Args:
-        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        hidden, head, targets, completion_mask, options: as :func:`dpo_loss_fused`.
         beta, simpo_gamma, label_smoothing: SimPO's ``β``, target reward margin ``γ`` and
             label smoothing, as :func:`~logitless.simpo_loss`.
 
@@ -496,7 +498,7 @@ def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: to
     """
     cfg = CPOLossConfig(beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing, loss_type="simpo",
                         cpo_alpha=0.0)
-    return cpo_loss_fused(hidden, head, labels, completion_mask, config=cfg, options=options)
+    return cpo_loss_fused(hidden, head, targets, completion_mask, config=cfg, options=options)
 
 
 @graph_break
@@ -504,7 +506,7 @@ def simpo_loss_fused(hidden: torch.Tensor, head: Head | torch.Tensor, labels: to
 def kto_loss_fused(
     hidden: torch.Tensor,  # [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [B, T]
+    targets: torch.Tensor,  # [B, T]
     completion_mask: torch.Tensor,  # [B, T]
     label: torch.Tensor,  # [B] bool, True = desirable
     ref_logps: torch.Tensor,  # [B]
@@ -518,7 +520,7 @@ def kto_loss_fused(
     sequences, and the batch's KL estimate (an input, detached) couples nothing.
 
     Args:
-        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`, for ``B``
+        hidden, head, targets, completion_mask, options: as :func:`dpo_loss_fused`, for ``B``
             unpaired completions.
         label: ``[B]`` bool, desirable (True) / undesirable (False).
         ref_logps: ``[B]`` reference log-prob sums (nats).
@@ -546,7 +548,7 @@ def kto_loss_fused(
             return None
         return (kl_logps[0].detach().to(sdt) - kl_logps[1].to(sdt)).mean().detach().clamp(min=0)
 
-    loss, policy, _ = _kto(hidden, as_head(head), _Batch(labels, completion_mask), (label, ref_logps), kl_estimate,
+    loss, policy, _ = _kto(hidden, as_head(head), _Batch(targets, completion_mask), (label, ref_logps), kl_estimate,
                            named, cfg, as_options(options), False)
     with torch.no_grad():
         _, metrics = kto_loss(policy, label, ref_logps.to(policy.logps.dtype), *(kl_logps or (None, None)),
@@ -559,7 +561,7 @@ def kto_loss_fused(
 def kto_fused_pass(
     hidden: torch.Tensor,  # [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [B, T]
+    targets: torch.Tensor,  # [B, T]
     completion_mask: torch.Tensor,  # [B, T]
     label: torch.Tensor,  # [B] bool, True = desirable
     ref_logps: torch.Tensor,  # [B]
@@ -573,7 +575,7 @@ def kto_fused_pass(
     first, as TRL's ``KTOTrainer`` does).
 
     Args:
-        hidden, head, labels, completion_mask, label, ref_logps, config, options: as
+        hidden, head, targets, completion_mask, label, ref_logps, config, options: as
             :func:`kto_loss_fused`.
         kl: the 0-dim KL estimate ``max(0, mean(kl_logps - ref_kl_logps))`` (nats; detached
             here); used by ``kto`` only, which needs it.
@@ -591,7 +593,7 @@ def kto_fused_pass(
                                    or not bool(torch.isfinite(kl))):
         raise ValueError(f"loss_type='kto' needs kl, the batch's KL estimate as a finite 0-dim tensor, got "
                          f"{kl if not isinstance(kl, torch.Tensor) else f'shape {tuple(kl.shape)}'}")
-    return _kto(hidden, as_head(head), _Batch(labels, completion_mask), (label, ref_logps),
+    return _kto(hidden, as_head(head), _Batch(targets, completion_mask), (label, ref_logps),
                 lambda: None if kl is None else kl.detach(), {}, cfg, as_options(options), True)
 
 
@@ -625,7 +627,7 @@ def _kto(hidden: torch.Tensor, head: Head, batch: _Batch, labelled: tuple[torch.
 def orpo_loss_fused(
     hidden: torch.Tensor,  # [2B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [2B, T]
+    targets: torch.Tensor,  # [2B, T]
     completion_mask: torch.Tensor,  # [2B, T]
     *,
     nll_mask: torch.Tensor | None = None,  # [2B, T]
@@ -638,7 +640,7 @@ def orpo_loss_fused(
     which each chunk adds its share of.
 
     Args:
-        hidden, head, labels, completion_mask, options: as :func:`dpo_loss_fused`.
+        hidden, head, targets, completion_mask, options: as :func:`dpo_loss_fused`.
         nll_mask: ``[2B, T]`` the NLL term's tokens (ORPO: the chosen rows' prompt and response,
             zeros for rejected rows); ``None``: the completion tokens.
         beta: ORPO's ``β``.
@@ -649,7 +651,8 @@ def orpo_loss_fused(
     Raises:
         TypeError, ValueError: as :func:`sequence_logps`.
     """
-    loss, policy, _ = _orpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), beta, as_options(options))
+    batch = _Batch(targets, completion_mask, nll_mask)
+    loss, policy, _ = _orpo(hidden, as_head(head), batch, beta, as_options(options))
     with torch.no_grad():
         _, metrics = orpo_loss(policy, beta=beta)
     return loss, metrics
@@ -660,7 +663,7 @@ def orpo_loss_fused(
 def orpo_fused_pass(
     hidden: torch.Tensor,  # [2B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
-    labels: torch.Tensor,  # [2B, T]
+    targets: torch.Tensor,  # [2B, T]
     completion_mask: torch.Tensor,  # [2B, T]
     *,
     nll_mask: torch.Tensor | None = None,  # [2B, T]
@@ -671,7 +674,7 @@ def orpo_fused_pass(
     drop-in): the loss and every sequence's sums (completion and NLL).
 
     Args:
-        hidden, head, labels, completion_mask, nll_mask, beta, options: as :func:`orpo_loss_fused`.
+        hidden, head, targets, completion_mask, nll_mask, beta, options: as :func:`orpo_loss_fused`.
 
     Returns:
         :class:`PreferencePass` (``tokens`` is ``None``).
@@ -679,7 +682,7 @@ def orpo_fused_pass(
     Raises:
         TypeError, ValueError: as :func:`orpo_loss_fused`.
     """
-    return _orpo(hidden, as_head(head), _Batch(labels, completion_mask, nll_mask), beta, as_options(options))
+    return _orpo(hidden, as_head(head), _Batch(targets, completion_mask, nll_mask), beta, as_options(options))
 
 
 def _orpo(hidden: torch.Tensor, head: Head, batch: _Batch, beta: float, options: PassOptions) -> PreferencePass:

@@ -56,8 +56,7 @@ def _compiled_vocab_stats(eager, args) -> VocabStats:
     return VocabStats(*compiled.vocab_stats(eager, args))
 
 
-@autocast_head_inputs
-@compiled.route(_compiled_vocab_stats)
+@autocast_head_inputs(compiled=compiled.route(_compiled_vocab_stats))
 def vocab_stats(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
     head: Head | torch.Tensor,  # Head, or a [V, H] weight
@@ -95,8 +94,17 @@ def vocab_stats(
         :class:`VocabStats` ``(logp, lse, entropy, mean_logit)``, each shaped like ``targets``.
 
     Raises:
-        TypeError, ValueError: see :func:`logitless.ops.validate.check_head_inputs`,
-            :class:`PassOptions` and :meth:`HeadLoRA.check`.
+        TypeError: a non-tensor ``hidden``/weight/``targets``, a non-floating ``hidden`` or
+            weight, non-integer ``targets``, dtypes of ``hidden``, weight and bias that differ,
+            ``options`` not a :class:`PassOptions`.
+        ValueError: ranks or shapes that do not fit (``[N, H]``/``[B, T, H]`` against ``[V, H]``
+            and ``targets`` of ``hidden``'s leading shape), devices that differ, a target outside
+            ``[0, V)`` other than ``ignore_index``, NaN/inf in ``hidden``, the weight, bias or
+            adapter factors, logits beyond what the statistics hold, a bad shard or adapter
+            (:meth:`HeadLoRA.check`); the details are in
+            :func:`logitless.ops.validate.check_head_inputs`.
+        PassOutOfMemoryError: the per-chunk workspace does not fit the device; the message
+            names a ``chunk_bytes`` to retry with.
     """
     st, valid, head = _stats(hidden, head, targets, ignore_index, StatRequest(entropy, mean_logit), options)
     shape = targets.shape
@@ -106,8 +114,7 @@ def vocab_stats(
                       mean_logit=_expand(st.sum_z / vocab, valid, shape) if mean_logit else None)
 
 
-@autocast_head_inputs
-@compiled.route(compiled.token_logprobs)
+@autocast_head_inputs(compiled=compiled.route(compiled.token_logprobs))
 @torch.no_grad()
 def token_logprobs(
     hidden: torch.Tensor,  # [N, H] or [B, T, H]
@@ -115,20 +122,27 @@ def token_logprobs(
     targets: torch.Tensor,  # [N] or [B, T]
     *,
     ignore_index: int = -100,
-    return_entropy: bool = False,
+    entropy: bool = False,
     options: PassOptions | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Rollout side: log-probs of ``targets`` (old-policy / reference passes), no gradient,
     one logits GEMM's worth of work, workspace bounded by ``options.chunk_bytes``.
 
-    Same inputs and semantics as :func:`vocab_stats`. Returns ``logp`` shaped like ``targets``
-    (fp32, nats; 0 at ``ignore_index``), or ``(logp, entropy)`` with ``return_entropy=True``.
+    Args:
+        hidden, head, targets, ignore_index, options: as :func:`vocab_stats` (``hidden``
+            ``[N, H]`` or ``[B, T, H]`` fp16/bf16/fp32/fp64, ``targets`` integer ``[N]`` or
+            ``[B, T]`` global token ids).
+        entropy: also return every token's entropy.
+
+    Returns:
+        ``logp`` shaped like ``targets`` (fp32, fp64 for fp64 inputs; nats; 0 at
+        ``ignore_index``), or ``(logp, entropy)`` with ``entropy=True`` (same shape, dtype, units).
 
     Raises:
         TypeError, ValueError: as :func:`vocab_stats`.
     """
-    st, valid, _ = _stats(hidden, head, targets, ignore_index, StatRequest(return_entropy, False), options)
+    st, valid, _ = _stats(hidden, head, targets, ignore_index, StatRequest(entropy, False), options)
     logp = _expand(st.logp, valid, targets.shape)
-    if return_entropy:
+    if entropy:
         return logp, _expand(st.entropy, valid, targets.shape)
     return logp

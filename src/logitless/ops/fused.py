@@ -85,7 +85,8 @@ class SoftmaxPass:
             x, b = head.lora.factors(hidden, head.weight)
         # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
         skip = options.skip_zero_rows and head.lora is None
-        return cls(backend, local, local.local_targets(targets), plan, spec.want, b,
+        local_targets = targets - local.vocab_start if local.vocab_start else targets  # (LocalHead.local_targets)
+        return cls(backend, local, local_targets, plan, spec.want, b,
                    spec.zero_rows if skip else None, backend.CAPS.stores_weight_grad and b is None), x
 
     def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
@@ -224,9 +225,12 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see SoftmaxPass.forward_all).
     # One chunk keeps its own.
     out = call.p.empty_stats(n, hidden.device) if len(call.chunks) > 1 else None
+    # ``acc`` is the first chunk's (grad_layout.accumulators): it may store its d weight products
+    # into the uninitialized buffer; the later chunks add to them.
+    later_acc = None if acc is None else dataclasses.replace(acc, write_weight=False)
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
-            chunk_acc = None if acc is None else grad_layout.first_stores(call.p, acc, i == 0)
+            chunk_acc = acc if i == 0 else later_acc
             picked = None if call.backward_rows is None else call.backward_rows[i]
             loss, stats, gh = _run_chunk(call, hidden, i, low, chunk_acc, picked)
             total = loss.to(sdt) if total is None else total + loss
@@ -263,7 +267,8 @@ class _FusedFn(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if ctx.needs_input_grad[0] else None
         full, local = grad_layout.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
                                     hidden.shape[0])
-        total, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), local, grad_hidden)
+        low = None if lora_x is None else p.head.low_rank(lora_x, lora_b)
+        total, stats = _run_chunks(call, hidden, low, local, grad_hidden)
         grad_x = full.lora_x
         if partial and grad_hidden is not None:
             grad_hidden = sum_partials(grad_hidden, hidden.dtype, p.head.group)
@@ -331,17 +336,17 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
         ValueError: ``logits_precision="input"`` and logits beyond the input dtype's range.
     """
     tensors = (hidden, weight, bias, lora_x, lora_b)
-    grad = grad_layout.records_graph(tensors)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)  # (records_graph)
     layout: grad_layout.WeightGradLayout = "fp32"
     if grad and weight.requires_grad:
         p, layout = grad_layout.weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
-    chunks = p.plan.chunks(hidden.shape[0], cuts)
-    call = _FusedCall(p, objective, chunks, p.plan.fit_chunks(chunks, p.head.weight.shape[0]), weight_grad=layout)
+    chunks, plans = p.plan.fit_chunks(hidden.shape[0], cuts, p.head.weight.shape[0])
+    call = _FusedCall(p, objective, chunks, plans, weight_grad=layout)
     if grad and p.zero_rows is not None:
         call.backward_rows = grad_layout.backward_rows(p.zero_rows, call.chunks)
     if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)
-    loss, stats = _run_chunks(call, hidden, p.head.low_rank(lora_x, lora_b), None, None)
+    loss, stats = _run_chunks(call, hidden, None if lora_x is None else p.head.low_rank(lora_x, lora_b), None, None)
     return PassResult(loss, stats, call.collected)

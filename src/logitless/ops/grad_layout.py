@@ -110,7 +110,8 @@ def accumulators(p: PassKind, weight: torch.Tensor, bias: torch.Tensor | None, l
     """The gradient accumulators of a pass over ``n`` rows, for the inputs whose ``needs``
     (``hidden, weight, bias, lora_x, lora_b``, as ``ctx.needs_input_grad``) are set: the
     head-sized ones (``d weight`` laid out as ``layout``, :func:`weight_grad_buffers`) and their
-    views of the head's local rows, which the chunks update."""
+    views of the head's local rows, which the chunks update: the first chunk's (as
+    :func:`first_stores` makes them: a kind that stores ``d weight`` stores its products)."""
     need_h, need_w, need_b, need_x, need_lb = needs[:5]
     sdt = p.plan.stat_dtype
     rows_w = p.head.weight.shape[0]
@@ -120,7 +121,7 @@ def accumulators(p: PassKind, weight: torch.Tensor, bias: torch.Tensor | None, l
     local = Accumulators(weight=None if full.weight is None else full.weight[:rows_w],
                          bias=None if full.bias is None else full.bias[:rows_w], lora_x=full.lora_x,
                          lora_b=None if full.lora_b is None else full.lora_b[:rows_w], hidden=need_h,
-                         weight_lo=grad_w_lo)
+                         weight_lo=grad_w_lo, write_weight=full.weight is not None and p.stores_weight_grad)
     return full, local
 
 

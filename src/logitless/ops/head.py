@@ -91,7 +91,10 @@ class Head:
             merged weight), or ``None``.
         shard: :class:`VocabShard` for a vocabulary-parallel or padded head, or ``None``.
 
-    A plain ``weight`` tensor wherever a ``Head`` is accepted means ``Head(weight)``.
+    A plain ``weight`` tensor wherever a ``Head`` is accepted means ``Head(weight)``. A ``Head``
+    is checked where it is used, with the hidden states (the entry points'
+    :class:`TypeError`/:class:`ValueError`: a part of the wrong type, dtypes, shapes or devices that
+    do not fit, NaN/inf values; :func:`logitless.ops.validate.check_head_inputs`).
     """
 
     weight: torch.Tensor
@@ -130,6 +133,10 @@ class Head:
         Raises:
             ValueError: a shard inconsistent with ``weight``'s rows.
         """
+        rows = self.weight.shape[0]
+        if self.shard is None and rows:  # the whole vocabulary, in this process: nothing to resolve
+            return LocalHead(weight=self.weight, bias=self.bias, transform=self.transform, group=None, vocab_start=0,
+                             vocab_size=rows, reduce_grad_hidden=True)
         shard = VocabShard() if self.shard is None else self.shard
         start, size, valid = shard.resolve(self.weight.shape[0])
         return LocalHead(weight=self.weight[:valid], bias=None if self.bias is None else self.bias[:valid],

@@ -31,6 +31,9 @@ class HeadLoRA:
         scaling: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), PEFT ``scaling[name]``.
         dropout: applied to the hidden states before ``a`` (PEFT ``lora_dropout[name]``), or
             ``None``. It sees the rows that enter the pass (masked tokens are dropped first).
+
+    Checked with the hidden states and the head where it is used (:meth:`check`: ``TypeError``
+    for non-floating factors, ``ValueError`` for their shapes or devices).
     """
 
     a: torch.Tensor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .settings import LogitsPrecision, settings
@@ -41,6 +41,9 @@ class PassOptions:
             ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
             first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
             still accumulate in fp32). ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``.
+        budget: ``chunk_bytes`` with its default applied (derived, set at construction).
+        fp32_logits: whether the matmul output stays fp32 (``logits_precision`` with its
+            default applied; derived, set at construction).
         skip_zero_rows: where the objective knows rows whose gradient is exactly zero (a policy
             loss without KL or entropy bonus: the tokens of zero advantage), run the gradient
             GEMMs on the other rows only (exact: those rows add nothing; their statistics are
@@ -57,6 +60,9 @@ class PassOptions:
     chunk_bytes: int | None = None
     logits_precision: LogitsPrecision | None = None
     skip_zero_rows: bool = True
+    # Derived once here, not per read: the pass reads them as plain attributes.
+    budget: int = field(init=False, repr=False, compare=False)
+    fp32_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
@@ -69,16 +75,9 @@ class PassOptions:
             raise TypeError(f"skip_zero_rows must be True or False, got {self.skip_zero_rows!r}")
         if self.logits_precision not in (None, "fp32", "input"):
             raise ValueError(f"logits_precision must be 'fp32', 'input' or None, got {self.logits_precision!r}")
-
-    @property
-    def budget(self) -> int:
-        """``chunk_bytes`` with its default applied."""
-        return settings().chunk_bytes if self.chunk_bytes is None else int(self.chunk_bytes)
-
-    @property
-    def fp32_logits(self) -> bool:
-        """Whether the matmul output stays fp32 (``logits_precision`` with its default applied)."""
-        return (self.logits_precision or settings().logits_precision) == "fp32"
+        env = settings()
+        object.__setattr__(self, "budget", env.chunk_bytes if self.chunk_bytes is None else self.chunk_bytes)
+        object.__setattr__(self, "fp32_logits", (self.logits_precision or env.logits_precision) == "fp32")
 
 
 def _byte_count(value: object) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -81,6 +81,9 @@ class ChunkPlan:
             forward holds less than a logits block per element (``_STATS_ONLY_BYTES``).
         stat_dtype: the dtype statistics and gradients accumulate in (:func:`stat_dtype_for`
             of the inputs' dtype).
+        vocab: the vocabulary rows the plan was made for (0: not given).
+        blocks: derived: :meth:`vocab_blocks` of ``vocab``, made once with the plan, since every
+            chunk of a pass walks the same blocks.
     """
 
     token_chunk: int
@@ -91,6 +94,11 @@ class ChunkPlan:
     bytes_per_logit: int = 0
     stats_chunk: int = 0  # tokens per chunk of a statistics-only pass (0: token_chunk)
     stat_dtype: torch.dtype = torch.float32
+    vocab: int = 0
+    blocks: tuple[slice, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.vocab_blocks(self.vocab)))
 
     @classmethod
     def make(cls, n_tokens: int, vocab: int, budget: int, in_dtype: torch.dtype, kind: PlanKind = "torch",
@@ -120,14 +128,15 @@ class ChunkPlan:
             stats_chunk = _even_chunk(n, max(token_chunk, int(sizing / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
         return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
                    fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk,
-                   stat_dtype=stat_dtype)
+                   stat_dtype=stat_dtype, vocab=vocab)
 
     def whole(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan | None:
         """This plan as one chunk of all ``n_tokens`` rows kept whole, if their logits fit the
         budget plus ``extra`` bytes (memory the caller saves by running one chunk), else ``None``."""
         if n_tokens * vocab * self.bytes_per_logit > self.budget + extra:
             return None
-        return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True)
+        return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True,
+                                   vocab=vocab)
 
     def widened(self, n_tokens: int, vocab: int, extra: int, row_bytes: int = 0) -> ChunkPlan:
         """This plan for ``n_tokens`` rows with ``extra`` bytes more budget (memory the caller
@@ -140,7 +149,7 @@ class ChunkPlan:
         token_chunk = _even_chunk(max(1, n_tokens), max(rows, self.token_chunk))
         vocab_block = min(max(1, vocab), max(1, budget // (token_chunk * self.bytes_per_logit)))
         return dataclasses.replace(self, budget=budget, token_chunk=token_chunk, vocab_block=vocab_block,
-                                   keep_logits=vocab_block >= vocab)
+                                   keep_logits=vocab_block >= vocab, vocab=vocab)
 
     def vocab_blocks(self, vocab: int, whole: bool = False) -> list[slice]:
         """The vocabulary rows ``[0, vocab)`` in blocks of ``vocab_block`` (one block with
@@ -155,11 +164,12 @@ class ChunkPlan:
         if rows <= self.token_chunk:
             return self
         block = min(max(1, vocab), max(1, self.budget // (rows * self.bytes_per_logit)))
-        return dataclasses.replace(self, token_chunk=rows, vocab_block=block, keep_logits=block >= vocab)
+        return dataclasses.replace(self, token_chunk=rows, vocab_block=block, keep_logits=block >= vocab, vocab=vocab)
 
-    def fit_chunks(self, chunks: Sequence[slice], vocab: int) -> list[ChunkPlan]:
-        """Each of ``chunks``' plan (:meth:`fit`), made once for a pass."""
-        return [self.fit(sl.stop - sl.start, vocab) for sl in chunks]
+    def fit_chunks(self, n_tokens: int, cuts: Sequence[int] | None, vocab: int) -> tuple[list[slice], list[ChunkPlan]]:
+        """:meth:`chunks` of ``[0, n_tokens)`` and each one's plan (:meth:`fit`), made once for a pass."""
+        chunks = self.chunks(n_tokens, cuts)
+        return chunks, [self.fit(sl.stop - sl.start, vocab) for sl in chunks]
 
     def stats_chunks(self, n_tokens: int) -> list[slice]:
         """``[0, n_tokens)`` in chunks of a statistics-only pass (``stats_chunk`` tokens)."""

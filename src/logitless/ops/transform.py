@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class LogitTransform:
         logit_scale: multiplier applied before soft-capping (Cohere ``logit_scale``,
             Granite ``1 / logits_scaling``).
         softcap: soft-capping value ``c`` (Gemma ``final_logit_softcapping``) or ``None``.
+        identity: derived: ``z = y`` (temperature and scale 1, no cap), so a backend may skip
+            :meth:`apply` and :meth:`grad_to_raw`.
 
     Each is a Python number, a NumPy scalar or a one-element tensor, stored as a ``float``.
 
@@ -48,6 +50,7 @@ class LogitTransform:
     temperature: float = 1.0
     logit_scale: float = 1.0
     softcap: float | None = None
+    identity: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Stored as Python floats: NumPy scalars and one-element tensors (a temperature read
@@ -62,6 +65,8 @@ class LogitTransform:
             raise ValueError(f"logit_scale must be finite, got {self.logit_scale!r}")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"softcap must be a finite number > 0 or None, got {self.softcap!r}")
+        object.__setattr__(self, "identity",
+                           self.temperature == 1.0 and self.logit_scale == 1.0 and self.softcap is None)
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """Map raw matmul output ``y`` (fp32 or fp64) to logits ``z``."""

@@ -139,7 +139,7 @@ def batch_logprobs(
     want = compute[:, 1:] & attn[:, 1:].bool()  # [B, T-1]: target t+1 predicted from hidden t
     targets = input_ids[:, 1:].masked_fill(~want, -100)
     head = Head(ref.weight, ref.bias, LogitTransform(temperature, ref.logit_scale, ref.softcap))
-    res = token_logprobs(hidden[:, :-1], head, targets, return_entropy=entropy,
+    res = token_logprobs(hidden[:, :-1], head, targets, entropy=entropy,
                          options=PassOptions(chunk_bytes=chunk_bytes))
     logp, ent = res if entropy else (res, None)
 

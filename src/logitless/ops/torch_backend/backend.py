@@ -37,19 +37,25 @@ def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     dtype; without the plan's ``fp32_logits`` the matmul output is first rounded to the input
     dtype, as the plain path's."""
     stat_dtype = plan.stat_dtype
-    y = gemm.mm(hidden, weight.t(), stat_dtype)
+    # Inputs already in the statistics dtype (fp32/fp64): a plain product; gemm.mm widens the others.
+    y = hidden @ weight.t().to(stat_dtype) if hidden.dtype == stat_dtype else gemm.mm(hidden, weight.t(), stat_dtype)
     if lora is not None:
         low_rank_into(y, lora, rows.start, rows.stop)
     if not plan.fp32_logits and hidden.dtype != y.dtype:
         y = y.to(hidden.dtype).to(stat_dtype)
     if bias is not None:
         y = y + bias.to(stat_dtype)
-    return transform.apply(y)
+    return y if transform.identity else transform.apply(y)
 
 
 def _block(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, start: int, end: int) -> torch.Tensor:
     return logits_block(rows.hidden, head.weight[start:end], None if head.bias is None else head.bias[start:end],
                         head.transform, plan, rows.low, slice(start, end))
+
+
+def _blocks(plan: ChunkPlan, vocab: int) -> tuple[slice, ...] | list[slice]:
+    """The vocabulary blocks of ``vocab`` rows: the plan's own when it was made for them."""
+    return plan.blocks if plan.vocab == vocab else plan.vocab_blocks(vocab)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
@@ -62,7 +68,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     st = RowStats.start(hidden.shape[0], plan.stat_dtype, hidden.device, want,
                         owned=(targets >= 0) & (targets < vocab))
     kept = None
-    for block in plan.vocab_blocks(vocab):
+    for block in _blocks(plan, vocab):
         start, end = block.start, block.stop
         z = _block(head, rows, plan, start, end)
         new_max = torch.maximum(st.max_logit, z.max(dim=1).values)
@@ -107,7 +113,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
         coef = coef - grads.logp
     grad_hidden = torch.zeros((n, hidden.shape[1]), dtype=stat_dtype, device=hidden.device) if acc.hidden else None
     h_mm = hidden.to(mm_dtype)
-    for block in plan.vocab_blocks(vocab):
+    for block in _blocks(plan, vocab):
         start, end = block.start, block.stop
         z = kept if kept is not None else _block(head, rows, plan, start, end)
         dz = (z - lse[:, None]).exp_()  # p, made into dz in place
@@ -120,7 +126,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
         if grads.logp is not None:
             hit = ((targets >= start) & (targets < end)).nonzero().squeeze(1)
             dz[hit, targets[hit] - start] += grads.logp[hit]
-        dy = head.transform.grad_to_raw(dz, z)
+        dy = dz if head.transform.identity else head.transform.grad_to_raw(dz, z)
         del z, dz
         apply_block_grad(dy, head.weight[start:end], h_mm, block, grad_hidden, acc)
         if rows.low is not None:
@@ -136,7 +142,17 @@ def apply_block_grad(dy: torch.Tensor, w: torch.Tensor, h_mm: torch.Tensor, rows
     if acc.bias is not None:
         acc.bias[rows] += dy.sum(dim=0).to(acc.bias.dtype)
     dy_mm = dy.to(h_mm.dtype)
+    # Products into an accumulator of their own dtype (CPU: the statistics dtype) are a plain
+    # addmm_; gemm.addmm_ widens bf16/fp16 products into fp32 ones.
     if grad_hidden is not None:
-        gemm.addmm_(grad_hidden, dy_mm, w.to(h_mm.dtype))
+        w_mm = w.to(h_mm.dtype)
+        if grad_hidden.dtype == h_mm.dtype:
+            grad_hidden.addmm_(dy_mm, w_mm)
+        else:
+            gemm.addmm_(grad_hidden, dy_mm, w_mm)
     if acc.weight is not None:
-        gemm.addmm_(acc.weight[rows], dy_mm.t(), h_mm)
+        gw = acc.weight[rows]
+        if gw.dtype == h_mm.dtype:
+            gw.addmm_(dy_mm.t(), h_mm)
+        else:
+            gemm.addmm_(gw, dy_mm.t(), h_mm)
