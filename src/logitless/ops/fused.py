@@ -173,16 +173,27 @@ class _FusedCall:
     chunks: list[slice]
     plans: list[ChunkPlan]  # each chunk's (ChunkPlan.fit_chunks)
     weight_grad: grad_layout.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
-    backward_rows: list[torch.Tensor | None] | None = None  # per chunk (backward_rows); None: all
+    zero_rows: ZeroRows | None = None  # rows the gradient GEMMs leave out (grad_layout.backward_rows)
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
+    _backward_rows: list[torch.Tensor | None] | None = None
+
+    def picked(self, i: int) -> torch.Tensor | None:
+        """The rows chunk ``i``'s backward runs on (``None``: all). Made at the first chunk's
+        backward, not before its forward: the sorts (and, over several chunks, the read of their
+        counts) then queue behind the first statistics GEMM instead of delaying its launch."""
+        if self.zero_rows is None:
+            return None
+        if self._backward_rows is None:
+            self._backward_rows = grad_layout.backward_rows(self.zero_rows, self.chunks)
+        return self._backward_rows[i]
 
 
 def _run_chunk(call: _FusedCall, hidden: torch.Tensor, i: int, low: LowRank | None, acc: Accumulators | None,
-               picked: torch.Tensor | None) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor, NamedTuple, torch.Tensor | None, torch.Tensor | None]:
     """A chunk's statistics, its loss term and (``acc`` given) its gradients:
-    ``(loss term, detached stats, d hidden rows | None)``; with ``picked`` (the rows the backward
-    runs on, :func:`backward_rows`) the ``d hidden`` rows are those rows' only."""
+    ``(loss term, detached stats, d hidden rows | None, picked)``; with ``picked`` (the rows the
+    backward ran on, :meth:`_FusedCall.picked`) the ``d hidden`` rows are those rows' only."""
     p, sl, plan = call.p, call.chunks[i], call.plans[i]
     rows = p.rows(hidden, sl, low)
     want_grad = acc is not None
@@ -201,6 +212,7 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, i: int, low: LowRank | No
                 grads = p.grads_of(dict(zip(names, got, strict=True)))
     call.collected.append(collected)
     grad_hidden = None
+    picked = call.picked(i) if want_grad else None
     backward = grads is not None and (picked is None or picked.numel() > 0)
     if backward and picked is not None:
         rows, saved, grads, kept = p.pick(rows, picked), rows_of(saved, picked), grads.rows(picked), \
@@ -212,7 +224,7 @@ def _run_chunk(call: _FusedCall, hidden: torch.Tensor, i: int, low: LowRank | No
         acc.weight.zero_()  # nothing reaches the logits: d weight is 0, and nothing else writes it
         if acc.weight_lo is not None:
             acc.weight_lo.zero_()
-    return loss.detach(), stats, grad_hidden
+    return loss.detach(), stats, grad_hidden, picked
 
 
 def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
@@ -231,8 +243,7 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
             chunk_acc = acc if i == 0 else later_acc
-            picked = None if call.backward_rows is None else call.backward_rows[i]
-            loss, stats, gh = _run_chunk(call, hidden, i, low, chunk_acc, picked)
+            loss, stats, gh, picked = _run_chunk(call, hidden, i, low, chunk_acc)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:
                 out = stats
@@ -342,9 +353,7 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
         p, layout = grad_layout.weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
     chunks, plans = p.plan.fit_chunks(hidden.shape[0], cuts, p.head.weight.shape[0])
-    call = _FusedCall(p, objective, chunks, plans, weight_grad=layout)
-    if grad and p.zero_rows is not None:
-        call.backward_rows = grad_layout.backward_rows(p.zero_rows, call.chunks)
+    call = _FusedCall(p, objective, chunks, plans, weight_grad=layout, zero_rows=p.zero_rows if grad else None)
     if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)
