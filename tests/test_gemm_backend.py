@@ -341,8 +341,8 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
         budget = 8 * V * 2
     stores = []  # each chunk's Accumulators.write_weight, as the fused loop hands them on
     real_chunk = fused._run_chunk
-    monkeypatch.setattr(fused, "_run_chunk", lambda call, hidden, i, low, acc, picked:
-                        stores.append(acc.write_weight) or real_chunk(call, hidden, i, low, acc, picked))
+    monkeypatch.setattr(fused, "_run_chunk", lambda call, hidden, i, low, acc:
+                        stores.append(acc.write_weight) or real_chunk(call, hidden, i, low, acc))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(24, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V + 5, H, generator=g) / H**0.5 * 3).to(torch.bfloat16)  # 5 padding rows

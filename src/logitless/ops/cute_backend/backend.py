@@ -30,7 +30,8 @@ from ..contract import (
 )
 from ..head import LocalHead
 from ..plan import ChunkPlan
-from ..triton_shared.centred import CentredTile, launch_centred_grad, launch_centred_grad_rows
+from ..triton_shared.centred import CentredTile, tile_dy
+from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
 from ..triton_shared.tile_gemm import TileOperands, unit_stride
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
@@ -70,12 +71,6 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)
 
 
-def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
-    """The kept tile restricted to its rows ``idx``: the backward's ``dy`` kernel reads those rows
-    and writes their ``dy`` compacted into the tile's first rows (no separate copy)."""
-    return kept._replace(rows=idx)
-
-
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
                    acc: Accumulators, kept: CentredTile | None) -> torch.Tensor | None:
     """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
@@ -95,11 +90,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
             local = ops.block(block)
             z = z_buffer(hidden.shape[0], block.stop - block.start, hidden.device)
             tile = CentredTile(z, launch_forward(local, (False, False), plan.fp32_logits, z)["m"], TILE_V)
-        if tile.rows is not None:
-            dy = launch_centred_grad_rows(tile, hidden.dtype, targets, block.start, head.transform, rc)
-        else:
-            dy = tile.z.view(hidden.dtype)
-            launch_centred_grad(tile, dy, targets, block.start, head.transform, rc)
+        dy = tile_dy(tile, hidden.dtype, targets, block.start, head.transform, rc)
         grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
         del dy, tile
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard

@@ -39,7 +39,8 @@ from ..contract import (
 )
 from ..head import LocalHead
 from ..plan import ChunkPlan
-from ..triton_shared.centred import CentredTile, launch_centred_grad, launch_centred_grad_rows
+from ..triton_shared.centred import CentredTile, tile_dy
+from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
 from ..triton_shared.tile_gemm import TileOperands, unit_stride
 from ..triton_shared.weight_grad import block_grads
 from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
@@ -92,12 +93,6 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     return RowStats.combine(parts, owned), kept
 
 
-def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
-    """The kept tile restricted to its rows ``idx``: the backward's ``dy`` kernel reads those rows
-    and writes their ``dy`` compacted into the tile's first rows (no separate copy)."""
-    return kept._replace(rows=idx)
-
-
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
                    acc: Accumulators, kept: CentredTile | None) -> torch.Tensor | None:
     """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
@@ -113,11 +108,8 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     cfg = gemm_config()
     grad_hidden = None
     for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
-        if kept is not None and kept.rows is not None:
-            dy = launch_centred_grad_rows(kept, hidden.dtype, targets, block.start, head.transform, rc)
-        elif kept is not None:
-            dy = kept.z.view(hidden.dtype)
-            launch_centred_grad(kept, dy, targets, block.start, head.transform, rc)
+        if kept is not None:
+            dy = tile_dy(kept, hidden.dtype, targets, block.start, head.transform, rc)
         else:
             dy = torch.empty((hidden.shape[0], block.stop - block.start), dtype=hidden.dtype, device=hidden.device)
             launch_grad_tile(ops.block(block), rc, plan.fp32_logits, dy, cfg)

@@ -217,3 +217,22 @@ def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: tor
         HAS_LOGP=rc.g_logp is not None, HAS_ENTROPY=rc.g_entropy is not None, HAS_SUM_Z=rc.g_sum_z is not None,
         TILE_V=tile.tile_v, BLOCK_N=block_n, BLOCK_V=block_v, STAGES=3, num_warps=4)
     return dy
+
+
+def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
+    """The kept tile restricted to its rows ``idx`` (a backend's ``kept_rows``): the backward's
+    ``dy`` kernel reads those rows and writes their ``dy`` compacted into the tile's first rows (no
+    separate copy)."""
+    return kept._replace(rows=idx)
+
+
+def tile_dy(tile: CentredTile, dtype: torch.dtype, targets: torch.Tensor, v_start: int, transform: LogitTransform,
+            rc: RowCoefficients) -> torch.Tensor:
+    """``dy`` of a kept tile over its own storage: of every row (:func:`launch_centred_grad`), or of
+    ``tile.rows`` compacted into its first rows (:func:`launch_centred_grad_rows`; ``targets`` and
+    ``rc`` then of those rows). ``[n or m, v]`` in ``dtype`` (the GEMM's, 2 bytes)."""
+    if tile.rows is not None:
+        return launch_centred_grad_rows(tile, dtype, targets, v_start, transform, rc)
+    dy = tile.z.view(dtype)
+    launch_centred_grad(tile, dy, targets, v_start, transform, rc)
+    return dy
