@@ -49,8 +49,10 @@ TILE_N, TILE_V = 128, 256  # token rows x vocabulary entries of one CTA tile
 
 class KernelKey(NamedTuple):
     """What a compiled kernel is specialized on (each distinct key compiles once per process, ~2 s;
-    CuTe DSL caches the binary on disk for later processes)."""
+    CuTe DSL caches the binary on disk for later processes). The device index keeps a kernel
+    loaded for one GPU from being launched on another in the same process."""
 
+    device: int
     dtype: torch.dtype
     want_entropy: bool
     want_sum_z: bool
@@ -463,7 +465,7 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     if n == 0 or vocab == 0:
         return out
     hidden, weight = _aligned(hidden), _aligned(weight)
-    key = KernelKey(hidden.dtype, want[0], want[1], z_out is not None, bias is not None,
+    key = KernelKey(hidden.get_device(), hidden.dtype, want[0], want[1], z_out is not None, bias is not None,
                     transform.logit_scale != 1.0, transform.softcap is not None, transform.temperature != 1.0,
                     not fp32_logits,
                     # raster_along_m, measured on one H200 (8192 tokens): along the vocabulary for
