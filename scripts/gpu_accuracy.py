@@ -19,12 +19,12 @@ import logitless
 from logitless import PassOptions
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.plain import GRPO_CONFIG
-from logitless.ops.contract import cute_available
+from logitless.ops.contract import cute_runs_on
 
 # (backend, logits precision, mode): recompute mode on the gemm backend writes dy from the GEMM epilogue.
 ROWS = [("triton", "fp32", "fused"), ("gemm", "fp32", "fused"), ("gemm", "fp32", "recompute"),
         ("triton", "input", "fused")]
-if cute_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+if torch.cuda.is_available() and cute_runs_on(torch.device("cuda")):
     ROWS += [("cute", "fp32", "fused"), ("cute", "fp32", "recompute")]
 
 

@@ -14,14 +14,14 @@ from backend_calls import logp_grads
 import logitless
 from logitless import Head, HeadLoRA, LogitTransform, PassOptions, PolicyConfig
 from logitless.objectives.reference import reference_stats
-from logitless.ops.contract import cute_available, resolve_backend
+from logitless.ops.contract import cute_runs_on, resolve_backend
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need a CUDA GPU")]
 
 N, H, V = 4096, 2048, 32011  # V prime: no block size divides it
 # The compiled backends; the CuTe DSL one where it is installed and the GPU is a Hopper.
-CUTE = cute_available() and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+CUTE = torch.cuda.is_available() and cute_runs_on(torch.device("cuda"))
 KERNELS = ("triton", "gemm", *(("cute",) if CUTE else ()))
 TRANSFORM = LogitTransform(temperature=0.9, softcap=30.0)
 

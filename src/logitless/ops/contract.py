@@ -352,11 +352,20 @@ def cute_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cuda") is not None
 
 
+def _on_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def cute_runs_on(device: torch.device) -> bool:
+    """Whether ``impl="cute"`` can run on ``device``: the CuTe DSL imports and it is an sm90 GPU."""
+    return cute_available() and _on_hopper(device)
+
+
 def _check_cute(hidden: torch.Tensor) -> None:
     if not cute_available():
         raise ValueError("impl='cute' needs CUTLASS's CuTe DSL: pip install 'logitless[cute]' (or impl='gemm', the "
                          "same design in Triton)")
-    if hidden.device.type != "cuda" or torch.cuda.get_device_capability(hidden.device) != (9, 0):
+    if not _on_hopper(hidden.device):
         where = hidden.device if hidden.device.type != "cuda" else torch.cuda.get_device_name(hidden.device)
         raise ValueError(f"impl='cute' runs on Hopper GPUs (sm90: H100, H200), got {where}; use impl='gemm' or 'auto'")
 

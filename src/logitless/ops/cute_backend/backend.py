@@ -32,7 +32,7 @@ from ..head import LocalHead
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
-from ..triton_shared.tile_gemm import TileOperands, unit_stride
+from ..triton_shared.tile_gemm import TileOperands
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
 
@@ -48,9 +48,7 @@ def _operands(head: LocalHead, rows: ChunkRows) -> TileOperands:
     if rows.hidden.dtype not in CAPS.dtypes:
         raise ValueError(f"the cute backend takes bf16/fp16 inputs, got {rows.hidden.dtype}; resolve_backend sends "
                          "others to triton or torch")
-    bias = None if head.bias is None else head.bias.contiguous()
-    return TileOperands(unit_stride(rows.hidden), unit_stride(head.weight), bias,
-                        rows.targets.to(torch.int64).contiguous(), head.transform)
+    return TileOperands.of(head, rows.hidden, rows.targets)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
@@ -63,11 +61,13 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     """
     ops = _operands(head, rows)
     n, vocab = ops.hidden.shape[0], ops.weight.shape[0]
-    owned = (ops.targets >= 0) & (ops.targets < vocab)
     if n == 0 or vocab == 0:
+        owned = (ops.targets >= 0) & (ops.targets < vocab)
         return RowStats.start(n, torch.float32, ops.hidden.device, want, owned), None
     z = z_buffer(n, vocab, ops.hidden.device) if keep_logits and plan.vocab_block >= vocab else None
     parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z)
+    # Built after the launch: the host prepares it while the GEMM runs.
+    owned = (ops.targets >= 0) & (ops.targets < vocab)
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)
 
 

@@ -41,7 +41,7 @@ from ..head import LocalHead
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
-from ..triton_shared.tile_gemm import TileOperands, unit_stride
+from ..triton_shared.tile_gemm import TileOperands
 from ..triton_shared.weight_grad import block_grads
 from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
 
@@ -52,23 +52,13 @@ CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_w
                     pairs_weight_grad=True, distill=True)
 
 
-def operands(head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
-    """``hidden [n, H]`` against the head's local rows as kernel operands (unit stride along ``H``,
-    contiguous bias, int64 ``targets``; ``None``: no target, -1 for every row)."""
-    hidden, weight = unit_stride(hidden), unit_stride(head.weight)
-    if targets is None:
-        targets = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
-    bias = None if head.bias is None else head.bias.contiguous()
-    return TileOperands(hidden, weight, bias, targets.to(torch.int64).contiguous(), head.transform)
-
-
 def _operands(head: LocalHead, rows: ChunkRows) -> TileOperands:
     if rows.low is not None:
         raise ValueError("the gemm backend has no LoRA adapter term; resolve_backend sends such heads to triton")
     if rows.hidden.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the gemm backend takes bf16/fp16 inputs, got {rows.hidden.dtype}; resolve_backend sends "
                          "others to triton or torch")
-    return operands(head, rows.hidden, rows.targets)
+    return TileOperands.of(head, rows.hidden, rows.targets)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,

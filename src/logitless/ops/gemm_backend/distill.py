@@ -44,7 +44,7 @@ from ..triton_shared.centred import CentredTile
 from ..triton_shared.tile_gemm import TileOperands
 from ..triton_shared.weight_grad import block_grads
 from .backend import CAPS as CAPS
-from .backend import operands, recompute_tile
+from .backend import recompute_tile
 from .distill_kernels import DistillRowCoefficients, launch_cross, launch_distill_grad, launch_jsd
 from .kernels import GemmConfig, gemm_config, launch_forward
 
@@ -68,8 +68,8 @@ def _sides(student: LocalHead, teacher: LocalHead | None, rows: DistillRows) -> 
                                                                                    TileOperands | None]:
     """Both heads' kernel operands for a chunk (the student's hard label, if any, as its target)."""
     label = rows.targets[:, 0] if rows.targets.shape[1] else None
-    s_ops = operands(student, rows.hidden, label)
-    return s_ops, None if teacher is None else operands(teacher, rows.teacher_hidden, None)
+    s_ops = TileOperands.of(student, rows.hidden, label)
+    return s_ops, None if teacher is None else TileOperands.of(teacher, rows.teacher_hidden, None)
 
 
 def _tile(ops: TileOperands, fp32_logits: bool, cfg: GemmConfig,

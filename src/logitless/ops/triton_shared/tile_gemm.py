@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -16,6 +16,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..transform import LogitTransform
 from .common import interpreting, to_logits
+
+if TYPE_CHECKING:
+    from ..head import LocalHead
 
 
 class TileOperands(NamedTuple):
@@ -28,6 +31,16 @@ class TileOperands(NamedTuple):
     bias: torch.Tensor | None
     targets: torch.Tensor
     transform: LogitTransform
+
+    @classmethod
+    def of(cls, head: LocalHead, hidden: torch.Tensor, targets: torch.Tensor | None) -> TileOperands:
+        """``hidden [n, H]`` against ``head``'s local rows as kernel operands (unit stride along ``H``,
+        contiguous bias, int64 ``targets``; ``None``: no target, -1 for every row)."""
+        hidden, weight = unit_stride(hidden), unit_stride(head.weight)
+        if targets is None:
+            targets = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
+        bias = None if head.bias is None else head.bias.contiguous()
+        return cls(hidden, weight, bias, targets.to(torch.int64).contiguous(), head.transform)
 
     def block(self, rows: slice) -> TileOperands:
         """The head's vocabulary rows ``rows`` (targets shifted to index them)."""
