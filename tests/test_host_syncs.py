@@ -6,6 +6,7 @@ is a synchronization): ``nonzero``, ``tolist``, ``item`` and the conversions to 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -19,14 +20,19 @@ _READS = ("nonzero", "tolist", "item", "__bool__", "__int__", "__float__", "__in
 
 @pytest.fixture
 def host_reads(monkeypatch):
-    """The names of the host reads of tensor values made before the first GEMM (``chunk_forward``)."""
+    """The names of the host reads of tensor values made before the first GEMM (``chunk_forward``),
+    or during the whole call with ``state["until_end"]``."""
     reads: list[str] = []
     state = {"before_gemm": True}
     for name in _READS:
         real = getattr(torch.Tensor, name)
 
         def counted(self, *a, _real=real, _name=name, **k):
-            if state["before_gemm"]:
+            caller = sys._getframe(1).f_code
+            # The CPU-only paths are not the GPU's: the torch backend (the CPU specification) and
+            # the fused backward's scale, read on the host only for CPU tensors.
+            cpu_only = "torch_backend" in caller.co_filename or caller.co_name == "_scaled"
+            if (state["before_gemm"] or state.get("until_end")) and not cpu_only:
                 reads.append(_name)
             return _real(self, *a, **k)
 
@@ -103,3 +109,23 @@ def test_uncounted_positions_may_hold_anything(seed):
         run(bad, ids)
     with pytest.raises(ValueError, match=rf"\[0, {v}\).*{v + 2}"):
         run(hidden, torch.where(torch.arange(t) == 1, v + 2, ids))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_dpo_reads_the_host_once(seed, host_reads, masked):
+    """A fused DPO step (forward, metrics and backward) reads tensor values on the host once, the
+    value checks' read, which also brings the used-token count and the pairs' ends: a read after
+    the pass (the entropy metric's) would leave the device idle while the host catches up."""
+    from logitless import dpo_loss_fused
+
+    b, t, h, v = 3, 7, 8, 30
+    hidden, weight = torch.randn(2 * b, t, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    ids = torch.randint(0, v, (2 * b, t))
+    mask = (torch.rand(2 * b, t) > 0.3).float() if masked else torch.ones(2 * b, t)
+    ref = torch.randn(2 * b, dtype=torch.float64) - 10
+    reads, state = host_reads
+    state["until_end"] = True
+    loss, _ = dpo_loss_fused(hidden, weight, ids, mask, ref[:b], ref[b:], options=PassOptions(impl="torch"))
+    loss.backward()
+    assert not state["before_gemm"] and hidden.grad is not None
+    assert reads == ["tolist"], reads

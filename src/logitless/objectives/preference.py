@@ -598,8 +598,8 @@ def _reward_metrics(chosen_rewards, rejected_rewards, chosen_logps, rejected_log
 
 
 def _entropy_metric(policy: SequenceLogps) -> torch.Tensor:
-    total = policy.lengths.sum()
-    return policy.entropy_sum.sum() / total if bool(total > 0) else policy.entropy_sum.new_zeros(())
+    # A batch without tokens has entropy_sum 0: clamping its count reads nothing on the host.
+    return policy.entropy_sum.sum() / policy.lengths.sum().clamp(min=1)
 
 
 def _check_pairs(ref: torch.Tensor, **named: torch.Tensor) -> None:

@@ -199,17 +199,29 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     cm = batch.completion_mask[order] != 0  # [S, T] in pass order
     nm = None if batch.nll_mask is None else batch.nll_mask[order] != 0
     used = cm if nm is None else cm | nm
-    pos = used.reshape(-1).nonzero().squeeze(1)
+    # Every position, the used ones first (TokenLayout.counted_first's partition, in pass order):
+    # how many are used comes with the checks' one read, so nothing before it waits for the device.
+    flat_used = used.reshape(-1)
+    inc = torch.cumsum(flat_used, 0)
+    positions = torch.arange(flat_used.numel(), device=dev)
+    slot = torch.where(flat_used, inc - 1, (inc[-1] if inc.numel() else 0) + positions - inc)
+    every = torch.empty_like(positions).scatter_(0, slot, positions)
+    ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
+    # The hidden rows and ids are checked in the caller's layout, at the positions that count.
+    caller_used = batch.completion_mask != 0
+    if batch.nll_mask is not None:
+        caller_used = caller_used | (batch.nll_mask != 0)
+    check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, batch.targets.reshape(-1), ignore_index=None,
+                      checks=checks, counted=caller_used.reshape(-1))
+    for name, x in per_unit.items():
+        checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
+    host = checks.run(*ends.unbind()) if units else []  # the one synchronization of the checks
+    pos = every[:int(host[-1]) if units else 0]
     seq = pos // max(t, 1)
     flat = order[seq] * t + pos % t
     complete = pos.shape[0] == s * t and (size == 1 or units == 1)
     h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
     t_flat = batch.targets.reshape(-1)[flat].long()
-    ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
-    check_head_inputs(h_flat, head, t_flat, ignore_index=None, checks=checks)
-    for name, x in per_unit.items():
-        checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
-    host = checks.run(*ends.unbind()) if units else []  # the one synchronization of the checks
     return _Units(order=order, seq=seq, completion=cm.reshape(-1)[pos].to(sdt),
                   nll=None if nm is None else nm.reshape(-1)[pos].to(sdt), lengths=cm.sum(1).to(sdt),
                   nll_count=None if nm is None else nm.sum(1).to(sdt), ends=[int(e) for e in host],
@@ -586,15 +598,17 @@ def kto_fused_pass(
 
     Raises:
         TypeError, ValueError: as :func:`kto_loss_fused`; ``kto`` without ``kl``, or a ``kl``
-            that is not a finite 0-dim tensor.
+            that is not a 0-dim tensor or not finite ("kl contains NaN or inf").
     """
     cfg = KTOLossConfig() if config is None else config
-    if cfg.loss_type == "kto" and (not isinstance(kl, torch.Tensor) or kl.dim() != 0
-                                   or not bool(torch.isfinite(kl))):
+    needed = cfg.loss_type == "kto"
+    if needed and (not isinstance(kl, torch.Tensor) or kl.dim() != 0):
         raise ValueError(f"loss_type='kto' needs kl, the batch's KL estimate as a finite 0-dim tensor, got "
                          f"{kl if not isinstance(kl, torch.Tensor) else f'shape {tuple(kl.shape)}'}")
+    # Its value is checked with the other inputs' values, in their one host read.
+    named = {"kl": kl.detach().expand(ref_logps.shape)} if needed and isinstance(ref_logps, torch.Tensor) else {}
     return _kto(hidden, as_head(head), _Batch(targets, completion_mask), (label, ref_logps),
-                lambda: None if kl is None else kl.detach(), {}, cfg, as_options(options), True)
+                lambda: None if kl is None else kl.detach(), named, cfg, as_options(options), True)
 
 
 def _kto(hidden: torch.Tensor, head: Head, batch: _Batch, labelled: tuple[torch.Tensor, torch.Tensor],
