@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from logitless import Head, HeadLoRA, PassOptions, vocab_stats
-from logitless.ops.contract import Accumulators, ChunkRows, SavedStats, StatGrads, StatRequest
-from logitless.ops.head import LocalHead
+from logitless.ops.contract import Accumulators, ChunkRows, LocalHead, SavedStats, StatGrads, StatRequest
 
 
 def local_head(w, b, tr) -> LocalHead:
@@ -29,18 +28,18 @@ def backward(backend, h, w, b, t, tr, plan, saved: SavedStats, grads: StatGrads,
 
 
 def record_layouts(monkeypatch) -> list[str]:
-    """The list each engine pass's ``d weight`` layout (``grad_layout.weight_grad_plan``) is appended to."""
-    from logitless.ops import grad_layout
+    """The list each engine pass's ``d weight`` layout (``logitless.ops.plan.weight_grad_plan``) is appended to."""
+    from logitless.ops import plan as planning
 
     layouts = []
-    real_plan = grad_layout.weight_grad_plan
+    real_plan = planning.weight_grad_plan
 
     def spy(*a):
         planned = real_plan(*a)
         layouts.append(planned[1])
         return planned
 
-    monkeypatch.setattr(grad_layout, "weight_grad_plan", spy)
+    monkeypatch.setattr(planning, "weight_grad_plan", spy)
     return layouts
 
 

@@ -38,10 +38,10 @@ def _small_row_multiple(case: dict) -> None:
     """Tests of rows without a gradient on tiny batches round the backward's rows to a small
     multiple, and count the rows each decision leaves out (``_SKIPPED``)."""
     if "row_multiple" in case:
-        from logitless.ops import grad_layout
+        from logitless.ops import plan as planning
 
-        grad_layout._ROW_MULTIPLE = case["row_multiple"]
-        real = grad_layout.backward_rows
+        planning._ROW_MULTIPLE = case["row_multiple"]
+        real = planning.backward_rows
 
         def counting(zero, chunks):
             out = real(zero, chunks)
@@ -49,7 +49,7 @@ def _small_row_multiple(case: dict) -> None:
                             for sl, idx in zip(chunks, out, strict=True))
             return out
 
-        grad_layout.backward_rows = counting
+        planning.backward_rows = counting
 
 
 def vocab_parallel(rank: int, world: int, case: dict) -> dict:

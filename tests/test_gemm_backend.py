@@ -227,9 +227,9 @@ def test_resolve_and_refusals():
 def _poison_weight_grad_buffer(monkeypatch):
     """Fill an uninitialized ``d weight`` buffer and pair residual (ones the first chunk stores
     into) with NaN, as reused memory may hold anything, so a row the pass fails to store shows."""
-    from logitless.ops import grad_layout
+    from logitless.ops import plan as planning
 
-    real = grad_layout.weight_grad_buffers
+    real = planning.weight_grad_buffers
 
     def poisoned(p, weight, layout, n):
         buf, lo = real(p, weight, layout, n)
@@ -239,7 +239,7 @@ def _poison_weight_grad_buffer(monkeypatch):
                 lo.fill_(float("nan"))
         return buf, lo
 
-    monkeypatch.setattr(grad_layout, "weight_grad_buffers", poisoned)
+    monkeypatch.setattr(planning, "weight_grad_buffers", poisoned)
 
 
 @interpreted
@@ -251,12 +251,12 @@ def test_policy_loss_matches_torch(monkeypatch, mode, layout):
     bytes go to the chunk), its logits kept whole (``one_block``) or recomputed in 21 vocabulary
     blocks (``vocab_blocks``: a budget too small for whole rows even with those bytes)."""
     import logitless
-    from logitless.ops import grad_layout
+    from logitless.ops import plan as planning
 
     _poison_weight_grad_buffer(monkeypatch)
     plans = []
-    real_plan = grad_layout.weight_grad_plan
-    monkeypatch.setattr(grad_layout, "weight_grad_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    real_plan = planning.weight_grad_plan
+    monkeypatch.setattr(planning, "weight_grad_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
 
     g = torch.Generator().manual_seed(3)
     b_, t_, hid = 4, 40, 32
@@ -412,7 +412,7 @@ def test_weight_grad_layout_by_the_accumulator_bytes(pairs):
     already (Llama-3 128k) keep it too."""
     import dataclasses
 
-    from logitless.ops import grad_layout
+    from logitless.ops import plan as planning
     from logitless.ops.plan import ChunkPlan
 
     @dataclasses.dataclass
@@ -427,19 +427,19 @@ def test_weight_grad_layout_by_the_accumulator_bytes(pairs):
                     Head(torch.empty(v, hid, dtype=dtype, device="meta")))
 
     llama = kind_for(8192, 128256, 4096)
-    got, layout = grad_layout.weight_grad_plan(llama, 8192, llama.head.weight)
+    got, layout = planning.weight_grad_plan(llama, 8192, llama.head.weight)
     assert layout == "single" and got.plan.keep_logits and got.plan.chunks(8192) == [slice(0, 8192)]
     gemma = kind_for(8192, 256000, 2304)
-    got, layout = grad_layout.weight_grad_plan(gemma, 8192, gemma.head.weight)
+    got, layout = planning.weight_grad_plan(gemma, 8192, gemma.head.weight)
     assert layout == ("pair" if pairs else "fp32")
     want = 4096 if pairs else 2048
     assert got.plan.keep_logits and got.plan.chunks(8192) == [slice(s, s + want) for s in range(0, 8192, want)]
     assert got.plan.budget == 2**30 + (256000 * 2304 * 2 if pairs else 0)
     llama_128k = kind_for(131072, 128256, 4096)  # 4096-token chunks: the fp32 accumulator's GEMMs are as fast
-    assert grad_layout.weight_grad_plan(llama_128k, 131072, llama_128k.head.weight) == (llama_128k, "fp32")
-    assert grad_layout.weight_grad_plan(llama, 0, llama.head.weight)[1] == "fp32"
+    assert planning.weight_grad_plan(llama_128k, 131072, llama_128k.head.weight) == (llama_128k, "fp32")
+    assert planning.weight_grad_plan(llama, 0, llama.head.weight)[1] == "fp32"
     fp32 = kind_for(8192, 128256, 4096, torch.float32)  # an fp32 head accumulates in fp32
-    assert grad_layout.weight_grad_plan(fp32, 8192, fp32.head.weight) == (fp32, "fp32")
+    assert planning.weight_grad_plan(fp32, 8192, fp32.head.weight) == (fp32, "fp32")
 
 
 def test_plan_keeps_two_bytes_a_logit():

@@ -17,7 +17,8 @@ import torch
 
 import logitless
 from logitless import Head, LogitTransform, PassOptions, PassOutOfMemoryError
-from logitless.ops import fused, memory
+from logitless.ops import fused
+from logitless.ops import plan as planning
 from logitless.ops.torch_backend import backend as torch_backend
 
 SEED = int(os.environ.get("LOGITLESS_TEST_SEED") or random.SystemRandom().randrange(2**31))
@@ -120,19 +121,19 @@ def test_oom_inside_the_pass_names_a_chunk_bytes_that_fits(monkeypatch, mode):
 
 def test_workspace_larger_than_the_device_is_refused_before_allocating(monkeypatch):
     h, w, _b, t = _inputs(n=64, vocab=101)
-    monkeypatch.setattr(memory, "free_device_bytes", lambda device, driver_free=None: 10_000)
+    monkeypatch.setattr(planning, "free_device_bytes", lambda device, driver_free=None: 10_000)
     called = []
     monkeypatch.setattr(torch_backend, "chunk_forward", lambda *a, **k: called.append(1))
     with pytest.raises(PassOutOfMemoryError, match=r"refused before allocating.*PassOptions\(chunk_bytes=") as info:
         logitless.vocab_stats(h, w, t)
     assert (info.value.free == 10_000 and info.value.suggested_chunk_bytes <= 10_000 // 2) or \
-        info.value.suggested_chunk_bytes == memory._MIN_SUGGESTION
+        info.value.suggested_chunk_bytes == planning._MIN_SUGGESTION
     assert not called
     # Within the device's memory it runs.
-    monkeypatch.setattr(memory, "free_device_bytes", lambda device, driver_free=None: 2**40)
+    monkeypatch.setattr(planning, "free_device_bytes", lambda device, driver_free=None: 2**40)
     monkeypatch.undo()
     logitless.vocab_stats(h, w, t)
-    assert fused.check_workspace_fits is memory.check_workspace_fits
+    assert fused.check_workspace_fits is planning.check_workspace_fits
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "flash", "gemm"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from logitless import Head, PassOptions, PolicyConfig, policy_loss, token_logprobs
-from logitless.ops import grad_layout
+from logitless.ops import plan as planning
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -77,14 +77,14 @@ def _assert_same(a, b, tol=TOL):
 def small_row_multiple(monkeypatch):
     """Test batches have tens of rows: round the backward's rows to a multiple of 4 (not 128), so
     some rows without a gradient still join it and others are left out."""
-    monkeypatch.setattr(grad_layout, "_ROW_MULTIPLE", 4)
+    monkeypatch.setattr(planning, "_ROW_MULTIPLE", 4)
 
 
 @pytest.fixture
 def picked_counts(monkeypatch):
     """``(rows with a gradient, rows)`` of every decision the engine takes."""
     seen: list[tuple[int, int]] = []
-    real = grad_layout.backward_rows
+    real = planning.backward_rows
 
     def spy(zero, chunks):
         out = real(zero, chunks)
@@ -97,7 +97,7 @@ def picked_counts(monkeypatch):
                 assert not zero.mask[sl][idx].all() or idx.numel() == 0
         return out
 
-    monkeypatch.setattr(grad_layout, "backward_rows", spy)
+    monkeypatch.setattr(planning, "backward_rows", spy)
     return seen
 
 

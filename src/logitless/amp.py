@@ -84,7 +84,7 @@ def _cast(x):
     """``x`` in its device's autocast dtype if autocast is on there and ``x`` is eligible under
     autocast's own rule (a floating tensor other than float64); a :class:`~logitless.ops.Head`
     with its weight and bias cast."""
-    from .ops.head import Head
+    from .ops.contract import Head
 
     if isinstance(x, Head):
         weight, bias = _cast(x.weight), _cast(x.bias)

@@ -8,10 +8,9 @@ from typing import NamedTuple
 import torch
 
 from ..amp import autocast_head_inputs
-from ..ops.contract import StatRequest
+from ..ops.contract import Head, StatRequest, as_head
 from ..ops.engine import ChunkStats, compute_stats
-from ..ops.head import Head, as_head
-from ..ops.options import PassOptions, as_options
+from ..ops.plan import PassOptions, as_options
 from ..ops.validate import check_head_inputs
 from . import compiled
 

@@ -2,14 +2,11 @@
 Knows nothing about RL; the objectives layer sits on top and talks to it through
 :mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
-from .contract import StatRequest, resolve_backend
+from .contract import Head, StatRequest, VocabShard, as_head, resolve_backend
 from .distill import DistillPass, DistillStats, check_shards, run_distill
 from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, ZeroRows, compute_stats, run_objective
-from .head import Head, VocabShard, as_head
 from .lora import HeadLoRA
-from .memory import PassOutOfMemoryError
-from .options import Impl, Mode, PassOptions, as_options
-from .plan import stat_dtype_for
+from .plan import Impl, Mode, PassOptions, PassOutOfMemoryError, as_options, stat_dtype_for
 from .settings import LogitsPrecision
 from .transform import LogitTransform
 from .validate import ValueChecks, check_count, check_device, check_devices, check_head_inputs, check_mask

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..distributed import all_reduce, is_active
-from .contract import Accumulators
+from .contract import Accumulators, Head, LocalHead
 from .distill_contract import (
     DistillBackend,
     DistillGrads,
@@ -41,10 +41,8 @@ from .distill_contract import (
 )
 from .engine import ChunkObjective, PassResult, recompute_stats, resolve_mode, run_fused
 from .fused import no_autocast
-from .head import Head, LocalHead
 from .lora import LowRank
-from .options import PassOptions
-from .plan import ChunkPlan, stat_dtype_for
+from .plan import ChunkPlan, PassOptions, stat_dtype_for
 
 
 class DistillStats(NamedTuple):

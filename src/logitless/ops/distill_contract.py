@@ -31,10 +31,8 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..distributed import all_reduce, is_active
-from .contract import Accumulators, Capabilities, resolve_backend
-from .head import LocalHead
-from .options import Impl, PassOptions
-from .plan import ChunkPlan
+from .contract import Accumulators, Capabilities, LocalHead, resolve_backend
+from .plan import ChunkPlan, Impl, PassOptions
 
 
 class DistillHeads(NamedTuple):

@@ -18,7 +18,7 @@ The per-chunk work is a **pass kind** (:class:`PassKind`): :class:`~.fused.Softm
 single-head softmax run through a backend, beside the fused chunk loop that drives it;
 :mod:`.distill` adds a two-head (student + teacher) kind. The chunk loops (:mod:`.fused`,
 :mod:`.recompute`), both modes' ``autograd.Function`` and the gradient layout
-(:mod:`.grad_layout`) serve every kind.
+(:mod:`.plan`) serve every kind.
 
 Under vocabulary parallelism (``Head.shard`` with a group) the partial statistics are reduced
 with one MAX and one SUM all-reduce per pass (recompute) or per chunk (fused), and the
@@ -33,13 +33,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .contract import Accumulators, ChunkStats, StatRequest
+from .contract import Accumulators, ChunkStats, Head, LocalHead, StatRequest
 from .fused import PassResult, SoftmaxPass, run_fused
-from .grad_layout import ZeroRows
-from .head import Head, LocalHead
 from .lora import LowRank
-from .options import Mode, PassOptions
-from .plan import ChunkPlan
+from .plan import ChunkPlan, Mode, PassOptions, ZeroRows
 from .recompute import recompute_stats
 
 # objective(token_slice, stats) -> (loss term, anything to collect)

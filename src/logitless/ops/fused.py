@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..distributed import all_reduce, sum_partials
-from . import grad_layout
+from . import plan as planning
 from .contract import (
     Accumulators,
     Backend,
     ChunkRows,
     ChunkStats,
+    Head,
+    LocalHead,
     RowStats,
     SavedStats,
     StatGrads,
@@ -29,12 +31,8 @@ from .contract import (
     resolve_backend,
     triton_available,
 )
-from .grad_layout import ZeroRows, rows_of
-from .head import Head, LocalHead
 from .lora import LowRank
-from .memory import advise_on_oom, check_workspace_fits
-from .options import PassOptions
-from .plan import ChunkPlan
+from .plan import ChunkPlan, PassOptions, ZeroRows, advise_on_oom, check_workspace_fits, rows_of
 from .validate import check_rounded_logits
 
 if TYPE_CHECKING:
@@ -172,8 +170,8 @@ class _FusedCall:
     objective: ChunkObjective
     chunks: list[slice]
     plans: list[ChunkPlan]  # each chunk's (ChunkPlan.fit_chunks)
-    weight_grad: grad_layout.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
-    zero_rows: ZeroRows | None = None  # rows the gradient GEMMs leave out (grad_layout.backward_rows)
+    weight_grad: planning.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
+    zero_rows: ZeroRows | None = None  # rows the gradient GEMMs leave out (planning.backward_rows)
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
     _backward_rows: list[torch.Tensor | None] | None = None
@@ -185,7 +183,7 @@ class _FusedCall:
         if self.zero_rows is None:
             return None
         if self._backward_rows is None:
-            self._backward_rows = grad_layout.backward_rows(self.zero_rows, self.chunks)
+            self._backward_rows = planning.backward_rows(self.zero_rows, self.chunks)
         return self._backward_rows[i]
 
 
@@ -237,7 +235,7 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     # Filled in place: per-chunk small tensors kept alive fragment the CPU heap (see SoftmaxPass.forward_all).
     # One chunk keeps its own.
     out = call.p.empty_stats(n, hidden.device) if len(call.chunks) > 1 else None
-    # ``acc`` is the first chunk's (grad_layout.accumulators): it may store its d weight products
+    # ``acc`` is the first chunk's (planning.accumulators): it may store its d weight products
     # into the uninitialized buffer; the later chunks add to them.
     later_acc = None if acc is None else dataclasses.replace(acc, write_weight=False)
     with advise_on_oom(call.p.plan, hidden.device):
@@ -276,7 +274,7 @@ class _FusedFn(torch.autograd.Function):
         sdt = p.plan.stat_dtype
         # Every chunk writes its rows (zeros where nothing reached its logits).
         grad_hidden = torch.empty_like(hidden, dtype=sdt if partial else None) if ctx.needs_input_grad[0] else None
-        full, local = grad_layout.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
+        full, local = planning.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, call.weight_grad,
                                     hidden.shape[0])
         low = None if lora_x is None else p.head.low_rank(lora_x, lora_b)
         total, stats = _run_chunks(call, hidden, low, local, grad_hidden)
@@ -348,9 +346,9 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
     """
     tensors = (hidden, weight, bias, lora_x, lora_b)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)  # (records_graph)
-    layout: grad_layout.WeightGradLayout = "fp32"
+    layout: planning.WeightGradLayout = "fp32"
     if grad and weight.requires_grad:
-        p, layout = grad_layout.weight_grad_plan(p, hidden.shape[0], weight)
+        p, layout = planning.weight_grad_plan(p, hidden.shape[0], weight)
     check_workspace_fits(p.plan, hidden.device)
     chunks, plans = p.plan.fit_chunks(hidden.shape[0], cuts, p.head.weight.shape[0])
     call = _FusedCall(p, objective, chunks, plans, weight_grad=layout, zero_rows=p.zero_rows if grad else None)

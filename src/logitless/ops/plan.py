@@ -1,15 +1,129 @@
-"""How a pass over the vocabulary is cut into blocks: the one place that turns a byte
-budget into token-chunk and vocabulary-block sizes."""
+"""Planning a vocabulary pass, in the order a pass is planned: the user's settings of the pass
+(:class:`PassOptions`), the block sizes they give (:class:`ChunkPlan`: the one place that turns a
+byte budget into token-chunk and vocabulary-block sizes), whether one chunk's workspace fits the
+device (and which ``chunk_bytes`` would, when it does not: :class:`PassOutOfMemoryError`), and how
+the backward lays out its work: the rows it runs on (those whose gradient is not known to be
+zero) and how it holds ``d weight`` (one buffer in the head's dtype, a bf16 pair, or an fp32
+accumulator). Both modes of :mod:`.engine` use it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
+
+from .contract import Accumulators
+from .settings import LogitsPrecision, settings
+
+if TYPE_CHECKING:
+    from .engine import PassKind
+
+# ---------------------------------------------------------------------------------------- the settings of a pass
+
+Mode = Literal["auto", "fused", "recompute"]
+Impl = Literal["auto", "torch", "triton", "flash", "gemm", "cute"]
+
+_MODES = ("auto", "fused", "recompute")
+_IMPLS = ("auto", "torch", "triton", "flash", "gemm", "cute")
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """How a pass runs; none of it changes what is computed beyond rounding.
+
+    Attributes:
+        mode: ``"fused"`` (the objective's gradient is taken chunk by chunk inside the forward:
+            3 GEMMs of work), ``"recompute"`` (O(N) saved state, logits recomputed in the
+            backward: 4 GEMMs), or ``"auto"`` (fused unless the objective needs every token's
+            statistics before its loss).
+        impl: backend: ``"auto"`` (on CUDA with Triton: ``"gemm"`` for bf16/fp16 on Hopper or
+            later, else ``"triton"``; torch elsewhere; see ``resolve_backend``), ``"torch"``,
+            ``"triton"`` (cuBLAS GEMMs + Triton row kernels), ``"flash"`` (Triton tile GEMMs
+            that never write logits), ``"gemm"`` (statistics in a Triton GEMM's epilogue,
+            logits kept in fp16 centred per tile, cuBLAS gradient GEMMs) or ``"cute"`` (that
+            design with the statistics GEMM written in CUTLASS's CuTe DSL: Hopper only,
+            ``pip install 'logitless[cute]'``).
+        chunk_bytes: workspace budget of the pass in bytes; ``None``: ``LOGITLESS_CHUNK_BYTES``,
+            else 1 GiB. Beyond it a training pass holds an fp32 ``d weight`` accumulator
+            (``V x H x 4`` bytes), except where all its tokens fit one chunk within the budget
+            plus those bytes: then it runs as one chunk and needs no accumulator (bf16/fp16 heads
+            on the Triton and gemm backends).
+        logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 (statistics within
+            ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
+            first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
+            still accumulate in fp32). ``None``: ``LOGITLESS_LOGITS_PRECISION``, else ``"fp32"``.
+        budget: ``chunk_bytes`` with its default applied (derived, set at construction).
+        fp32_logits: whether the matmul output stays fp32 (``logits_precision`` with its
+            default applied; derived, set at construction).
+        skip_zero_rows: where the objective knows rows whose gradient is exactly zero (a policy
+            loss without KL or entropy bonus: the tokens of zero advantage), run the gradient
+            GEMMs on the other rows only (exact: those rows add nothing; their statistics are
+            still computed). ``False`` runs them on every row.
+
+    Raises:
+        TypeError: ``chunk_bytes`` not a number (a string, a bool, ...); ``skip_zero_rows`` not a bool.
+        ValueError: a value outside its choices, or a ``chunk_bytes`` that is not a positive whole
+            number (``0``, ``-5``, ``1.5``, ``inf``, ``nan``); a float such as ``1e9`` is stored as an int.
+    """
+
+    mode: Mode = "auto"
+    impl: Impl = "auto"
+    chunk_bytes: int | None = None
+    logits_precision: LogitsPrecision | None = None
+    skip_zero_rows: bool = True
+    # Derived once here, not per read: the pass reads them as plain attributes.
+    budget: int = field(init=False, repr=False, compare=False)
+    fp32_logits: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        if self.chunk_bytes is not None:
+            object.__setattr__(self, "chunk_bytes", _byte_count(self.chunk_bytes))
+        if not isinstance(self.skip_zero_rows, bool):
+            raise TypeError(f"skip_zero_rows must be True or False, got {self.skip_zero_rows!r}")
+        if self.logits_precision not in (None, "fp32", "input"):
+            raise ValueError(f"logits_precision must be 'fp32', 'input' or None, got {self.logits_precision!r}")
+        env = settings()
+        object.__setattr__(self, "budget", env.chunk_bytes if self.chunk_bytes is None else self.chunk_bytes)
+        object.__setattr__(self, "fp32_logits", (self.logits_precision or env.logits_precision) == "fp32")
+
+
+def _byte_count(value: object) -> int:
+    """``chunk_bytes`` as a positive int (ints, NumPy integers and integral floats such as ``1e9``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"chunk_bytes must be a positive whole number of bytes or None, got {value!r} ({type(value).__name__})"
+        )
+    if not (math.isfinite(value) and value > 0 and value == int(value)):
+        raise ValueError(f"chunk_bytes must be a positive whole number of bytes or None, got {value!r}")
+    return int(value)
+
+
+def as_options(options: PassOptions | None) -> PassOptions:
+    """``options`` or the defaults.
+
+    Raises:
+        TypeError: not a :class:`PassOptions` (e.g. a dict: build ``PassOptions(**d)``).
+    """
+    if options is None:
+        return PassOptions()
+    if not isinstance(options, PassOptions):
+        raise TypeError(f"options must be a logitless.PassOptions, got {type(options).__name__}")
+    return options
+
+
+# ----------------------------------------------------------------------------------------------- the block sizes
+
 
 # Below this many tokens a chunk's matmuls stop using the matrix units well, so a row that
 # does not fit is cut along the vocabulary instead of shrinking the token chunk further. On GPUs
@@ -48,8 +162,9 @@ def stat_dtype_for(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def workspace_per_element(stat_dtype: torch.dtype, in_dtype: torch.dtype, kind: PlanKind = "torch",
-                          fp32_logits: bool = True) -> int:
+def workspace_per_element(
+    stat_dtype: torch.dtype, in_dtype: torch.dtype, kind: PlanKind = "torch", fp32_logits: bool = True
+) -> int:
     """Workspace bytes per logit element of one block.
 
     torch: the logits, the probabilities and ``dz`` in the statistics dtype, plus ``dz`` cast to
@@ -101,8 +216,16 @@ class ChunkPlan:
         object.__setattr__(self, "blocks", tuple(self.vocab_blocks(self.vocab)))
 
     @classmethod
-    def make(cls, n_tokens: int, vocab: int, budget: int, in_dtype: torch.dtype, kind: PlanKind = "torch",
-             fp32_logits: bool = True, arrays: int = 1) -> ChunkPlan:
+    def make(
+        cls,
+        n_tokens: int,
+        vocab: int,
+        budget: int,
+        in_dtype: torch.dtype,
+        kind: PlanKind = "torch",
+        fp32_logits: bool = True,
+        arrays: int = 1,
+    ) -> ChunkPlan:
         """Plan for ``n_tokens`` x ``vocab`` logits within ``budget`` bytes of workspace, as a
         ``kind`` backend lays a block out (see :func:`workspace_per_element`), with ``arrays``
         times that per element (a two-head pass holds more temporaries per block).
@@ -126,17 +249,26 @@ class ChunkPlan:
         stats_chunk = token_chunk
         if kind in _STATS_ONLY_BYTES and stat_dtype != torch.float64:
             stats_chunk = _even_chunk(n, max(token_chunk, int(sizing / (vocab * _STATS_ONLY_BYTES[kind] * arrays))))
-        return cls(token_chunk=token_chunk, vocab_block=vocab_block, keep_logits=vocab_block == vocab,
-                   fp32_logits=fp32_logits, budget=budget, bytes_per_logit=per, stats_chunk=stats_chunk,
-                   stat_dtype=stat_dtype, vocab=vocab)
+        return cls(
+            token_chunk=token_chunk,
+            vocab_block=vocab_block,
+            keep_logits=vocab_block == vocab,
+            fp32_logits=fp32_logits,
+            budget=budget,
+            bytes_per_logit=per,
+            stats_chunk=stats_chunk,
+            stat_dtype=stat_dtype,
+            vocab=vocab,
+        )
 
     def whole(self, n_tokens: int, vocab: int, extra: int) -> ChunkPlan | None:
         """This plan as one chunk of all ``n_tokens`` rows kept whole, if their logits fit the
         budget plus ``extra`` bytes (memory the caller saves by running one chunk), else ``None``."""
         if n_tokens * vocab * self.bytes_per_logit > self.budget + extra:
             return None
-        return dataclasses.replace(self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True,
-                                   vocab=vocab)
+        return dataclasses.replace(
+            self, token_chunk=max(1, n_tokens), vocab_block=max(1, vocab), keep_logits=True, vocab=vocab
+        )
 
     def widened(self, n_tokens: int, vocab: int, extra: int, row_bytes: int = 0) -> ChunkPlan:
         """This plan for ``n_tokens`` rows with ``extra`` bytes more budget (memory the caller
@@ -148,8 +280,14 @@ class ChunkPlan:
         rows = (budget + self.token_chunk * row_bytes) // (per_token + row_bytes)
         token_chunk = _even_chunk(max(1, n_tokens), max(rows, self.token_chunk))
         vocab_block = min(max(1, vocab), max(1, budget // (token_chunk * self.bytes_per_logit)))
-        return dataclasses.replace(self, budget=budget, token_chunk=token_chunk, vocab_block=vocab_block,
-                                   keep_logits=vocab_block >= vocab, vocab=vocab)
+        return dataclasses.replace(
+            self,
+            budget=budget,
+            token_chunk=token_chunk,
+            vocab_block=vocab_block,
+            keep_logits=vocab_block >= vocab,
+            vocab=vocab,
+        )
 
     def vocab_blocks(self, vocab: int, whole: bool = False) -> list[slice]:
         """The vocabulary rows ``[0, vocab)`` in blocks of ``vocab_block`` (one block with
@@ -196,3 +334,275 @@ class ChunkPlan:
         if n_tokens > start:
             chunks.append(slice(start, n_tokens))
         return chunks
+
+
+# ----------------------------------------------------------------------------------- the workspace on the device
+
+# A pass's working memory is its per-chunk logits workspace (set by ``PassOptions.chunk_bytes``) on
+# top of what the caller holds. The user can act only on ``chunk_bytes``, so both the up-front
+# refusal (check_workspace_fits) and an out-of-memory inside the chunk loop (advise_on_oom) name the
+# budget, the workspace of one chunk and a smaller budget to retry with.
+
+_MIB = 2**20
+_MIN_SUGGESTION = 64 * 1024  # below this the blocks are too thin to be worth suggesting
+
+
+class PassOutOfMemoryError(torch.OutOfMemoryError):
+    """A vocabulary pass ran out of device memory (or would: refused before allocating).
+
+    A ``torch.OutOfMemoryError``, so existing handlers still catch it. Attributes:
+    ``budget`` (the ``chunk_bytes`` in force), ``workspace`` (bytes of one chunk's logits
+    workspace), ``free`` (bytes the device had available, ``None`` if unknown) and
+    ``suggested_chunk_bytes`` (a budget to retry with).
+    """
+
+    def __init__(self, message: str, budget: int, workspace: int, free: int | None, suggested: int) -> None:
+        super().__init__(message)
+        self.budget, self.workspace, self.free, self.suggested_chunk_bytes = budget, workspace, free, suggested
+
+
+def workspace_bytes(plan: ChunkPlan) -> int:
+    """Bytes of one chunk's logits workspace under ``plan``."""
+    return plan.token_chunk * plan.vocab_block * plan.bytes_per_logit
+
+
+def free_device_bytes(device: torch.device, driver_free: int | None = None) -> int | None:
+    """Bytes a new allocation on ``device`` can use: the driver's free memory (``driver_free`` when
+    the caller just read it) plus what PyTorch's caching allocator holds unused; ``None`` off CUDA
+    or while a CUDA graph is captured (querying the driver there is not allowed)."""
+    free = _driver_free_bytes(device) if driver_free is None else driver_free
+    if free is None:
+        return None
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _driver_free_bytes(device: torch.device) -> int | None:
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _suggest(workspace: int, free: int | None) -> int:
+    # Half of what is free leaves room for the GEMMs' own temporaries and the allocator's
+    # fragmentation; without a free figure, halve the workspace that failed.
+    target = workspace // 2 if free is None else min(workspace // 2, free // 2)
+    if target >= 4 * _MIB:
+        target -= target % _MIB
+    return max(_MIN_SUGGESTION, target)
+
+
+def _error(plan: ChunkPlan, device: torch.device, what: str) -> PassOutOfMemoryError:
+    workspace = workspace_bytes(plan)
+    free = free_device_bytes(device)
+    suggested = _suggest(workspace, free)
+    free_txt = "unknown" if free is None else f"{free:,} bytes ({free / _MIB:.1f} MiB)"
+    message = (
+        f"{what} on {device}: the pass's workspace budget is chunk_bytes={plan.budget:,}, one chunk's logits "
+        f"workspace is {workspace:,} bytes ({plan.token_chunk} tokens x {plan.vocab_block} vocabulary entries "
+        f"x {plan.bytes_per_logit} bytes); device memory available: {free_txt}. Retry with "
+        f"PassOptions(chunk_bytes={suggested}) (or LOGITLESS_CHUNK_BYTES={suggested}). If a small budget "
+        f"still fails, the memory is held outside the workspace (activations, the [V, H] gradient "
+        f"accumulators): free it or shard the head."
+    )
+    return PassOutOfMemoryError(message, plan.budget, workspace, free, suggested)
+
+
+def check_workspace_fits(plan: ChunkPlan, device: torch.device) -> None:
+    """Refuse a pass whose per-chunk workspace exceeds the device's available memory.
+
+    Raises:
+        PassOutOfMemoryError: the workspace of one chunk is larger than the memory available on
+            ``device`` (CUDA only), with a ``chunk_bytes`` that would fit.
+    """
+    workspace = workspace_bytes(plan)
+    # The driver's free memory alone answers most calls; the caching allocator's unused bytes
+    # (a walk over its statistics, ~0.2 ms of host time while the GPU waits) only when needed.
+    driver_free = _driver_free_bytes(device)
+    if driver_free is not None and workspace <= driver_free:
+        return
+    free = free_device_bytes(device, driver_free)
+    if free is not None and workspace > free:
+        raise _error(plan, device, "the vocabulary pass would not fit (refused before allocating)")
+
+
+@contextmanager
+def advise_on_oom(plan: ChunkPlan, device: torch.device) -> Iterator[None]:
+    """Re-raise a ``torch.OutOfMemoryError`` from the body as :class:`PassOutOfMemoryError`
+    naming the budget, the workspace per chunk and a smaller ``chunk_bytes``."""
+    try:
+        yield
+    except PassOutOfMemoryError:
+        raise
+    except torch.OutOfMemoryError as exc:
+        raise _error(plan, device, "out of memory inside the vocabulary pass") from exc
+
+
+# ----------------------------------------------------------------------------------------- the backward's layout
+
+
+class ZeroRows(NamedTuple):
+    """The rows of a pass whose gradient is known before it runs to be exactly zero.
+
+    Attributes:
+        mask: ``[n]`` bool.
+        others: how many rows are not in ``mask``, when the caller has read it (e.g. with its
+            value checks); ``None``: the pass reads it (one host synchronization).
+    """
+
+    mask: torch.Tensor
+    others: int | None = None
+
+
+def rows_of(value: NamedTuple, sl: slice) -> NamedTuple:
+    """Rows ``sl`` of every tensor field of ``value`` (``None`` fields stay ``None``)."""
+    return type(value)(*(None if t is None else t[sl] for t in value))
+
+
+def records_graph(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether autograd records a graph through ``tensors`` (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _zeros(want: bool, like: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return torch.zeros(like.shape, dtype=dtype, device=like.device) if want and like is not None else None
+
+
+WeightGradLayout = Literal["fp32", "single", "pair"]
+
+# Chunks of fewer tokens make cuBLAS's gradient GEMMs lose more (14% at Qwen2.5's 3.3k-token
+# chunks against 14k) than the pair's own GEMM costs against cuBLAS (1.08-1.10x); at 4096-token
+# chunks the pair was measured 2.7% slower (Llama-3 128k GRPO, H200): benchmarks/NOTES-h100.md.
+_PAIR_BELOW_TOKENS = 4096
+
+
+def weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKind, WeightGradLayout]:
+    """How a pass over ``n`` rows holds ``d weight``, and the pass planned for it.
+
+    * ``"single"``: all rows in one chunk, when their logits fit the budget plus the fp32
+      accumulator this saves; each vocabulary block's ``d weight`` rows are stored once in the
+      head's dtype (no zero-fill, read-modify-write or cast; the products are rounded once
+      either way).
+    * ``"pair"``: several chunks of fewer than ``_PAIR_BELOW_TOKENS`` tokens adding into a bf16
+      pair (bf16 heads on a kind that sets ``pairs_weight_grad``:
+      :mod:`logitless.ops.triton_shared.weight_grad`); the pair is ``2 V H``
+      bytes smaller than an fp32 accumulator and those bytes go to larger chunks (their logits
+      and fp32 ``d hidden`` rows), so the pass holds what it would with that accumulator.
+    * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a
+      ``d weight`` buffer of its own kind).
+    """
+    if n == 0 or not p.stores_weight_grad or weight.dtype not in (torch.float16, torch.bfloat16):
+        return p, "fp32"
+    if p.plan.token_chunk >= n:
+        return p, "single"
+    rows_w, hidden_size = p.head.weight.shape[0], weight.shape[1]
+    whole = p.plan.whole(n, rows_w, rows_w * hidden_size * 4)
+    if whole is not None:
+        return dataclasses.replace(p, plan=whole), "single"
+    if p.pairs_weight_grad and weight.dtype == torch.bfloat16 and p.plan.token_chunk < _PAIR_BELOW_TOKENS:
+        # A chunk's fp32 d hidden rows grow with it: 4 H bytes a token beside its logits.
+        plan = p.plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4)
+        return dataclasses.replace(p, plan=plan), "pair"
+    return p, "fp32"
+
+
+def weight_grad_buffers(
+    p: PassKind, weight: torch.Tensor, layout: WeightGradLayout, n: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``d weight``'s buffer for a pass over ``n`` rows, and the residual half of a pair
+    (``[V_local, H]`` bf16, or ``None``). A backend that stores products
+    (``stores_weight_grad``) gets the buffer uninitialized: the first chunk stores each
+    vocabulary block's product (:func:`first_stores`) and later chunks add to it, so it is
+    neither zero-filled nor read before the first add; in the head's dtype for ``"single"`` and
+    ``"pair"``, else fp32. A shard's padding rows beyond the local rows are zeroed. Other
+    backends, and a pass without rows (no chunk to store), add into fp32 zeros."""
+    if not p.stores_weight_grad or n == 0:
+        return torch.zeros(weight.shape, dtype=p.plan.stat_dtype, device=weight.device), None
+    dtype = p.plan.stat_dtype if layout == "fp32" else weight.dtype
+    buf = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    if p.head.weight.shape[0] < weight.shape[0]:
+        buf[p.head.weight.shape[0] :].zero_()
+    lo = None
+    if layout == "pair":
+        lo = torch.empty((p.head.weight.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    return buf, lo
+
+
+def accumulators(
+    p: PassKind,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_x: torch.Tensor | None,
+    lora_b: torch.Tensor | None,
+    needs: tuple[bool, ...],
+    layout: WeightGradLayout,
+    n: int,
+) -> tuple[Accumulators, Accumulators]:
+    """The gradient accumulators of a pass over ``n`` rows, for the inputs whose ``needs``
+    (``hidden, weight, bias, lora_x, lora_b``, as ``ctx.needs_input_grad``) are set: the
+    head-sized ones (``d weight`` laid out as ``layout``, :func:`weight_grad_buffers`) and their
+    views of the head's local rows, which the chunks update: the first chunk's (as
+    :func:`first_stores` makes them: a kind that stores ``d weight`` stores its products)."""
+    need_h, need_w, need_b, need_x, need_lb = needs[:5]
+    sdt = p.plan.stat_dtype
+    rows_w = p.head.weight.shape[0]
+    grad_w, grad_w_lo = weight_grad_buffers(p, weight, layout, n) if need_w else (None, None)
+    full = Accumulators(
+        weight=grad_w,
+        bias=_zeros(need_b, bias, sdt),
+        lora_x=_zeros(need_x, lora_x, sdt),
+        lora_b=_zeros(need_lb, lora_b, sdt),
+        hidden=need_h,
+    )
+    local = Accumulators(
+        weight=None if full.weight is None else full.weight[:rows_w],
+        bias=None if full.bias is None else full.bias[:rows_w],
+        lora_x=full.lora_x,
+        lora_b=None if full.lora_b is None else full.lora_b[:rows_w],
+        hidden=need_h,
+        weight_lo=grad_w_lo,
+        write_weight=full.weight is not None and p.stores_weight_grad,
+    )
+    return full, local
+
+
+def first_stores(p: PassKind, acc: Accumulators, first: bool) -> Accumulators:
+    """The accumulators of one chunk: the first chunk's ``d weight`` products are stored into
+    the uninitialized buffer of :func:`weight_grad_buffers`, later ones added."""
+    return dataclasses.replace(acc, write_weight=first and acc.weight is not None and p.stores_weight_grad)
+
+
+# The rows a backward runs on are rounded up to a multiple of this (with rows of zero gradient,
+# which add exact zeros): GEMMs whose row count is no multiple of their tiles run measurably slower.
+_ROW_MULTIPLE = 128
+# Below this share of rows left out, gathering the rows costs about what the smaller GEMMs save:
+# the chunk's backward runs on every row.
+_MIN_SKIPPED = 1 / 16
+
+
+def backward_rows(zero: ZeroRows, chunks: Sequence[slice]) -> list[torch.Tensor | None]:
+    """For each chunk, the rows (``[m]`` int64, relative to the chunk, ascending) its backward
+    runs on, or ``None`` for all of them.
+
+    A row whose statistics all have a zero gradient has ``dz = 0`` exactly (``p_v`` times zero
+    coefficients), so it adds nothing to ``d weight`` and its ``d hidden`` is zero: the gradient
+    GEMMs may leave it out. A chunk's rows are those not in ``zero.mask``, then as many of the
+    others as round the count up to :data:`_ROW_MULTIPLE`. Several chunks (or an unread count)
+    take one host synchronization for the whole pass."""
+    mask = zero.mask
+    if not mask.numel():
+        return [None] * len(chunks)
+    if len(chunks) == 1 and zero.others is not None:
+        totals = [0, zero.others]
+    else:
+        ends = torch.tensor([sl.stop - 1 for sl in chunks], device=mask.device)
+        totals = [0, *torch.cumsum((~mask).to(torch.int64), 0)[ends].tolist()]
+    out: list[torch.Tensor | None] = []
+    for i, sl in enumerate(chunks):
+        n = sl.stop - sl.start
+        m = min(n, -(-(totals[i + 1] - totals[i]) // _ROW_MULTIPLE) * _ROW_MULTIPLE)
+        if n - m < n * _MIN_SKIPPED:
+            out.append(None)
+            continue
+        order = torch.argsort(mask[sl].to(torch.int8), stable=True)  # rows with a gradient first, each part ascending
+        out.append(torch.sort(order[:m]).values)
+    return out

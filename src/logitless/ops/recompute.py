@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..distributed import all_reduce, sum_partials
-from . import grad_layout
-from .grad_layout import rows_of
-from .memory import advise_on_oom, check_workspace_fits
+from . import plan as planning
+from .plan import advise_on_oom, check_workspace_fits, rows_of
 
 if TYPE_CHECKING:
     from .engine import PassKind
@@ -53,23 +52,23 @@ class _RecomputeFn(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         sdt = p.plan.stat_dtype
         # The backward runs on the rows with a gradient only: ``rows`` (``hidden``'s, or a gathered copy).
-        picked = None if p.zero_rows is None else grad_layout.backward_rows(p.zero_rows, [slice(0, hidden.shape[0])])[0]
+        picked = None if p.zero_rows is None else planning.backward_rows(p.zero_rows, [slice(0, hidden.shape[0])])[0]
         rows = hidden
         if picked is not None:
             p, rows, saved, grads = p.select(picked), hidden[picked], rows_of(saved, picked), grads.rows(picked)
         n = rows.shape[0]
-        layout: grad_layout.WeightGradLayout = "fp32"
+        layout: planning.WeightGradLayout = "fp32"
         if need_w:
-            p, layout = grad_layout.weight_grad_plan(p, n, weight)
+            p, layout = planning.weight_grad_plan(p, n, weight)
         local = p.head.rows_of(weight, bias)
-        acc, local_acc = grad_layout.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, layout, n)
+        acc, local_acc = planning.accumulators(p, weight, bias, lora_x, lora_b, ctx.needs_input_grad, layout, n)
         low = local.low_rank(lora_x, lora_b)
         # Vocabulary-parallel partials of d hidden are summed in the statistics dtype, then cast once.
         partial = need_h and local.parallel and local.reduce_grad_hidden
         grad_rows = torch.empty_like(rows, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
             for i, sl in enumerate(p.plan.chunks(n)):
-                chunk_acc = dataclasses.replace(grad_layout.first_stores(p, local_acc, i == 0),
+                chunk_acc = dataclasses.replace(planning.first_stores(p, local_acc, i == 0),
                                                 lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl])
                 gh = p.backward(p.rows(rows, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
                 if need_h:
@@ -96,7 +95,7 @@ def recompute_stats(p: PassKind, hidden: torch.Tensor, weight: torch.Tensor, bia
     """
     check_workspace_fits(p.plan, hidden.device)
     tensors = (hidden, weight, bias, lora_x, lora_b)
-    if not grad_layout.records_graph(tensors):
+    if not planning.records_graph(tensors):
         return p.forward_all(hidden, p.head.low_rank(lora_x, lora_b))[0]  # no graph to record
     outs = _RecomputeFn.apply(*tensors, p)
     template = p.empty_stats(0, hidden.device)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from .head import Head, VocabShard
+from .contract import Head, VocabShard
 from .lora import HeadLoRA
 from .transform import LogitTransform
 

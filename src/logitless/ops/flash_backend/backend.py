@@ -28,13 +28,13 @@ from ..contract import (
     Accumulators,
     Capabilities,
     ChunkRows,
+    LocalHead,
     RowCoefficients,
     RowStats,
     SavedStats,
     StatGrads,
     StatRequest,
 )
-from ..head import LocalHead
 from ..plan import ChunkPlan
 from ..triton_shared.tile_gemm import unit_stride
 from .kernels import FlashGrads, flash_config, launch_grad, launch_stats

@@ -31,13 +31,13 @@ from ..contract import (
     Accumulators,
     Capabilities,
     ChunkRows,
+    LocalHead,
     RowCoefficients,
     RowStats,
     SavedStats,
     StatGrads,
     StatRequest,
 )
-from ..head import LocalHead
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared

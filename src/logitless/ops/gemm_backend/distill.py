@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..contract import Accumulators
+from ..contract import Accumulators, LocalHead
 from ..distill_contract import (
     DistillGrads,
     DistillHeads,
@@ -37,9 +37,7 @@ from ..distill_contract import (
     DistillScope,
     p_coefficient,
 )
-from ..head import LocalHead
-from ..options import PassOptions
-from ..plan import ChunkPlan
+from ..plan import ChunkPlan, PassOptions
 from ..triton_shared.centred import CentredTile
 from ..triton_shared.tile_gemm import TileOperands
 from ..triton_shared.weight_grad import block_grads

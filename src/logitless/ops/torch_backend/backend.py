@@ -13,13 +13,13 @@ from ..contract import (
     Accumulators,
     Capabilities,
     ChunkRows,
+    LocalHead,
     RowStats,
     SavedStats,
     StatGrads,
     StatRequest,
     compact_rows_,
 )
-from ..head import LocalHead
 from ..lora import LowRank, low_rank_grads, low_rank_into
 from ..plan import ChunkPlan
 from ..transform import LogitTransform

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..contract import Accumulators
+from ..contract import Accumulators, LocalHead
 from ..distill_contract import (
     DistillGrads,
     DistillHeads,
@@ -23,9 +23,7 @@ from ..distill_contract import (
     max_moved,
     p_coefficient,
 )
-from ..head import LocalHead
-from ..options import PassOptions
-from ..plan import ChunkPlan, stat_dtype_for
+from ..plan import ChunkPlan, PassOptions, stat_dtype_for
 from .backend import CAPS as CAPS
 from .backend import apply_block_grad, logits_block
 

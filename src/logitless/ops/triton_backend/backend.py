@@ -26,6 +26,7 @@ from ..contract import (
     Accumulators,
     Capabilities,
     ChunkRows,
+    LocalHead,
     RowCoefficients,
     RowStats,
     SavedStats,
@@ -33,7 +34,6 @@ from ..contract import (
     StatRequest,
     compact_rows_,
 )
-from ..head import LocalHead
 from ..lora import LowRank, low_rank_grads, low_rank_into
 from ..plan import ChunkPlan
 from ..triton_shared.weight_grad import block_grads

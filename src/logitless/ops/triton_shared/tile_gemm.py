@@ -18,7 +18,7 @@ from ..transform import LogitTransform
 from .common import interpreting, to_logits
 
 if TYPE_CHECKING:
-    from ..head import LocalHead
+    from ..contract import LocalHead
 
 
 class TileOperands(NamedTuple):

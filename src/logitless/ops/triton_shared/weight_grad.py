@@ -8,7 +8,7 @@ result, rounded to nearest) and ``lo = bf16(sum - hi)`` its residual, ``2 V H`` 
 per chunk (:func:`_weight_grad_kernel`) adds its fp32 product to ``hi + lo`` in its epilogue
 and splits the sum again, so the result needs no cast, and the ``2 V H`` bytes saved go to
 longer token chunks, on which the other GEMMs of the pass run faster
-(:func:`logitless.ops.grad_layout.weight_grad_plan` says where that pays).
+(:func:`logitless.ops.plan.weight_grad_plan` says where that pays).
 
 Accuracy: ``hi + lo`` carries 16 significant bits, so each chunk's update is rounded to about
 ``2**-17`` of the running sum (fp32: ``2**-24``); both are far below the final rounding of the
