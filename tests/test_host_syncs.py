@@ -10,12 +10,20 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import logitless
 from logitless import PassOptions, PolicyConfig, policy_loss
 from logitless.objectives.layout import TokenLayout
 from logitless.ops.torch_backend import backend as torch_backend
 
 _READS = ("nonzero", "tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _cpu_only(code) -> bool:
+    """Whether a read is made by a CPU-only path, not the GPU's: the torch backend (the CPU
+    specification) or the fused backward's scale (read on the host only for CPU tensors)."""
+    return "torch_backend" in code.co_filename or code.co_name == "_scaled"
 
 
 @pytest.fixture
@@ -28,11 +36,7 @@ def host_reads(monkeypatch):
         real = getattr(torch.Tensor, name)
 
         def counted(self, *a, _real=real, _name=name, **k):
-            caller = sys._getframe(1).f_code
-            # The CPU-only paths are not the GPU's: the torch backend (the CPU specification) and
-            # the fused backward's scale, read on the host only for CPU tensors.
-            cpu_only = "torch_backend" in caller.co_filename or caller.co_name == "_scaled"
-            if (state["before_gemm"] or state.get("until_end")) and not cpu_only:
+            if (state["before_gemm"] or state.get("until_end")) and not _cpu_only(sys._getframe(1).f_code):
                 reads.append(_name)
             return _real(self, *a, **k)
 
@@ -111,21 +115,55 @@ def test_uncounted_positions_may_hold_anything(seed):
         run(hidden, torch.where(torch.arange(t) == 1, v + 2, ids))
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_fused_dpo_reads_the_host_once(seed, host_reads, masked):
-    """A fused DPO step (forward, metrics and backward) reads tensor values on the host once, the
-    value checks' read, which also brings the used-token count and the pairs' ends: a read after
-    the pass (the entropy metric's) would leave the device idle while the host catches up."""
-    from logitless import dpo_loss_fused
+class _SyncingOps(TorchDispatchMode):
+    """The aten ops that read device values on the host inside PyTorch (boolean-mask indexing,
+    ``nonzero``, ``masked_select``, scalar reads), outside the CPU-only paths."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        syncing = func in (aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default,
+                           aten.is_nonzero.default)
+        if func is aten.index.Tensor:
+            syncing = any(i is not None and i.dtype == torch.bool for i in args[1])
+        if syncing:
+            frame = sys._getframe(1)  # the innermost logitless frame (past torch and host_reads' wrappers)
+            while frame is not None and "/logitless/" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is None or not _cpu_only(frame.f_code):
+                self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto", "simpo", "cpo", "orpo"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_preference_reads_the_host_once(seed, host_reads, objective, masked):
+    """A fused preference step (forward, metrics and backward) reads device values on the host
+    once, the value checks' read, which also brings the used-token count, the units' ends and
+    KTO's desirable count: a read after the pass (a metric's) would leave the device idle while
+    the host catches up."""
     b, t, h, v = 3, 7, 8, 30
     hidden, weight = torch.randn(2 * b, t, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
     ids = torch.randint(0, v, (2 * b, t))
     mask = (torch.rand(2 * b, t) > 0.3).float() if masked else torch.ones(2 * b, t)
     ref = torch.randn(2 * b, dtype=torch.float64) - 10
+    options = PassOptions(impl="torch")
+    calls = {
+        "dpo": lambda: logitless.dpo_loss_fused(hidden, weight, ids, mask, ref[:b], ref[b:], options=options),
+        "kto": lambda: logitless.kto_loss_fused(hidden, weight, ids, mask, torch.rand(2 * b) > 0.5, ref,
+                                                (ref - 1, ref - 2), config=logitless.KTOLossConfig(loss_type="kto"),
+                                                options=options),
+        "simpo": lambda: logitless.simpo_loss_fused(hidden, weight, ids, mask, options=options),
+        "cpo": lambda: logitless.cpo_loss_fused(hidden, weight, ids, mask, options=options),
+        "orpo": lambda: logitless.orpo_loss_fused(hidden, weight, ids, mask, options=options),
+    }
     reads, state = host_reads
     state["until_end"] = True
-    loss, _ = dpo_loss_fused(hidden, weight, ids, mask, ref[:b], ref[b:], options=PassOptions(impl="torch"))
-    loss.backward()
+    with _SyncingOps() as syncing:
+        loss, _ = calls[objective]()
+        loss.backward()
     assert not state["before_gemm"] and hidden.grad is not None
-    assert reads == ["tolist"], reads
+    assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)

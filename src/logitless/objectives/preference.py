@@ -376,17 +376,30 @@ def kto_loss(
     cfg = KTOLossConfig() if config is None else config
     logps = policy.logps
     _check_pairs(logps, label=label, ref_logps=ref_logps)
-    label = label.to(torch.bool)
-    ref_logps = ref_logps.to(logps.dtype)
     if cfg.loss_type == "kto":
         if kl_logps is None or ref_kl_logps is None:
             raise ValueError("loss_type='kto' needs kl_logps and ref_kl_logps (the KL completions' sums)")
         kl = (kl_logps.detach().to(logps.dtype) - ref_kl_logps.to(logps.dtype)).mean().detach().clamp(min=0)
     else:
         kl = logps.new_zeros(())
-    chosen_logps, rejected_logps = logps[label], logps[~label]
-    chosen_logratios = chosen_logps - ref_logps[label]
-    rejected_logratios = rejected_logps - ref_logps[~label]
+    label = label.to(torch.bool)
+    return _kto_terms(policy, label, ref_logps, kl, int(label.sum()), cfg)
+
+
+def _kto_terms(policy: SequenceLogps, label: torch.Tensor, ref_logps: torch.Tensor, kl: torch.Tensor,
+              desirable: int, cfg: KTOLossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`kto_loss` given its KL estimate ``kl`` (0-dim) and how many of the ``[B]`` bool
+    ``label`` are desirable (a host int: a caller that read it with other values reads nothing
+    more here)."""
+    logps = policy.logps
+    ref_logps = ref_logps.to(logps.dtype)
+    # The desirable sequences first, then the others, each in batch order (what logps[label],
+    # logps[~label] select), without a host read of the selection.
+    order = torch.argsort((~label).to(torch.uint8), stable=True)
+    chosen, rejected = order[:desirable], order[desirable:]
+    chosen_logps, rejected_logps = logps[chosen], logps[rejected]
+    chosen_logratios = chosen_logps - ref_logps[chosen]
+    rejected_logratios = rejected_logps - ref_logps[rejected]
     chosen_losses, rejected_losses = _kto_losses(chosen_logratios, rejected_logratios, kl, cfg)
     losses = torch.cat((cfg.desirable_weight * chosen_losses, cfg.undesirable_weight * rejected_losses), 0)
     loss = losses.nanmean()

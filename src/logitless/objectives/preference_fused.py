@@ -55,15 +55,14 @@ from .preference import (
     DPOLossConfig,
     KTOLossConfig,
     SequenceLogps,
-    _check_pairs,
     _chosen_nll_parts,
     _cpo_pair_losses,
     _dpo_pair_losses,
     _kto_losses,
+    _kto_terms,
     _orpo_log_odds,
     cpo_loss,
     dpo_loss,
-    kto_loss,
     orpo_loss,
 )
 
@@ -86,6 +85,8 @@ class _Units:
         lengths, nll_count: ``[S]`` completion / NLL tokens per sequence, in the pass's order.
         ends: token count at each unit's end (host ints, non-decreasing).
         size: sequences per unit.
+        desirable: KTO's count of desirable sequences (a host int read with the value checks), or
+            ``None``.
     """
 
     order: torch.Tensor
@@ -97,6 +98,7 @@ class _Units:
     ends: list[int]
     size: int
     score: torch.Tensor | None = None
+    desirable: int | None = None
 
     @property
     def score_weight(self) -> torch.Tensor:
@@ -163,11 +165,12 @@ def _check_shaped(name: str, x: object, shape: tuple[int, ...], device: torch.de
     check_device(name, x, device)
 
 
-def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
-             per_unit: dict[str, torch.Tensor]) -> tuple[_Units, torch.Tensor, torch.Tensor]:
+def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_unit: dict[str, torch.Tensor],
+             label: torch.Tensor | None = None) -> tuple[_Units, torch.Tensor, torch.Tensor]:
     """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
     token ids [n])``. ``per_unit``: ``[S // size]`` inputs that must be finite (the reference
-    log-probs), checked in the same host synchronization as the head's values.
+    log-probs), checked in the same host synchronization as the head's values; ``label``: KTO's
+    ``[S]`` bool labels (checked by the caller), whose desirable count is read with them.
 
     Raises:
         TypeError, ValueError: as :func:`sequence_logps` (masks of another shape or device, or
@@ -215,7 +218,9 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
                       checks=checks, counted=caller_used.reshape(-1))
     for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
-    host = checks.run(*ends.unbind()) if units else []  # the one synchronization of the checks
+    counts = () if label is None else (label.sum(),)
+    host = checks.run(*ends.unbind(), *counts)  # the one synchronization of the checks
+    desirable = None if label is None else int(host.pop())
     pos = every[:int(host[-1]) if units else 0]
     seq = pos // max(t, 1)
     flat = order[seq] * t + pos % t
@@ -225,7 +230,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int,
     return _Units(order=order, seq=seq, completion=cm.reshape(-1)[pos].to(sdt),
                   nll=None if nm is None else nm.reshape(-1)[pos].to(sdt), lengths=cm.sum(1).to(sdt),
                   nll_count=None if nm is None else nm.sum(1).to(sdt), ends=[int(e) for e in host],
-                  size=size), h_flat, t_flat
+                  size=size, desirable=desirable), h_flat, t_flat
 
 
 class TokenSums(NamedTuple):
@@ -560,11 +565,12 @@ def kto_loss_fused(
             return None
         return (kl_logps[0].detach().to(sdt) - kl_logps[1].to(sdt)).mean().detach().clamp(min=0)
 
-    loss, policy, _ = _kto(hidden, as_head(head), _Batch(targets, completion_mask), (label, ref_logps), kl_estimate,
-                           named, cfg, as_options(options), False)
+    (loss, policy, _), desirable = _kto(hidden, as_head(head), _Batch(targets, completion_mask), (label, ref_logps),
+                                        kl_estimate, named, cfg, as_options(options), False)
     with torch.no_grad():
-        _, metrics = kto_loss(policy, label, ref_logps.to(policy.logps.dtype), *(kl_logps or (None, None)),
-                              config=cfg)
+        kl = kl_estimate()
+        kl = policy.logps.new_zeros(()) if kl is None else kl
+        _, metrics = _kto_terms(policy, label.to(torch.bool), ref_logps, kl, desirable, cfg)
     return loss, metrics
 
 
@@ -608,18 +614,20 @@ def kto_fused_pass(
     # Its value is checked with the other inputs' values, in their one host read.
     named = {"kl": kl.detach().expand(ref_logps.shape)} if needed and isinstance(ref_logps, torch.Tensor) else {}
     return _kto(hidden, as_head(head), _Batch(targets, completion_mask), (label, ref_logps),
-                lambda: None if kl is None else kl.detach(), named, cfg, as_options(options), True)
+                lambda: None if kl is None else kl.detach(), named, cfg, as_options(options), True)[0]
 
 
 def _kto(hidden: torch.Tensor, head: Head, batch: _Batch, labelled: tuple[torch.Tensor, torch.Tensor],
          kl_estimate: Callable[[], torch.Tensor | None], named: dict[str, torch.Tensor], cfg: KTOLossConfig,
-         options: PassOptions, token_sums: bool) -> PreferencePass:
-    """KTO's pass; ``labelled`` is ``(label, ref_logps)``, ``named`` more ``[B]`` inputs to check
-    finite in the same synchronization."""
+         options: PassOptions, token_sums: bool) -> tuple[PreferencePass, int]:
+    """KTO's pass and how many sequences are desirable (read with the value checks); ``labelled``
+    is ``(label, ref_logps)``, ``named`` more ``[B]`` inputs to check finite in the same
+    synchronization."""
     label, ref_logps = labelled
-    units, h_flat, t_flat = _prepare(hidden, head, batch, 1, {"ref_logps": ref_logps, **named})
-    _check_pairs(ref_logps, label=label)
-    check_device("label", label, hidden.device)
+    if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:  # (else _prepare names hidden)
+        _check_shaped("label", label, (hidden.shape[0],), hidden.device)
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 1, {"ref_logps": ref_logps, **named},
+                                     label.to(torch.bool) if isinstance(label, torch.Tensor) else None)
     sdt = stat_dtype_for(hidden.dtype)
     label, ref = label.to(torch.bool), ref_logps.to(sdt)
     kl = kl_estimate() if cfg.loss_type == "kto" else None
@@ -633,7 +641,7 @@ def _kto(hidden: torch.Tensor, head: Head, batch: _Batch, labelled: tuple[torch.
         losses = torch.where(desirable, cfg.desirable_weight * chosen, cfg.undesirable_weight * rejected)
         return losses.sum() / count
 
-    return _run(h_flat, head, t_flat, units, loss_of_sequences, options, token_sums)
+    return _run(h_flat, head, t_flat, units, loss_of_sequences, options, token_sums), units.desirable
 
 
 @graph_break
