@@ -1,7 +1,9 @@
-"""Host synchronizations of a policy step before its first GEMM: one, the value checks' read, which
-also reads the token count (padded inputs), so the host prepares every check and per-token tensor
-while the device works. Counted on the CPU as reads of tensor values on the host (on a GPU each
-is a synchronization): ``nonzero``, ``tolist``, ``item`` and the conversions to Python numbers."""
+"""Host reads of device values: a head call reads the device once, in its value checks, which also
+bring every count the pass needs (the counted tokens, the rows with a gradient, chunk cuts, KTO's
+desirable count), so the host prepares the checks and per-token tensors while the device works and
+never waits for the pass itself. Counted on the CPU as reads of tensor values on the host (on a GPU
+each is a synchronization): ``nonzero``, ``tolist``, ``item``, the conversions to Python numbers,
+and PyTorch's own (boolean-mask indexing, ``masked_select``)."""
 
 from __future__ import annotations
 
@@ -166,4 +168,33 @@ def test_fused_preference_reads_the_host_once(seed, host_reads, objective, maske
         loss, _ = calls[objective]()
         loss.backward()
     assert not state["before_gemm"] and hidden.grad is not None
+    assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)
+
+
+@pytest.mark.parametrize("call", ["cross_entropy", "cross_entropy_ignored", "sequence_level_policy", "token_logprobs"])
+def test_head_calls_read_the_host_once(seed, host_reads, call):
+    """Cross-entropy with ignored targets (the ignored positions and their count need no read of
+    their own), a sequence-level policy loss (its chunk cuts come with the checks' read) and
+    rollout log-probs: one host read in the whole call."""
+    b, t, h, v = 4, 6, 8, 30
+    hidden, weight = torch.randn(b, t, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    ids = torch.randint(0, v, (b, t))
+    mask = (torch.rand(b, t) > 0.3).float()
+    options = PassOptions(impl="torch")
+    calls = {
+        "cross_entropy": lambda: logitless.cross_entropy(hidden, weight, ids, options=options)[0],
+        "cross_entropy_ignored": lambda: logitless.cross_entropy(hidden, weight, ids.masked_fill(mask == 0, -100),
+                                                                 options=options)[0],
+        "sequence_level_policy": lambda: policy_loss(
+            hidden, weight, ids, mask, torch.randn(b), torch.randn(b, t) - 3,
+            config=PolicyConfig(loss_type="grpo", importance_sampling_level="sequence"), options=options)[0],
+        "token_logprobs": lambda: logitless.token_logprobs(hidden, weight, ids, options=options).sum(),
+    }
+    reads, state = host_reads
+    state["until_end"] = True
+    with _SyncingOps() as syncing:
+        out = calls[call]()
+        if out.requires_grad:  # (rollout log-probs carry none)
+            out.backward()
+    assert (hidden.grad is None) == (call == "token_logprobs")
     assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)

@@ -23,6 +23,7 @@ from ..ops import (
     run_objective,
     stat_dtype_for,
 )
+from .layout import counted_first_order
 
 STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
 
@@ -105,17 +106,25 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
     head, options = as_head(head), as_options(options)
-    ignored = check_head_inputs(hidden, head, targets, ignore_index, pending=pending)
+    checks = ValueChecks() if pending is None else pending
+    if isinstance(targets, torch.Tensor) and isinstance(hidden, torch.Tensor):  # (else the checks name them)
+        counted = targets != ignore_index
+        order, counted_count = counted_first_order(counted.reshape(-1))
+    else:
+        counted = order = counted_count = None
+    # The counted positions' rows and ids are checked where they are, and how many count is read
+    # with the checks: one host read, whether or not some rows are ignored.
+    check_head_inputs(hidden, head, targets, None, checks, counted=counted)
+    count = int(checks.run(counted_count)[0])
     vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
     h = hidden.reshape(-1, hidden.shape[-1])
-    if ignored:  # (a host synchronization for the count: only where some rows drop out)
-        positions = (flat != ignore_index).nonzero().squeeze(1)
+    if count < flat.numel():
+        positions = order[:count]
         h, t = h[positions], flat[positions].long()
     else:
         positions = torch.arange(flat.numel(), device=flat.device)
         t = flat.long()
-    count = int(positions.numel())
     sdt = stat_dtype_for(hidden.dtype)
 
     def objective(sl: slice, st: ChunkStats):

@@ -25,6 +25,19 @@ def counted_rows(x: torch.Tensor, lead_dims: int, index: torch.Tensor, complete:
     return flat if complete else flat[index]
 
 
+def counted_first_order(counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position of a flat bool ``counted [N]``, the counted ones first, each part in position
+    order (a stable partition, int64 ``[N]``), and how many count (a 0-dim device tensor), with no
+    host read: a caller reads the count with its value checks, and the first ``count`` positions
+    are then those ``counted.nonzero()`` would give."""
+    inc = torch.cumsum(counted, 0)  # counted positions at or before each position
+    count = inc[-1] if counted.numel() else inc.new_zeros(())
+    positions = torch.arange(counted.numel(), device=counted.device)
+    # a counted position goes to slot inc - 1, another to count + (others before it)
+    slot = torch.where(counted, inc - 1, count + positions - inc)
+    return torch.empty_like(positions).scatter_(0, slot, positions), count
+
+
 @dataclass
 class TokenLayout:
     """Where the counted tokens sit in the caller's layout.
@@ -128,23 +141,22 @@ class TokenLayout:
             raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
         b, t = mask.shape
         flat = mask.reshape(-1)
-        counted = flat != 0
-        inc = torch.cumsum(counted, 0)  # counted positions at or before each position
-        count = inc[-1] if flat.numel() else inc.new_zeros(())
-        positions = torch.arange(flat.numel(), device=flat.device)
-        # a stable partition: a counted position goes to slot inc - 1, another to count + (others before it)
-        slot = torch.where(counted, inc - 1, count + positions - inc)
-        index = torch.empty_like(positions).scatter_(0, slot, positions)
+        index, count = counted_first_order(flat != 0)
         seg = index // max(t, 1)
         weight = flat[index].to(torch.get_default_dtype() if not flat.is_floating_point() else flat.dtype)
         seg_len = weight.new_zeros(b).index_add(0, seg, weight)
         return cls(index=index, seg=seg, num_segments=b, weight=weight, seg_len=seg_len, shape=mask.shape,
                    permuted=True), count
 
-    def first(self, n: int) -> TokenLayout:
-        """The layout of this one's first ``n`` tokens (views; the same segments and ``seg_len``)."""
+    def first(self, n: int, ends: list[float] | None = None) -> TokenLayout:
+        """The layout of this one's first ``n`` tokens (views; the same segments and ``seg_len``).
+        ``ends``: the counted tokens up to each segment's end (host numbers, e.g. read with the
+        caller's checks), which give :attr:`cuts` without a read of its own."""
         # the first n of counted_first's order are ascending: n = all of them is every position in order
-        return dataclasses.replace(self, index=self.index[:n], seg=self.seg[:n], weight=self.weight[:n], permuted=False)
+        out = dataclasses.replace(self, index=self.index[:n], seg=self.seg[:n], weight=self.weight[:n], permuted=False)
+        if ends is not None:  # each non-empty segment's end, as `cuts` finds them
+            out.__dict__["cuts"] = [int(e) for i, e in enumerate(ends) if e > (ends[i - 1] if i else 0)]
+        return out
 
     @classmethod
     def from_segments(cls, mask: torch.Tensor, segment_ids: torch.Tensor, group=None) -> TokenLayout:

@@ -355,9 +355,15 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     bonus_weight = m / m_total.clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
     zero = _zero_gradient_rows(cfg, seen, adv_seen, counted)
 
-    reads = [] if count is None else [count]
-    read = checks.run(*reads, *(() if zero is None else ((~zero).sum(),)))  # the value checks' one synchronization
-    lay = seen if count is None else seen.first(int(read[0]))
+    # The value checks' one synchronization also reads the counts the pass needs: the counted
+    # tokens, the rows with a gradient, and where each sequence's counted tokens end (the chunk
+    # cuts of a sequence-level objective).
+    ends = None
+    if count is not None and cfg.needs_whole_sequences:
+        ends = torch.cumsum((mask != 0).sum(1), 0)
+    reads = ([] if count is None else [count]) + ([] if zero is None else [(~zero).sum()])
+    read = checks.run(*reads, *(() if ends is None else ends.unbind()))
+    lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])
 
     def counted_rows(x: torch.Tensor | None) -> torch.Tensor | None:
         """A per-token tensor of ``seen``, at ``lay``'s tokens (its first rows: a view)."""
@@ -378,7 +384,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                        log_is_ratio_seq=log_is_seq, loss_weight=counted_rows(loss_weight),
                        bonus_weight=counted_rows(bonus_weight), config=cfg)
     if zero is not None:
-        tok.zero_rows = ZeroRows(counted_rows(zero), int(read[-1]))
+        tok.zero_rows = ZeroRows(counted_rows(zero), int(read[len(reads) - 1]))
     return tok, h_flat, t_flat
 
 

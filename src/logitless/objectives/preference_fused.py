@@ -50,6 +50,7 @@ from ..ops import (
     run_objective,
     stat_dtype_for,
 )
+from .layout import counted_first_order
 from .preference import (
     CPOLossConfig,
     DPOLossConfig,
@@ -204,11 +205,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     used = cm if nm is None else cm | nm
     # Every position, the used ones first (TokenLayout.counted_first's partition, in pass order):
     # how many are used comes with the checks' one read, so nothing before it waits for the device.
-    flat_used = used.reshape(-1)
-    inc = torch.cumsum(flat_used, 0)
-    positions = torch.arange(flat_used.numel(), device=dev)
-    slot = torch.where(flat_used, inc - 1, (inc[-1] if inc.numel() else 0) + positions - inc)
-    every = torch.empty_like(positions).scatter_(0, slot, positions)
+    every, _ = counted_first_order(used.reshape(-1))
     ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
     # The hidden rows and ids are checked in the caller's layout, at the positions that count.
     caller_used = batch.completion_mask != 0
