@@ -171,11 +171,13 @@ def test_fused_preference_reads_the_host_once(seed, host_reads, objective, maske
     assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)
 
 
-@pytest.mark.parametrize("call", ["cross_entropy", "cross_entropy_ignored", "sequence_level_policy", "token_logprobs"])
+@pytest.mark.parametrize("call", ["cross_entropy", "cross_entropy_ignored", "sequence_level_policy", "token_logprobs",
+                                  "distill"])
 def test_head_calls_read_the_host_once(seed, host_reads, call):
     """Cross-entropy with ignored targets (the ignored positions and their count need no read of
     their own), a sequence-level policy loss (its chunk cuts come with the checks' read) and
-    rollout log-probs: one host read in the whole call."""
+    rollout log-probs, and distillation with a mask and ignored targets (the targets' range is
+    checked with the other values): one host read in the whole call."""
     b, t, h, v = 4, 6, 8, 30
     hidden, weight = torch.randn(b, t, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
     ids = torch.randint(0, v, (b, t))
@@ -189,6 +191,10 @@ def test_head_calls_read_the_host_once(seed, host_reads, call):
             hidden, weight, ids, mask, torch.randn(b), torch.randn(b, t) - 3,
             config=PolicyConfig(loss_type="grpo", importance_sampling_level="sequence"), options=options)[0],
         "token_logprobs": lambda: logitless.token_logprobs(hidden, weight, ids, options=options).sum(),
+        "distill": lambda: logitless.distill_loss(
+            hidden, weight, torch.randn(b, t, h), torch.randn(v, h), mask=mask,
+            targets=ids.masked_fill(mask == 0, -100), config=logitless.DistillConfig(ce_weight=0.5),
+            options=options)[0],
     }
     reads, state = host_reads
     state["until_end"] = True

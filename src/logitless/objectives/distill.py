@@ -34,7 +34,7 @@ from ..ops import (
     check_shards,
     run_distill,
 )
-from .layout import counted_rows
+from .layout import counted_first_order, counted_rows
 
 Divergence = Literal["generalized_jsd", "forward_kl", "reverse_kl"]
 Reduction = Literal["mean", "sum", "none"]
@@ -234,11 +234,22 @@ def distill_loss(
         check_mask(mask, "mask", checks, hidden.device, binary=True)
     if num_items_in_batch is not None and cfg.reduction == "mean":
         num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device)
-    checks.run()
-
     counted = _counted(shape, mask, targets, hidden.device)
-    idx = counted.reshape(-1).nonzero().squeeze(1)
-    n, positions = int(idx.shape[0]), counted.numel()
+    order, counted_count = counted_first_order(counted.reshape(-1))
+    if targets is not None:
+        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+            raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+        y_all = targets.reshape(-1)
+        ok = counted.reshape(-1)
+
+        def bad_targets() -> ValueError:
+            bad = ok & ((y_all < 0) | (y_all >= id_bound))
+            return ValueError(f"targets must lie in [0, {id_bound}) or equal -100; found {y_all[bad][:5].tolist()}")
+
+        checks.add_range(y_all, 0, id_bound, bad_targets, where=ok)
+    # The value checks' one synchronization also reads how many positions count.
+    n, positions = int(checks.run(counted_count)[0]), counted.numel()
+    idx = order[:n]
 
     def rows(x: torch.Tensor) -> torch.Tensor:  # a view when every position counts
         return counted_rows(x, len(shape), idx, n == positions)
@@ -250,11 +261,7 @@ def distill_loss(
         topk_ids, topk_lp = rows(topk_ids), rows(topk_lp)
         cols.append(topk_ids)
     if targets is not None:
-        y = rows(targets).long()
-        bad = (y < 0) | (y >= id_bound)
-        if n and bool(bad.any()):
-            raise ValueError(f"targets must lie in [0, {id_bound}) or equal -100; found {y[bad][:5].tolist()}")
-        cols.append(y[:, None])
+        cols.append(rows(targets).long()[:, None])
     columns = torch.cat(cols, dim=1) if cols else torch.zeros((n, 0), dtype=torch.long, device=hidden.device)
 
     th = rows(teacher_hidden) if dense else None

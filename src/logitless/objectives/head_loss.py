@@ -107,20 +107,16 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
     head, options = as_head(head), as_options(options)
     checks = ValueChecks() if pending is None else pending
-    if isinstance(targets, torch.Tensor) and isinstance(hidden, torch.Tensor):  # (else the checks name them)
-        counted = targets != ignore_index
-        order, counted_count = counted_first_order(counted.reshape(-1))
-    else:
-        counted = order = counted_count = None
+    counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
     # The counted positions' rows and ids are checked where they are, and how many count is read
     # with the checks: one host read, whether or not some rows are ignored.
     check_head_inputs(hidden, head, targets, None, checks, counted=counted)
-    count = int(checks.run(counted_count)[0])
+    count = int(checks.run(counted.sum())[0])
     vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
     h = hidden.reshape(-1, hidden.shape[-1])
     if count < flat.numel():
-        positions = order[:count]
+        positions = counted_first_order(counted.reshape(-1))[0][:count]
         h, t = h[positions], flat[positions].long()
     else:
         positions = torch.arange(flat.numel(), device=flat.device)
