@@ -204,3 +204,43 @@ def test_head_calls_read_the_host_once(seed, host_reads, call):
             out.backward()
     assert (hidden.grad is None) == (call == "token_logprobs")
     assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("call", ["policy", "sequence_level_policy", "cross_entropy_ignored", "dpo", "kto", "distill"])
+def test_one_synchronization_on_the_gpu(call):
+    """On the GPU (default backend), a whole step synchronizes the host with the device once,
+    counted by ``torch.cuda.set_sync_debug_mode("warn")`` after a warm-up call."""
+    torch.manual_seed(0)
+    b, t, h, v = 4, 64, 256, 4096
+    dev = torch.device("cuda")
+    hidden = torch.randn(b, t, h, device=dev).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device=dev) / h**0.5).bfloat16().requires_grad_()
+    ids = torch.randint(0, v, (b, t), device=dev)
+    mask = (torch.rand(b, t, device=dev) > 0.3).float()
+    ref = torch.randn(b, device=dev, dtype=torch.float64) - 10
+    calls = {
+        "policy": lambda: policy_loss(hidden, weight, ids, mask, torch.randn(b, device=dev),
+                                      torch.randn(b, t, device=dev) - 3)[0],
+        "sequence_level_policy": lambda: policy_loss(
+            hidden, weight, ids, mask, torch.randn(b, device=dev), torch.randn(b, t, device=dev) - 3,
+            config=PolicyConfig(loss_type="grpo", importance_sampling_level="sequence"))[0],
+        "cross_entropy_ignored": lambda: logitless.cross_entropy(hidden, weight, ids.masked_fill(mask == 0, -100))[0],
+        "dpo": lambda: logitless.dpo_loss_fused(hidden, weight, ids, mask, ref[:b // 2], ref[b // 2:])[0],
+        "kto": lambda: logitless.kto_loss_fused(hidden, weight, ids, mask, torch.arange(b, device=dev) % 2 == 0, ref,
+                                                (ref - 1, ref - 2), config=logitless.KTOLossConfig(loss_type="kto"))[0],
+        "distill": lambda: logitless.distill_loss(hidden, weight, torch.randn_like(hidden), torch.randn_like(weight),
+                                                  mask=mask, targets=ids.masked_fill(mask == 0, -100))[0],
+    }
+    calls[call]().backward()  # warm-up: compiles the kernels
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    with pytest.warns(UserWarning) as caught:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            calls[call]().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
