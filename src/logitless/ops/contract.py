@@ -39,6 +39,7 @@ in memory), :mod:`.gemm_backend` (statistics in a Triton GEMM's epilogue, 2-byte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -577,7 +578,7 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     if impl == "auto":
         impl = "torch"
         if hidden.device.type == "cuda" and triton_available():
-            impl = "gemm" if torch.cuda.get_device_capability(hidden.device) >= (9, 0) else "triton"
+            impl = "gemm" if _capability(hidden.device) >= (9, 0) else "triton"
     if impl != "torch":
         if not triton_available():
             raise ValueError(f"impl={impl!r} requested but triton is not installed (pip install 'logitless[triton]')")
@@ -596,8 +597,18 @@ def cute_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cuda") is not None
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    # Asked once per device: the driver query is host time on every call's path to its first GEMM.
+    return _device_capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _on_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _capability(device) == (9, 0)
 
 
 def cute_runs_on(device: torch.device) -> bool:
