@@ -69,19 +69,23 @@ def test_one_host_read_before_the_first_gemm(seed, host_reads, masked, beta):
 
 
 def test_counted_first_is_the_counted_layout(seed):
-    """``TokenLayout.counted_first(mask).first(count)`` (no host read) is ``from_padded(mask)``
-    (``nonzero``): every field, for empty, full, sparse and weighted masks; its tokens are every
-    position once."""
+    """``TokenLayout.counted_first(mask).first(count, ends)`` (no host read) is the layout of the
+    counted positions found with ``nonzero``: every field and the chunk cuts, for empty, full,
+    sparse and weighted masks; its tokens are every position once."""
     for b, t, p in ((3, 7, 0.4), (2, 5, 1.0), (2, 4, 0.0), (1, 1, 1.0), (0, 3, 0.5), (5, 9, 0.9)):
         mask = (torch.rand(b, t) < p) * torch.rand(b, t).add(0.25)  # weights, zeros where not counted
-        want = TokenLayout.from_padded(mask)
+        index = (mask.reshape(-1) != 0).nonzero().squeeze(1)  # the oracle
+        seg = index // t
+        lengths = (mask != 0).sum(1).tolist()
+        cuts = [sum(lengths[:i + 1]) for i in range(b) if lengths[i]]
         every, count = TokenLayout.counted_first(mask)
         assert sorted(every.index.tolist()) == list(range(b * t))
-        assert int(count) == want.n and torch.equal(every.seg_len, want.seg_len)
-        got = every.first(int(count))
-        for name in ("index", "seg", "weight", "seg_len"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), (b, t, p, name)
-        assert got.complete == want.complete and got.num_segments == want.num_segments
+        assert int(count) == index.numel()
+        torch.testing.assert_close(every.seg_len, mask.sum(1))  # (summed in another order)
+        got = every.first(int(count), torch.cumsum(torch.tensor(lengths, dtype=torch.float64), 0).tolist())
+        assert torch.equal(got.index, index) and torch.equal(got.seg, seg), (b, t, p)
+        assert torch.equal(got.weight, mask.reshape(-1)[index]) and got.cuts == cuts, (b, t, p)
+        assert got.num_segments == b and got.complete == (index.numel() == b * t)
 
 
 def test_uncounted_positions_may_hold_anything(seed):

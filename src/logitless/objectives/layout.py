@@ -116,24 +116,13 @@ class TokenLayout:
         return all_reduce_sum_autograd(self.seg_sum(x, seg), self.group)
 
     @classmethod
-    def from_padded(cls, mask: torch.Tensor) -> TokenLayout:
-        """From a ``[B, T]`` mask (completion_mask, times tool_mask when present)."""
-        if mask.dim() != 2:
-            raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
-        b, t = mask.shape
-        flat = mask.reshape(-1)
-        index = (flat != 0).nonzero().squeeze(1)
-        seg = index // max(t, 1)
-        return cls._build(index, seg, b, flat, mask.shape)
-
-    @classmethod
     def counted_first(cls, mask: torch.Tensor) -> tuple[TokenLayout, torch.Tensor]:
         """Every position of a ``[B, T]`` mask as a token, the counted ones (non-zero) first, each
         part in position order, and how many count (a 0-dim device tensor): no host
         synchronization, so a caller prepares and checks its per-token tensors while the device
         works, and reads the count with its checks. Uncounted tokens have ``weight`` 0 (``seg_len``
-        is :meth:`from_padded`'s), ``seg`` is non-decreasing over the counted ones only, and
-        ``first(count)`` is :meth:`from_padded`'s layout, its per-token tensors their first ``count``
+        is over the counted ones), ``seg`` is non-decreasing over the counted ones only, and
+        ``first(count)`` is the layout of the counted positions, its per-token tensors their first ``count``
         rows (views)."""
         if mask.dim() != 2:
             raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
