@@ -336,7 +336,7 @@ class ValueChecks:
             if on_pass is not None:
                 on_pass(*mine)
 
-        self._values.extend(v.reshape(()) for v in values)
+        self._values.extend(v if v.dim() == 0 else v.reshape(()) for v in values)
         self._then.append(then)
 
     def add_finite(self, x: torch.Tensor, error: Callable[[], Exception],
@@ -377,7 +377,7 @@ class ValueChecks:
         """Read every check's values and the one-element tensors ``reads`` in one
         synchronization, raise the first failed check's error, else return the values of ``reads``
         (as floats: exact for ids below 2^53 and for bools)."""
-        values = self._values + [r.reshape(()) for r in reads]
+        values = self._values + [r if r.dim() == 0 else r.reshape(()) for r in reads]
         then, self._values, self._then = self._then, [], []
         if not values:
             return []
