@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ..amp import autocast_head_inputs
 from ..compile import graph_break
 from ..ops import Head, PassOptions, ValueChecks, check_device, check_mask
+from .layout import counted_first_order
 from .vocab_stats import vocab_stats
 
 DPOLossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -395,7 +396,7 @@ def _kto_terms(policy: SequenceLogps, label: torch.Tensor, ref_logps: torch.Tens
     ref_logps = ref_logps.to(logps.dtype)
     # The desirable sequences first, then the others, each in batch order (what logps[label],
     # logps[~label] select), without a host read of the selection.
-    order = torch.argsort((~label).to(torch.uint8), stable=True)
+    order = counted_first_order(label)[0]
     chosen, rejected = order[:desirable], order[desirable:]
     chosen_logps, rejected_logps = logps[chosen], logps[rejected]
     chosen_logratios = chosen_logps - ref_logps[chosen]

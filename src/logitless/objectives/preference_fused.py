@@ -203,7 +203,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     cm = batch.completion_mask[order] != 0  # [S, T] in pass order
     nm = None if batch.nll_mask is None else batch.nll_mask[order] != 0
     used = cm if nm is None else cm | nm
-    # Every position, the used ones first (TokenLayout.counted_first's partition, in pass order):
+    # Every position, the used ones first (a stable partition, in pass order):
     # how many are used comes with the checks' one read, so nothing before it waits for the device.
     every, _ = counted_first_order(used.reshape(-1))
     ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
