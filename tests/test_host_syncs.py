@@ -248,3 +248,23 @@ def test_one_synchronization_on_the_gpu(call):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, syncs
+
+
+def test_packed_policy_reads_the_host_twice(seed, host_reads):
+    """Packed inputs read once more, before the value checks: the segment count (over the
+    sequence-parallel group; the per-sequence tensors are shaped by it), the ids' order check
+    and the counted tokens, in one read."""
+    n, h, v = 24, 8, 30
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    segment_ids = torch.arange(4).repeat_interleave(6)
+    mask = (torch.rand(n) > 0.3).float()
+    reads, state = host_reads
+    state["until_end"] = True
+    with _SyncingOps() as syncing:
+        loss, _ = policy_loss(hidden, weight, torch.randint(0, v, (n,)), mask, torch.randn(4), torch.randn(n) - 3,
+                              segment_ids=segment_ids, options=PassOptions(impl="torch"))
+        loss.backward()
+    assert reads == ["tolist", "tolist"] and syncing.ops == [], (reads, syncing.ops)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        policy_loss(hidden, weight, torch.randint(0, v, (n,)), mask, torch.randn(4), torch.randn(n) - 3,
+                    segment_ids=segment_ids.flip(0), options=PassOptions(impl="torch"))

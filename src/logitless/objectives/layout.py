@@ -152,12 +152,19 @@ class TokenLayout:
         if mask.dim() != 1 or segment_ids.shape != mask.shape:
             raise ValueError(f"packed inputs need mask [N] and segment_ids [N], got {tuple(mask.shape)} "
                              f"and {tuple(segment_ids.shape)}")
-        if segment_ids.numel() and bool((segment_ids[1:] < segment_ids[:-1]).any() or (segment_ids[0] < 0)):
+        # One read for the segment count (over the group), the ids' order and the counted tokens.
+        ids = segment_ids.long()
+        if ids.numel():
+            unordered = ((ids[1:] < ids[:-1]).any() | (ids[0] < 0)).long()
+            top = torch.stack([ids.max(), unordered])
+        else:
+            top = ids.new_tensor([-1, 0])
+        order, count = counted_first_order(mask != 0)
+        top_id, bad, n = torch.cat([all_reduce(top, "max", group), count.reshape(1)]).tolist()
+        if bad:
             raise ValueError("segment_ids must be non-negative and non-decreasing (packed sequences)")
-        top = segment_ids.max() if segment_ids.numel() else segment_ids.new_tensor(-1)
-        num = int(all_reduce(top.reshape(1), "max", group)) + 1
-        index = (mask != 0).nonzero().squeeze(1)
-        return cls._build(index, segment_ids.long()[index], num, mask, mask.shape, group)
+        index = order[:n]
+        return cls._build(index, ids[index], top_id + 1, mask, mask.shape, group)
 
     @classmethod
     def _build(cls, index, seg, num, flat_mask, shape, group=None) -> TokenLayout:
