@@ -29,7 +29,20 @@ from ..ops import (
 from . import compiled
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
-from .policy_terms import LOG_1E8, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
+from .policy_terms import LOG_1E8, LazyTokens, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated :func:`policy_loss` call: the counted tokens' layout, the rows whose gradient is
+    known to be zero, the hidden rows ``[n, H]`` and int64 ids ``[n]`` that enter the pass, and its
+    per-token tensors (built at the first chunk's objective)."""
+
+    layout: TokenLayout
+    zero_rows: ZeroRows | None
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    tokens: LazyTokens
 
 
 @dataclass(frozen=True)
@@ -136,24 +149,29 @@ def policy_loss(
         raise ValueError("sequence_group needs packed inputs with global segment_ids")
     inputs = _PolicyInputs(targets, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
                            importance_sampling_ratio, segment_ids)
-    tok, h_flat, t_flat = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group)
+    prep = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group)
+    lay = prep.layout
+    if lay.distributed:  # its normalizers take collectives: every rank makes them here, in order
+        prep.tokens.get()
     # Under sequence parallelism a sequence-level objective takes collectives inside the
     # objective; ranks must make the same calls, so the objective runs once (recompute).
-    split_sequences = tok.layout.distributed and cfg.needs_whole_sequences
+    split_sequences = lay.distributed and cfg.needs_whole_sequences
 
     def set_entropy_mask(stats: ChunkStats) -> None:
+        tok = prep.tokens.get()
         tok.entropy_mask = _entropy_mask(stats.entropy, cfg.top_entropy_quantile, group, sequence_group)
         if tok.bonus_weight is not None:
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=tok.layout.cuts if cfg.needs_whole_sequences else None,
+    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=lay.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
-                         zero_rows=tok.zero_rows)
+                         zero_rows=prep.zero_rows)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
-    loss, stats, _ = run_objective(h_flat, head, t_flat, tok.loss_term, spec, options)
+    loss, stats, _ = run_objective(prep.hidden, head, prep.targets, prep.tokens.loss_term, spec, options)
+    tok = prep.tokens.get()
     with torch.no_grad():
         _, sums = chunk_terms(cfg, tok, slice(None), stats.logp, stats.entropy)  # every token
         metrics = _finalize_metrics(cfg, tok, sums, group)
@@ -242,8 +260,8 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
 
 
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
-             sequence_group) -> tuple[PolicyTokens, torch.Tensor, torch.Tensor]:
-    """Validate the inputs and gather the counted tokens: ``(tokens, hidden rows, ids)``."""
+             sequence_group) -> _Prepared:
+    """Validate the inputs and gather the counted tokens' rows and ids."""
     targets, completion_mask, advantages = inputs.targets, inputs.completion_mask, inputs.advantages
     old_logp, ref_logp, sampling_logp = inputs.old_logp, inputs.ref_logp, inputs.sampling_logp
     tool_mask, importance_sampling_ratio, segment_ids = inputs.tool_mask, inputs.importance_sampling_ratio, \
@@ -322,37 +340,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
             seen_logps[name] = seen.gather(x).to(sdt)
             if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
                 checks.add_finite(seen_logps[name], bad_values(name), where=counted)
-    # Per-token weights before the read too (0 at uncounted tokens, which come last).
-    seen.weight = m = seen.weight.to(sdt)
-    seen.seg_len = seen.seg_len.to(sdt)
-    n_seq = seen.num_segments
-    m_total = all_reduce(m.sum(), "sum", sequence_group) if seen.distributed else m.sum()
-    g = _accum(cfg)
-    lt = cfg.loss_type
-    if lt in ("grpo", "sapo"):
-        loss_weight = m / seen.seg_len.clamp(min=1.0)[seen.seg] / n_seq / g
-    elif lt in ("bnpo", "ppo"):
-        loss_weight = m / m_total.clamp(min=1.0) / g
-    elif lt == "dr_grpo":
-        max_len = cfg.max_completion_length
-        if max_len is None:
-            if packed:
-                raise ValueError("dr_grpo on packed inputs needs config.max_completion_length")
-            max_len = lead[1]
-        loss_weight = m / (n_seq * max_len) / g
-    elif lt == "luspo":
-        loss_weight = m / n_seq / g
-    else:  # dapo, cispo, vespo, reinforce: TRL's num_items_in_batch normalizer
-        if num_items_in_batch is None:
-            denom = m_total.clamp(min=1.0)
-        else:
-            n_items = torch.as_tensor(num_items_in_batch, dtype=sdt, device=m.device)
-            denom = n_items.clamp(min=1.0) / cfg.num_processes
-            if cfg.training:
-                spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
-                denom = denom * cfg.gradient_accumulation_steps / spg
-        loss_weight = m / denom
-    bonus_weight = m / m_total.clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
+    if cfg.loss_type == "dr_grpo" and cfg.max_completion_length is None and packed:
+        raise ValueError("dr_grpo on packed inputs needs config.max_completion_length")
     zero = _zero_gradient_rows(cfg, seen, adv_seen, counted)
 
     # The value checks' one synchronization also reads the counts the pass needs: the counted
@@ -365,27 +354,55 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     read = checks.run(*reads, *(() if ends is None else ends.unbind()))
     lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])
 
-    def counted_rows(x: torch.Tensor | None) -> torch.Tensor | None:
-        """A per-token tensor of ``seen``, at ``lay``'s tokens (its first rows: a view)."""
-        return None if x is None else x[:lay.n]
+    zero_rows = None if zero is None else ZeroRows(zero[:lay.n], int(read[len(reads) - 1]))
 
-    h_flat = lay.rows(hidden)
-    t_flat = lay.gather(targets).long()
-    per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
-    adv_tok, is_tok = counted_rows(adv_seen), counted_rows(is_seen)
-    log_is_seq = None
-    if is_tok is not None and cfg.loss_type == "vespo":
-        log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
-    tok = PolicyTokens(layout=lay, m=lay.weight, advantages=adv_tok,
-                       adv_per_sequence=advantages.to(sdt) if per_seq else None,
-                       old_logp=counted_rows(seen_logps.get("old_logp")),
-                       ref_logp=counted_rows(seen_logps.get("ref_logp")),
-                       sampling_logp=counted_rows(seen_logps.get("sampling_logp")), is_ratio=is_tok,
-                       log_is_ratio_seq=log_is_seq, loss_weight=counted_rows(loss_weight),
-                       bonus_weight=counted_rows(bonus_weight), config=cfg)
-    if zero is not None:
-        tok.zero_rows = ZeroRows(counted_rows(zero), int(read[len(reads) - 1]))
-    return tok, h_flat, t_flat
+    def tokens() -> PolicyTokens:
+        """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first
+        chunk's objective: the host prepares them while the first statistics GEMM runs."""
+        lay.weight = m = lay.weight.to(sdt)
+        lay.seg_len = lay.seg_len.to(sdt)
+        n_seq = lay.num_segments
+        m_total = all_reduce(m.sum(), "sum", sequence_group) if lay.distributed else m.sum()
+        g = _accum(cfg)
+        lt = cfg.loss_type
+        if lt in ("grpo", "sapo"):
+            loss_weight = m / lay.seg_len.clamp(min=1.0)[lay.seg] / n_seq / g
+        elif lt in ("bnpo", "ppo"):
+            loss_weight = m / m_total.clamp(min=1.0) / g
+        elif lt == "dr_grpo":
+            max_len = lead[1] if cfg.max_completion_length is None else cfg.max_completion_length
+            loss_weight = m / (n_seq * max_len) / g
+        elif lt == "luspo":
+            loss_weight = m / n_seq / g
+        else:  # dapo, cispo, vespo, reinforce: TRL's num_items_in_batch normalizer
+            if num_items_in_batch is None:
+                denom = m_total.clamp(min=1.0)
+            else:
+                n_items = torch.as_tensor(num_items_in_batch, dtype=sdt, device=m.device)
+                denom = n_items.clamp(min=1.0) / cfg.num_processes
+                if cfg.training:
+                    spg = cfg.steps_per_generation or cfg.gradient_accumulation_steps
+                    denom = denom * cfg.gradient_accumulation_steps / spg
+            loss_weight = m / denom
+        bonus_weight = m / m_total.clamp(min=1.0) / g if cfg.entropy_coef != 0.0 else None
+
+        def counted_rows(x: torch.Tensor | None) -> torch.Tensor | None:  # a tensor over `seen`, at `lay`'s tokens
+            return None if x is None else x[:lay.n]
+
+        per_seq = advantages.dim() == 1 and advantages.shape[0] == lay.num_segments and advantages.shape != lead
+        adv_tok, is_tok = counted_rows(adv_seen), counted_rows(is_seen)
+        log_is_seq = None
+        if is_tok is not None and cfg.loss_type == "vespo":
+            log_is_seq = lay.seq_sum(torch.log(is_tok).clamp(LOG_1E8, 20.0))
+        return PolicyTokens(layout=lay, m=lay.weight, advantages=adv_tok,
+                            adv_per_sequence=advantages.to(sdt) if per_seq else None,
+                            old_logp=counted_rows(seen_logps.get("old_logp")),
+                            ref_logp=counted_rows(seen_logps.get("ref_logp")),
+                            sampling_logp=counted_rows(seen_logps.get("sampling_logp")), is_ratio=is_tok,
+                            log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight,
+                            zero_rows=zero_rows, config=cfg)
+
+    return _Prepared(lay, zero_rows, lay.rows(hidden), lay.gather(targets).long(), LazyTokens(tokens))
 
 
 def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor],

@@ -9,6 +9,7 @@ chunks, because every normalizer is a precomputed per-token weight.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,25 @@ class PolicyTokens:
         """The pass's chunk objective (``ops.ChunkObjective``): the loss term of the tokens ``sl``
         from their statistics (a ``ChunkStats``: ``logp``, ``entropy``), without metric sums."""
         return chunk_terms(self.config, self, sl, stats.logp, stats.entropy, metrics=False)
+
+
+@dataclass
+class LazyTokens:
+    """A call's :class:`PolicyTokens`, built on first use: the first chunk's objective, so that
+    the host prepares them while the first statistics GEMM runs."""
+
+    build: Callable[[], PolicyTokens]
+    _tokens: PolicyTokens | None = None
+
+    def get(self) -> PolicyTokens:
+        if self._tokens is None:
+            self._tokens = self.build()
+        return self._tokens
+
+    def loss_term(self, sl: slice, stats) -> tuple[torch.Tensor, None]:
+        """:meth:`PolicyTokens.loss_term` of the built tokens."""
+        tok = self.get()
+        return chunk_terms(tok.config, tok, sl, stats.logp, stats.entropy, metrics=False)
 
 
 def vespo_phi(cfg: PolicyConfig, seq_log_ratio: torch.Tensor, adv_seq: torch.Tensor) -> torch.Tensor:
