@@ -175,19 +175,22 @@ def test_fused_preference_reads_the_host_once(seed, host_reads, objective, maske
     assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)
 
 
-@pytest.mark.parametrize("call", ["cross_entropy", "cross_entropy_ignored", "sequence_level_policy", "token_logprobs",
-                                  "distill"])
+@pytest.mark.parametrize("call", ["policy", "sequence_level_policy", "cross_entropy", "cross_entropy_ignored",
+                                  "token_logprobs", "distill"])
 def test_head_calls_read_the_host_once(seed, host_reads, call):
-    """Cross-entropy with ignored targets (the ignored positions and their count need no read of
-    their own), a sequence-level policy loss (its chunk cuts come with the checks' read) and
-    rollout log-probs, and distillation with a mask and ignored targets (the targets' range is
-    checked with the other values): one host read in the whole call."""
+    """One host read in the whole call: a policy loss (its zero-gradient rows' count comes with
+    the checks' read), a sequence-level one (its chunk cuts too), cross-entropy with and without
+    ignored targets (the ignored positions and their count need no read of their own), rollout
+    log-probs, and distillation with a mask and ignored targets (the targets' range is checked with
+    the other values)."""
     b, t, h, v = 4, 6, 8, 30
     hidden, weight = torch.randn(b, t, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
     ids = torch.randint(0, v, (b, t))
     mask = (torch.rand(b, t) > 0.3).float()
     options = PassOptions(impl="torch")
     calls = {
+        "policy": lambda: policy_loss(hidden, weight, ids, mask, torch.randn(b).masked_fill(torch.arange(b) == 0, 0.0),
+                                      torch.randn(b, t) - 3, options=options)[0],  # zero rows: a zero advantage
         "cross_entropy": lambda: logitless.cross_entropy(hidden, weight, ids, options=options)[0],
         "cross_entropy_ignored": lambda: logitless.cross_entropy(hidden, weight, ids.masked_fill(mask == 0, -100),
                                                                  options=options)[0],
