@@ -29,6 +29,7 @@ from .trl_head import (
     ActiveMetric,
     attach_materialized,
     head_pass,
+    paired_metrics,
     sum_logits,
     trl_own_path,
 )
@@ -75,20 +76,10 @@ class LogitlessCPOTrainer(ActiveMetric, CPOTrainer):
             logits_sum = sum_logits(hidden.detach(), head)  # [2B, L]
         gather = self.accelerator.gather_for_metrics
         prefix = "eval_" if train_eval == "eval" else ""
-        per_logit = logits_sum.shape[1] * head.vocab_size()
-        metrics = {
-            "rewards/chosen": gather(chosen_rewards).mean().item(),
-            "rewards/rejected": gather(rejected_rewards).mean().item(),
-            "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean().item(),
-            "rewards/margins": gather(chosen_rewards - rejected_rewards).mean().item(),
-            "logps/rejected": gather(rejected_logps).mean().item(),
-            "logps/chosen": gather(chosen_logps).mean().item(),
-            "logits/rejected": gather(logits_sum[len_chosen:].sum() / (per_logit * (scores.shape[0] - len_chosen)))
-            .mean().item(),
-            "logits/chosen": gather(logits_sum[:len_chosen].sum() / (per_logit * len_chosen)).mean().item(),
-            "nll_loss": gather(nll.to(self.accelerator.device)).mean().item(),
-        }
-        return out.loss, {prefix + k: v for k, v in metrics.items()}
+        metrics = paired_metrics(gather, (chosen_rewards, rejected_rewards), (chosen_logps, rejected_logps), logits_sum,
+                                 head.vocab_size())
+        metrics["nll_loss"] = gather(nll.to(self.accelerator.device)).mean()
+        return out.loss, {prefix + k: v.item() for k, v in metrics.items()}
 
     def cpo_loss_config(self) -> CPOLossConfig:
         """This trainer's loss options as a :class:`logitless.CPOLossConfig`."""

@@ -28,7 +28,7 @@ import inspect
 import sys
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -450,6 +450,29 @@ def sum_logits(hidden: torch.Tensor, head: Head) -> torch.Tensor:
         low = h @ head.lora.a.detach().to(dt).t()
         total = total + head.lora.scaling * (low @ head.lora.b.detach().to(dt).sum(0))
     return total * (head.transform.logit_scale / head.transform.temperature)
+
+
+def paired_metrics(gather: Callable[[torch.Tensor], torch.Tensor], rewards: tuple[torch.Tensor, torch.Tensor],
+                   logps: tuple[torch.Tensor, torch.Tensor], logits_sum: torch.Tensor,
+                   vocab_size: int) -> dict[str, torch.Tensor]:
+    """The reward, log-prob and mean-logit metrics TRL's experimental CPO and ORPO trainers log
+    alike (``rewards/*``, ``logps/*``, ``logits/*``), as 0-dim tensors gathered over processes
+    (``gather``: the accelerator's ``gather_for_metrics``). ``rewards``, ``logps``: ``(chosen,
+    rejected)``, ``[B]`` each; ``logits_sum``: ``[2B, L]`` per-position logit sums (:func:`sum_logits`),
+    chosen rows first."""
+    (chosen_rewards, rejected_rewards), (chosen_logps, rejected_logps) = rewards, logps
+    len_chosen, len_rejected = chosen_logps.shape[0], rejected_logps.shape[0]
+    per_logit = logits_sum.shape[1] * vocab_size
+    return {
+        "rewards/chosen": gather(chosen_rewards).mean(),
+        "rewards/rejected": gather(rejected_rewards).mean(),
+        "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean(),
+        "rewards/margins": gather(chosen_rewards - rejected_rewards).mean(),
+        "logps/rejected": gather(rejected_logps).mean(),
+        "logps/chosen": gather(chosen_logps).mean(),
+        "logits/rejected": gather(logits_sum[len_chosen:].sum() / (per_logit * len_rejected)).mean(),
+        "logits/chosen": gather(logits_sum[:len_chosen].sum() / (per_logit * len_chosen)).mean(),
+    }
 
 
 def attach_materialized(trainer: Any, config: LogitlessConfig | None) -> None:

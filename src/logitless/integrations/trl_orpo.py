@@ -26,7 +26,7 @@ from trl.experimental.orpo import ORPOTrainer
 
 from ..objectives.preference_fused import orpo_fused_pass
 from .config import LogitlessConfig
-from .trl_head import ActiveMetric, attach_materialized, head_pass, sum_logits, trl_own_path
+from .trl_head import ActiveMetric, attach_materialized, head_pass, paired_metrics, sum_logits, trl_own_path
 
 __all__ = ["LogitlessORPOTrainer", "patch_orpo_trainer", "trl_own_path"]
 
@@ -96,21 +96,13 @@ class LogitlessORPOTrainer(ActiveMetric, ORPOTrainer):
             nll = nll_sum.sum() / nll_count.sum()
             logits_sum = sum_logits(hidden[:, :-1].detach(), head)  # [2B, L - 1]
         gather = self.accelerator.gather_for_metrics
-        per_logit = logits_sum.shape[1] * head.vocab_size()
-        rows_rejected = logits_sum.shape[0] - len_chosen
-        metrics = {
-            "rewards/chosen": gather(chosen_rewards).mean(),
-            "rewards/rejected": gather(rejected_rewards).mean(),
-            "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean(),
-            "rewards/margins": gather(chosen_rewards - rejected_rewards).mean(),
-            "logps/rejected": gather(rejected_logps).mean(),
-            "logps/chosen": gather(chosen_logps).mean(),
-            "logits/rejected": gather(logits_sum[len_chosen:].sum() / (per_logit * rows_rejected)).mean(),
-            "logits/chosen": gather(logits_sum[:len_chosen].sum() / (per_logit * len_chosen)).mean(),
+        metrics = paired_metrics(gather, (chosen_rewards, rejected_rewards), (chosen_logps, rejected_logps), logits_sum,
+                                 head.vocab_size())
+        metrics.update({
             "nll_loss": gather(nll).mean(),
             "log_odds_ratio": gather(log_odds_ratio).mean(),
             "log_odds_chosen": gather(log_odds_chosen).mean(),
-        }
+        })
         prefix = "eval_" if train_eval == "eval" else ""
         return out.loss, {prefix + k: v.item() for k, v in metrics.items()}
 
