@@ -42,15 +42,6 @@ CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_w
                     pairs_weight_grad=True, distill=False)
 
 
-def _operands(head: LocalHead, rows: ChunkRows) -> TileOperands:
-    if rows.low is not None:
-        raise ValueError("the cute backend has no LoRA adapter term; resolve_backend sends such heads to triton")
-    if rows.hidden.dtype not in CAPS.dtypes:
-        raise ValueError(f"the cute backend takes bf16/fp16 inputs, got {rows.hidden.dtype}; resolve_backend sends "
-                         "others to triton or torch")
-    return TileOperands.of(head, rows.hidden, rows.targets)
-
-
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
                   keep_logits: bool) -> tuple[RowStats, CentredTile | None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
@@ -59,7 +50,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     Raises:
         ValueError: adapter rows, or inputs that are not bf16/fp16.
     """
-    ops = _operands(head, rows)
+    ops = TileOperands.of_chunk(head, rows, "cute")
     n, vocab = ops.hidden.shape[0], ops.weight.shape[0]
     if n == 0 or vocab == 0:
         owned = (ops.targets >= 0) & (ops.targets < vocab)
@@ -80,7 +71,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
         ValueError: an entropy gradient without ``saved.sum_pz``; adapter rows; inputs that
             are not bf16/fp16.
     """
-    ops = _operands(head, rows)
+    ops = TileOperands.of_chunk(head, rows, "cute")
     hidden, weight, targets = ops.hidden, ops.weight, ops.targets
     rc = RowCoefficients.make(saved, grads)
     grad_hidden = None

@@ -18,7 +18,7 @@ from ..transform import LogitTransform
 from .common import interpreting, to_logits
 
 if TYPE_CHECKING:
-    from ..contract import LocalHead
+    from ..contract import ChunkRows, LocalHead
 
 
 class TileOperands(NamedTuple):
@@ -41,6 +41,22 @@ class TileOperands(NamedTuple):
             targets = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
         bias = None if head.bias is None else head.bias.contiguous()
         return cls(hidden, weight, bias, targets.to(torch.int64).contiguous(), head.transform)
+
+    @classmethod
+    def of_chunk(cls, head: LocalHead, rows: ChunkRows, backend: str) -> TileOperands:
+        """:meth:`of` for a chunk's rows on a ``backend`` whose GEMMs take 16-bit operands and have no
+        low-rank term (gemm, cute: ``resolve_backend`` sends other rows to triton or torch).
+
+        Raises:
+            ValueError: adapter rows, or inputs that are not bf16/fp16.
+        """
+        if rows.low is not None:
+            raise ValueError(f"the {backend} backend has no LoRA adapter term; resolve_backend sends such heads to "
+                             "triton")
+        if rows.hidden.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the {backend} backend takes bf16/fp16 inputs, got {rows.hidden.dtype}; resolve_backend "
+                             "sends others to triton or torch")
+        return cls.of(head, rows.hidden, rows.targets)
 
     def block(self, rows: slice) -> TileOperands:
         """The head's vocabulary rows ``rows`` (targets shifted to index them)."""
