@@ -174,38 +174,9 @@ def test_fused_computes_the_logits_once(monkeypatch):
     assert counts[1] == 2 * counts[0] == 2 * int(mask.sum()), counts
 
 
-def test_dpo_fused_matches_trl():
-    """One case straight against TRL's ``DPOTrainer._compute_loss`` (test_preference's stub)."""
-    from test_preference import DPOTrainer, _fake_model, _trl_stub
-
-    hidden, weight, _, input_ids, attention = _batch(t=T + 1, empty=False)
-    hidden = hidden[:, :-1].contiguous()
-    completion = attention.clone()
-    completion[:, 0] = 0
-    ref = torch.randn(2 * B, dtype=torch.float64) - 12
-    hidden, weight = _leaves(hidden, weight)
-    loss, metrics = dpo_loss_fused(hidden, weight, input_ids[:, 1:], completion[:, 1:], ref[:B], ref[B:],
-                                   config=DPOLossConfig(beta=0.2), options=PassOptions(chunk_bytes=CHUNK))
-    stub = _trl_stub(DPOTrainer, _fake_model(hidden, weight, None), loss_types=["sigmoid"], beta=0.2,
-                     label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
-                     discopop_tau=0.05, loss_weights=[1.0])
-    inputs = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion,
-              "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
-    trl_loss = DPOTrainer._compute_loss(stub, stub.model, inputs, return_outputs=False)
-    _close(loss.detach(), trl_loss.detach(), "loss")
-    for g, r in zip(torch.autograd.grad(loss, [hidden, weight]), torch.autograd.grad(trl_loss, [hidden, weight]),
-                    strict=True):
-        _close(g, r, "grad")
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected", "entropy"):
-        _close(metrics[name], stub._metrics["train"][name][-1], name)
-
-
-# LD-DPO against TRL's own _compute_loss: ld_alpha 0 (the tail masked) and inside (0, 1), with the
-# length-normalized ipo, the plain-NLL sft term, and a batch-coupled type (one chunk of every pair).
-@pytest.mark.parametrize(("loss_type", "ld_alpha"), [(["sigmoid", "sft"], 0.5), (["ipo"], 0.0),
-                                                     (["aot", "hinge"], 0.3)])
-def test_ld_dpo_fused_matches_trl(loss_type, ld_alpha, chunk_counts):
+def _fused_dpo_against_trl(loss_type: list[str], ld_alpha: float | None = None):
+    """The fused DPO loss, gradients and metrics against TRL's ``DPOTrainer._compute_loss``
+    (test_preference's stub) on one batch."""
     from test_preference import DPOTrainer, _fake_model, _trl_stub
 
     hidden, weight, _, input_ids, attention = _batch(t=T + 1, empty=False)
@@ -217,12 +188,11 @@ def test_ld_dpo_fused_matches_trl(loss_type, ld_alpha, chunk_counts):
     cfg = DPOLossConfig(beta=0.2, loss_type=loss_type, ld_alpha=ld_alpha)
     loss, metrics = dpo_loss_fused(hidden, weight, input_ids[:, 1:], completion[:, 1:], ref[:B], ref[B:],
                                    config=cfg, options=PassOptions(chunk_bytes=CHUNK))
-    if "aot" not in loss_type:
-        assert len(chunk_counts[0][1]) > 1, chunk_counts  # several chunks of whole pairs
     stub = _trl_stub(DPOTrainer, _fake_model(hidden, weight, None), loss_types=loss_type, beta=0.2,
                      label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
                      discopop_tau=0.05, loss_weights=[1.0] * len(loss_type))
-    stub.ld_alpha = ld_alpha
+    if ld_alpha is not None:
+        stub.ld_alpha = ld_alpha
     inputs = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion,
               "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
     trl_loss = DPOTrainer._compute_loss(stub, stub.model, inputs, return_outputs=False)
@@ -233,6 +203,21 @@ def test_ld_dpo_fused_matches_trl(loss_type, ld_alpha, chunk_counts):
     for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                  "logps/rejected", "entropy"):
         _close(metrics[name], stub._metrics["train"][name][-1], name)
+
+
+def test_dpo_fused_matches_trl():
+    """One case straight against TRL's ``DPOTrainer._compute_loss`` (test_preference's stub)."""
+    _fused_dpo_against_trl(["sigmoid"])
+
+
+# LD-DPO against TRL's own _compute_loss: ld_alpha 0 (the tail masked) and inside (0, 1), with the
+# length-normalized ipo, the plain-NLL sft term, and a batch-coupled type (one chunk of every pair).
+@pytest.mark.parametrize(("loss_type", "ld_alpha"), [(["sigmoid", "sft"], 0.5), (["ipo"], 0.0),
+                                                     (["aot", "hinge"], 0.3)])
+def test_ld_dpo_fused_matches_trl(loss_type, ld_alpha, chunk_counts):
+    _fused_dpo_against_trl(loss_type, ld_alpha)
+    if "aot" not in loss_type:
+        assert len(chunk_counts[0][1]) > 1, chunk_counts  # several chunks of whole pairs
 
 
 def test_ld_alpha_is_refused_where_it_cannot_apply():
