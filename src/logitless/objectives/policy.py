@@ -313,13 +313,13 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     sdt = stat_dtype_for(hidden.dtype)
     if packed:  # the segment count is read first (a synchronization of its own)
         seen = TokenLayout.from_segments(mask, segment_ids, sequence_group)
-        count = counted = None
+        count = counted = in_place = None
         check_head_inputs(seen.rows(hidden), head, seen.gather(targets), ignore_index=None, checks=checks)
     else:  # every position, the counted ones first; the hidden rows and ids checked in place
         seen, count = TokenLayout.counted_first(mask)
-        counted = seen.weight != 0
+        counted, in_place = seen.weight != 0, mask != 0  # (in seen's order; in the caller's)
         check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), ignore_index=None,
-                          checks=checks, counted=mask.reshape(-1) != 0)
+                          checks=checks, counted=in_place.reshape(-1))
 
     def bad_values(name: str):
         return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
@@ -349,7 +349,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # cuts of a sequence-level objective).
     ends = None
     if count is not None and cfg.needs_whole_sequences:
-        ends = torch.cumsum((mask != 0).sum(1), 0)
+        ends = torch.cumsum(in_place.sum(1), 0)
     reads = ([] if count is None else [count]) + ([] if zero is None else [(~zero).sum()])
     read = checks.run(*reads, *(() if ends is None else ends.unbind()))
     lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])

@@ -42,12 +42,7 @@ class PolicyTokens:
     bonus_weight: torch.Tensor | None
     entropy_mask: torch.Tensor | None = None  # [n] bool, set after the quantile is known
     zero_rows: ZeroRows | None = None  # the tokens whose gradient is exactly zero (no KL, no bonus)
-    config: PolicyConfig | None = None  # the call's (read by loss_term)
-
-    def loss_term(self, sl: slice, stats) -> tuple[torch.Tensor, None]:
-        """The pass's chunk objective (``ops.ChunkObjective``): the loss term of the tokens ``sl``
-        from their statistics (a ``ChunkStats``: ``logp``, ``entropy``), without metric sums."""
-        return chunk_terms(self.config, self, sl, stats.logp, stats.entropy, metrics=False)
+    config: PolicyConfig | None = None  # the call's (read by LazyTokens.loss_term)
 
 
 @dataclass
@@ -64,7 +59,8 @@ class LazyTokens:
         return self._tokens
 
     def loss_term(self, sl: slice, stats) -> tuple[torch.Tensor, None]:
-        """:meth:`PolicyTokens.loss_term` of the built tokens."""
+        """The pass's chunk objective (``ops.ChunkObjective``): the loss term of the tokens ``sl``
+        from their statistics (a ``ChunkStats``: ``logp``, ``entropy``), without metric sums."""
         tok = self.get()
         return chunk_terms(tok.config, tok, sl, stats.logp, stats.entropy, metrics=False)
 
