@@ -32,6 +32,7 @@ from ..ops import (
     check_head_inputs,
     check_mask,
     check_shards,
+    check_target_range,
     run_distill,
 )
 from .layout import counted_first_order, counted_rows
@@ -237,16 +238,7 @@ def distill_loss(
     counted = _counted(shape, mask, targets, hidden.device)
     order, counted_count = counted_first_order(counted.reshape(-1))
     if targets is not None:
-        if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-            raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
-        y_all = targets.reshape(-1)
-        ok = counted.reshape(-1)
-
-        def bad_targets() -> ValueError:
-            bad = ok & ((y_all < 0) | (y_all >= id_bound))
-            return ValueError(f"targets must lie in [0, {id_bound}) or equal -100; found {y_all[bad][:5].tolist()}")
-
-        checks.add_range(y_all, 0, id_bound, bad_targets, where=ok)
+        check_target_range(targets, id_bound, checks, counted, ignore_index=_IGNORE)
     # The value checks' one synchronization also reads how many positions count.
     n, positions = int(checks.run(counted_count)[0]), counted.numel()
     idx = order[:n]

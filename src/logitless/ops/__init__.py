@@ -9,7 +9,15 @@ from .lora import HeadLoRA
 from .plan import Impl, Mode, PassOptions, PassOutOfMemoryError, as_options, stat_dtype_for
 from .settings import LogitsPrecision
 from .transform import LogitTransform
-from .validate import ValueChecks, check_count, check_device, check_devices, check_head_inputs, check_mask
+from .validate import (
+    ValueChecks,
+    check_count,
+    check_device,
+    check_devices,
+    check_head_inputs,
+    check_mask,
+    check_target_range,
+)
 
 __all__ = [
     "ChunkObjective",
@@ -38,6 +46,7 @@ __all__ = [
     "check_head_inputs",
     "check_mask",
     "check_shards",
+    "check_target_range",
     "compute_stats",
     "resolve_backend",
     "run_distill",

@@ -135,18 +135,33 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
 def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int, ignore_index: int | None,
                       rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """Targets in ``[0, vocab)``, ``ignore_index`` allowed too, added to ``checks`` (at ``rows``
-    only, when given; then without an ``ignore_index``); returns the ``ignore_index`` mask
-    (``None`` without one)."""
+    only, when given); returns the ``ignore_index`` mask (``None`` without one)."""
     ignored = None if ignore_index is None else t == ignore_index
     checks.add_range(t if ignored is None else t.masked_fill(ignored, 0), 0, vocab,
                      lambda: _bad_targets(t if rows is None else t[rows], vocab, ignore_index), where=rows)
     return ignored
 
 
-def _check_target_tensor(targets: torch.Tensor, hidden: torch.Tensor) -> None:
-    """The targets' dtype, shape and device."""
+def check_target_range(targets: torch.Tensor, vocab: int, checks: ValueChecks, counted: torch.Tensor,
+                       ignore_index: int | None = None) -> None:
+    """Integer ``targets`` in ``[0, vocab)`` at the ``counted`` positions (bool, ``targets``' shape),
+    added to ``checks`` (read with them); ``ignore_index`` is named in the error as allowed.
+
+    Raises:
+        TypeError: ``targets`` not an integer tensor (at once).
+    """
+    _check_integer(targets)
+    _add_target_range(checks, targets.reshape(-1), vocab, ignore_index, counted.reshape(-1))
+
+
+def _check_integer(targets: torch.Tensor) -> None:
     if targets.dtype.is_floating_point or targets.dtype == torch.bool or targets.is_complex():
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+
+
+def _check_target_tensor(targets: torch.Tensor, hidden: torch.Tensor) -> None:
+    """The targets' dtype, shape and device."""
+    _check_integer(targets)
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
