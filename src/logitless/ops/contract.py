@@ -597,14 +597,20 @@ def cute_available() -> bool:
     return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cuda") is not None
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    # Asked once per device: the driver query is host time on every call's path to its first GEMM.
-    return _device_capability(torch.cuda.current_device() if device.index is None else device.index)
+def device_properties(device: torch.device):
+    """A CUDA device's properties (``torch.cuda.get_device_properties``), asked of the driver once
+    per device: a query is host time on every call's path to its first GEMM."""
+    return _properties(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.cache
-def _device_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    props = device_properties(device)
+    return props.major, props.minor
 
 
 def _on_hopper(device: torch.device) -> bool:

@@ -10,7 +10,6 @@ accumulator). Both modes of :mod:`.engine` use it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from collections.abc import Iterator, Sequence
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
-from .contract import Accumulators
+from .contract import Accumulators, device_properties
 from .settings import LogitsPrecision, settings
 
 if TYPE_CHECKING:
@@ -411,11 +410,6 @@ def _error(plan: ChunkPlan, device: torch.device, what: str) -> PassOutOfMemoryE
 _UNASKED_SHARE = 16  # a workspace up to 1/16 of the device's memory is not checked in advance
 
 
-@functools.cache
-def _device_bytes(index: int | None) -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).total_memory
-
-
 def check_workspace_fits(plan: ChunkPlan, device: torch.device) -> None:
     """Refuse a pass whose per-chunk workspace exceeds the device's available memory.
 
@@ -429,7 +423,7 @@ def check_workspace_fits(plan: ChunkPlan, device: torch.device) -> None:
     # raised as the same PassOutOfMemoryError with the same advice (advise_on_oom). Otherwise the
     # driver's free memory alone answers most calls; the caching allocator's unused bytes (a walk
     # over its statistics, ~0.2 ms) only when needed.
-    if device.type == "cuda" and workspace <= _device_bytes(device.index) // _UNASKED_SHARE:
+    if device.type == "cuda" and workspace <= device_properties(device).total_memory // _UNASKED_SHARE:
         return
     driver_free = _driver_free_bytes(device)
     if driver_free is not None and workspace <= driver_free:
