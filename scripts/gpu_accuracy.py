@@ -5,7 +5,9 @@
 The bench's realistic bf16 inputs (mean entropy 2 nats); the reference is the torch backend on
 the same values upcast to float64. For each backend, logits precision and pass mode: the rollout log-probs'
 and entropies' max / mean absolute error (nats), and for the bench's GRPO objective (dapo,
-beta 0.04) the loss's relative error and the gradients' relative L2 error.
+beta 0.04) the loss's relative error and the gradients' relative L2 error. Then every cross-entropy
+row of the bench (logitless and the other libraries: Liger's Triton and CuTe DSL kernels, Cut
+Cross-Entropy, ``torch.compile``), as the bench runs it: the loss's and the gradients' relative errors.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import logitless
 from logitless import PassOptions
 from logitless.bench.cases import make_inputs, parse_shape
+from logitless.bench.competitors import Unavailable, rows_of
 from logitless.bench.plain import GRPO_CONFIG
 from logitless.ops.contract import cute_runs_on
 
@@ -36,6 +39,32 @@ def _run(x, hidden, weight, options):
                                     config=GRPO_CONFIG, options=options)
     loss.backward()
     return lp.double(), ent.double(), loss.detach().double(), h.grad.double(), w.grad.double()
+
+
+def _ce_rows(x) -> list[dict]:
+    """Each cross-entropy row of the bench against the float64 token mean."""
+    h = x.hidden.detach().double().reshape(-1, x.hidden.shape[-1]).requires_grad_()
+    w = x.weight.detach().double().requires_grad_()
+    ref, _ = logitless.cross_entropy(h, w, x.targets.reshape(-1), options=PassOptions(impl="torch"))
+    ref.backward()
+    ref_h, ref_w, ref = h.grad.reshape(x.hidden.shape), w.grad, ref.detach()
+    del h, w
+    out = []
+    for row in rows_of("ce"):
+        if row.role == "floor":
+            continue
+        x.hidden.grad = x.weight.grad = None
+        try:
+            loss = row.prepare(x, "auto").step()["loss"].double()
+        except Unavailable as e:
+            out.append({"row": row.name, "skipped": str(e)})
+            continue
+        out.append({"row": row.name, "loss_rel": ((loss - ref).abs() / ref.abs()).item(),
+                    "grad_hidden_rel": ((x.hidden.grad.double() - ref_h).norm() / ref_h.norm()).item(),
+                    "grad_weight_rel": ((x.weight.grad.double() - ref_w).norm() / ref_w.norm()).item()})
+        x.hidden.grad = x.weight.grad = None
+        torch.cuda.empty_cache()
+    return out
 
 
 def main() -> None:
@@ -57,7 +86,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     record = {"device": name, "shape": case.label, "true_entropy": x.true_entropy,
-              "rows": rows}
+              "rows": rows, "ce_rows": _ce_rows(x)}
     print(f"{record['device']}  {case.label}  mean entropy {x.true_entropy:.2f} nats; errors vs float64")
     print(f"{'backend':8s} {'logits':6s} {'mode':9s} {'logp max':>9s} {'logp mean':>9s} {'ent max':>9s} "
           f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
@@ -65,6 +94,10 @@ def main() -> None:
         print(f"{r['impl']:8s} {r['logits_precision']:6s} {r['mode']:9s} {r['logp_max_abs']:9.2e} "
               f"{r['logp_mean_abs']:9.2e} {r['entropy_max_abs']:9.2e} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
               f"{r['grad_weight_rel']:9.2e}")
+    print(f"cross-entropy rows as the bench runs them: {'row':22s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
+    for r in record["ce_rows"]:
+        print(f"  {r['row']:22s} " + (f"{r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} {r['grad_weight_rel']:9.2e}"
+                                      if "loss_rel" in r else f"skipped: {r['skipped']}"))
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump(record, f, indent=1)

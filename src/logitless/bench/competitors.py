@@ -275,6 +275,27 @@ def ce_liger(x: Inputs, impl: str) -> Prepared:
     return Prepared(step)
 
 
+def ce_liger_cute(x: Inputs, impl: str) -> Prepared:
+    """Liger-Kernel's CuTe DSL fused linear cross-entropy for Hopper
+    (``liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90``, mean): its logits GEMM
+    writes bf16 logits once, a kernel overwrites them with ``d logits``, and two GEMMs follow.
+    Needs ``nvidia-cutlass-dsl``, an sm90 GPU, bf16, ``N`` a multiple of 128 and ``V`` of 256."""
+    _need_cuda(x, "Liger-Kernel's CuTe DSL path")
+    if torch.cuda.get_device_capability(x.hidden.device) != (9, 0):
+        raise Unavailable("Liger-Kernel's CuTe DSL fused linear cross-entropy runs on sm90 only")
+    n, vocab = x.hidden.shape[0] * x.hidden.shape[1], x.weight.shape[0]
+    if x.hidden.dtype != torch.bfloat16 or n % 128 or vocab % 256:
+        raise Unavailable(f"Liger-Kernel's CuTe DSL fused linear cross-entropy takes bf16, N a multiple of 128 "
+                          f"and V of 256 (got {x.hidden.dtype}, N={n}, V={vocab})")
+    mod = _import("liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90", "liger-kernel's CuTe DSL ops")
+    h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+
+    def step() -> Outputs:
+        return _train_outputs(mod.liger_fused_linear_cross_entropy_sm90(h2, x.weight, y))
+
+    return Prepared(step)
+
+
 def ce_cce(x: Inputs, impl: str) -> Prepared:
     """Apple Cut Cross-Entropy ``linear_cross_entropy`` (``cce`` kernels, default gradient
     filtering), mean."""
@@ -839,6 +860,7 @@ ROWS: tuple[Row, ...] = (
     Row("logitless-cute", "ce", _on_cute(partial(ce_logitless, mode="fused"))),
     Row("trl-chunked", "ce", ce_trl_chunked),
     Row("liger", "ce", ce_liger),
+    Row("liger-cute", "ce", ce_liger_cute),
     Row("cce", "ce", ce_cce),
     Row("torch-plain", "ce", ce_torch_plain, logit_bytes=_BYTES["ce-plain"]),
     Row("torch-compile", "ce", ce_torch_compile, logit_bytes=_BYTES["ce-compile"]),
