@@ -32,7 +32,8 @@ chain rule through the head's :class:`~logitless.ops.transform.LogitTransform`.
 Backends: :mod:`.torch_backend` (the specification; CPU and any GPU), :mod:`.triton_backend`
 (cuBLAS GEMMs around Triton row kernels), :mod:`.flash_backend` (Triton tile GEMMs, logits never
 in memory), :mod:`.gemm_backend` (statistics in a Triton GEMM's epilogue, 2-byte kept logits),
-:mod:`.cute_backend` (that design's statistics GEMM in CUTLASS's CuTe DSL; Hopper, opt-in).
+:mod:`.cute_backend` (that design's statistics GEMM in CUTLASS's CuTe DSL; Hopper, where the
+DSL is installed).
 :func:`resolve_backend` makes every choice between them, delegations included.
 """
 
@@ -558,14 +559,16 @@ def triton_available() -> bool:
 def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) -> Backend:
     """The backend module that runs a pass over ``hidden`` (its device and dtype).
 
-    ``"auto"`` on CUDA with Triton: the GEMM-epilogue backend for bf16/fp16 inputs on Hopper or
-    later (its kernels read through the copy engine; measured faster and, for gradients, more
-    accurate than the Triton backend: ``benchmarks/NOTES-h100.md``), the Triton backend otherwise;
-    without CUDA or Triton, the torch backend. fp64 inputs always
-    run on the torch backend (no fp64 tensor-core GEMMs to gain from); a head adapter under
-    ``"flash"``/``"gemm"``/``"cute"`` runs on the Triton backend (those kernels have no low-rank
-    term), as do fp32 inputs under ``"gemm"``/``"cute"`` (their GEMMs are written for 16-bit
-    tensor-core operands). ``"cute"`` is never chosen by ``"auto"``: opt in.
+    ``"auto"`` on CUDA with Triton: on Hopper (sm90) the CuTe DSL backend where CUTLASS's CuTe
+    DSL imports (``pip install 'logitless[cute]'``; its statistics GEMM is as fast or faster:
+    ``BENCHMARKS.md``; each kernel variant compiles once per process, about 2 s), else the
+    GEMM-epilogue backend, which also runs on later GPUs (its kernels read through the copy
+    engine; measured faster and, for gradients, more accurate than the Triton backend:
+    ``benchmarks/NOTES-h100.md``); the Triton backend on older GPUs; without CUDA or Triton, the
+    torch backend. fp64 inputs always run on the torch backend (no fp64 tensor-core GEMMs to
+    gain from); a head adapter under ``"flash"``/``"gemm"``/``"cute"`` runs on the Triton backend
+    (those kernels have no low-rank term), as do fp32 inputs under ``"gemm"``/``"cute"`` (their
+    GEMMs are written for 16-bit tensor-core operands).
 
     Raises:
         ValueError: unknown ``impl``; ``"triton"``/``"flash"``/``"gemm"``/``"cute"`` where Triton cannot
@@ -576,9 +579,7 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     if impl == "cute":
         _check_cute(hidden)
     if impl == "auto":
-        impl = "torch"
-        if hidden.device.type == "cuda" and triton_available():
-            impl = "gemm" if _capability(hidden.device) >= (9, 0) else "triton"
+        impl = auto_impl(hidden.device)
     if impl != "torch":
         if not triton_available():
             raise ValueError(f"impl={impl!r} requested but triton is not installed (pip install 'logitless[triton]')")
@@ -590,6 +591,16 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     if hidden.dtype not in backend.CAPS.dtypes or (has_lora and not backend.CAPS.lora):
         return _module("triton")
     return backend
+
+
+def auto_impl(device: torch.device) -> str:
+    """The backend ``impl="auto"`` names on ``device`` (before the dtype and adapter delegations
+    of :func:`resolve_backend`)."""
+    if device.type != "cuda" or not triton_available():
+        return "torch"
+    if _capability(device) < (9, 0):
+        return "triton"
+    return "cute" if cute_runs_on(device) else "gemm"
 
 
 def cute_available() -> bool:

@@ -43,8 +43,9 @@ class PassOptions:
             3 GEMMs of work), ``"recompute"`` (O(N) saved state, logits recomputed in the
             backward: 4 GEMMs), or ``"auto"`` (fused unless the objective needs every token's
             statistics before its loss).
-        impl: backend: ``"auto"`` (on CUDA with Triton: ``"gemm"`` for bf16/fp16 on Hopper or
-            later, else ``"triton"``; torch elsewhere; see ``resolve_backend``), ``"torch"``,
+        impl: backend: ``"auto"`` (on CUDA with Triton: ``"cute"`` on Hopper where the CuTe DSL
+            is installed, else ``"gemm"`` for bf16/fp16 on Hopper or later, ``"triton"`` on older
+            GPUs; torch elsewhere; see ``resolve_backend``), ``"torch"``,
             ``"triton"`` (cuBLAS GEMMs + Triton row kernels), ``"flash"`` (Triton tile GEMMs
             that never write logits), ``"gemm"`` (statistics in a Triton GEMM's epilogue,
             logits kept in fp16 centred per tile, cuBLAS gradient GEMMs) or ``"cute"`` (that
