@@ -255,3 +255,38 @@ def test_kto_simpo_cuda_only_rows_say_why_on_cpu(dpo_case, objective):
         (row,) = [r for r in ROWS if r.objective == objective and r.name == name]
         with pytest.raises(Unavailable, match="CUDA"):
             row.prepare(x, "auto")
+
+
+def test_in_step_timing_is_cuda_only():
+    from logitless.bench.timing import time_in_step
+
+    assert time_in_step(lambda: None, lambda: None, torch.device("cpu")) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_in_step_timing_hides_host_work_before_a_read_only(seed):
+    """Queued behind other GPU work, a call's host work before its first kernel no longer counts;
+    host work after a read of the device (which waits for the queue) still does."""
+    import time
+
+    from logitless.bench.timing import time_in_step, time_step
+
+    dev = torch.device("cuda")
+    x = torch.randn(2048, 2048, device=dev)
+
+    def prepares_then_computes():
+        time.sleep(0.004)
+        x @ x
+
+    def reads_then_prepares():
+        float(x[0, 0])
+        time.sleep(0.004)
+        x @ x
+
+    prepares_then_computes()
+    torch.cuda.synchronize()
+    from_sync = time_step(prepares_then_computes, lambda: None, dev, min_reps=5).median_ms
+    in_step = time_in_step(prepares_then_computes, lambda: None, dev).median_ms
+    assert from_sync - in_step > 3.0, (from_sync, in_step)
+    assert time_in_step(reads_then_prepares, lambda: None, dev).median_ms > 3.5

@@ -20,7 +20,7 @@ import torch
 from .batches import group_inputs, is_group_objective, zero_row_fraction
 from .cases import Case, Inputs, make_inputs
 from .competitors import OBJECTIVES, Outputs, Row, Unavailable, rows_of
-from .timing import free_memory, is_oom, peak_bytes, rel_diff, synchronize, time_step
+from .timing import free_memory, is_oom, peak_bytes, rel_diff, synchronize, time_in_step, time_step
 
 # "Same numbers": bf16 inputs, fp32 statistics. A loss within 1% and gradients within 5% (norm-wise)
 # of logitless count as agreeing; the measured differences are in the JSON either way.
@@ -171,6 +171,9 @@ def run_row(row: Row, impl: str, name: str, case: Case, x: Inputs, opts: Options
         rec["times_ms"] = [round(t, 4) for t in timing.times_ms]
         rec["time_ms"] = timing.median_ms
         rec["tflops"] = case.flops(row.objective) / (timing.median_ms * 1e-3) / 1e12
+        in_step = time_in_step(prepared.step, reset, opts.device)
+        if in_step is not None:
+            rec["in_step_ms"] = in_step.median_ms
     except Exception as e:
         error = e
         if is_oom(e):
@@ -208,7 +211,7 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict[str,
     floors: dict[Any, dict[str, Any]] = {}
     for objective in opts.objectives:
         ref: _Reference | None = None
-        floor_ms = None
+        floor_ms = floor_in_step = None
         xo = x
         if is_group_objective(objective):  # the same tokens laid out as a GRPO batch of groups
             xo = group_inputs(x, objective, opts.seed)
@@ -222,9 +225,11 @@ def run_case(case: Case, opts: Options, log: Callable[[str], None]) -> dict[str,
                 if row.role == "floor":
                     floors[row.prepare] = rec
             if row.role == "floor" and rec["status"] == "ok":
-                floor_ms = rec["time_ms"]
+                floor_ms, floor_in_step = rec["time_ms"], rec.get("in_step_ms")
             if rec["status"] == "ok" and floor_ms:
                 rec["ratio_to_floor"] = rec["time_ms"] / floor_ms
+                if floor_in_step and "in_step_ms" in rec:
+                    rec["in_step_ratio"] = rec["in_step_ms"] / floor_in_step
             if objective == "grpo" and row.role == "reference" and "entropy" in rec:
                 record["mean_entropy"] = rec["entropy"]
             record["results"].append(rec)
@@ -243,6 +248,8 @@ def _line(rec: dict[str, Any]) -> str:
         return f"{head} {rec['status']}: {rec['reason']}"
     mem = f" extra {rec['extra_bytes'] / 2**30:6.2f} GiB" if "extra_bytes" in rec else ""
     ratio = f" {rec['ratio_to_floor']:5.2f}x" if "ratio_to_floor" in rec else ""
+    if "in_step_ratio" in rec:
+        ratio += f" (in a step {rec['in_step_ratio']:.2f}x)"
     diff = ""
     if "loss_rel_diff" in rec or "logp_rel_diff" in rec:
         keys = [k for k in ("loss_rel_diff", "logp_rel_diff", "grad_hidden_rel_diff", "grad_weight_rel_diff")

@@ -2,13 +2,16 @@
 
 Time: CUDA events around each call (wall clock on CPUs), after warm-up, median of the
 repetitions. At the benchmark's sizes the inputs (hundreds of MiB to GiBs) do not fit in L2,
-so no input rotation is needed. Memory: ``torch.cuda.max_memory_allocated`` during one call,
+so no input rotation is needed. Each call starts from a synchronization, so the host's work
+before its first kernel counts; :func:`time_in_step` times it queued behind other GPU work instead,
+as a training step calls its head. Memory: ``torch.cuda.max_memory_allocated`` during one call,
 minus what was allocated before it (the inputs), minus the outputs every implementation must
 produce (``grad hidden`` and ``grad weight``, or the per-token results of a rollout).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
@@ -67,6 +70,48 @@ def time_step(step: Callable[[], object], reset: Callable[[], None], device: tor
         times.append(ms)
         spent += ms / 1e3
     return Timing(times)
+
+
+# GPU work queued ahead of each call in :func:`time_in_step`, standing for the model's forward that
+# a training step runs before its head; longer than any row's host preparation (a few ms).
+STEP_AHEAD_MS = 10.0
+
+
+def time_in_step(step: Callable[[], object], reset: Callable[[], None], device: torch.device,
+                 reps: int = 5) -> Timing | None:
+    """Time ``step`` (already warmed up) queued behind :data:`STEP_AHEAD_MS` of GPU work, from
+    the end of that work to the end of the call's: the host prepares the call while the GPU is
+    busy, as in a training step, so only host work after a read of the device (which waits for
+    the queue) leaves the GPU idle. ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    cycles = int(_cycles_per_ms(device.index if device.index is not None else torch.cuda.current_device())
+                 * STEP_AHEAD_MS)
+    times: list[float] = []
+    for _ in range(reps):
+        reset()
+        synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return Timing(times)
+
+
+@functools.cache
+def _cycles_per_ms(index: int) -> float:
+    """Clock cycles a millisecond of ``torch.cuda._sleep`` spins on GPU ``index`` (measured once)."""
+    with torch.cuda.device(index):
+        torch.cuda._sleep(1_000_000)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        return 10_000_000 / start.elapsed_time(end)
 
 
 def peak_bytes(step: Callable[[], object], reset: Callable[[], None], device: torch.device) -> int | None:
