@@ -38,6 +38,19 @@ def test_refused_where_it_cannot_run(monkeypatch):
         contract.resolve_backend("cute", hidden)
 
 
+@pytest.mark.cuda
+@on_hopper
+def test_log_sum_sq_probs_refused():
+    """The CuTe kernels do not compute ``Σ exp(2 (z - m))`` (WPO's ``log Σ p²``): a request for it
+    names the backend and the alternatives, before any kernel."""
+    from logitless.ops.contract import StatRequest
+
+    assert not _backends()[0].CAPS.sum_sq
+    with pytest.raises(ValueError, match=r"impl='cute': the cute backend does not compute log_sum_sq_probs"):
+        contract.resolve_backend("cute", torch.randn(4, 8, device="cuda", dtype=torch.bfloat16),
+                                 want=StatRequest(sum_sq=True))
+
+
 def _inputs(dtype, transform_key, hidden_size, seed=0):
     g = torch.Generator().manual_seed(seed)
     kw, has_bias = TRANSFORMS[transform_key]
