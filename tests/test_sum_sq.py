@@ -12,6 +12,7 @@ a gradient.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_vocabulary_shards_merge(seed):
     hidden, weight, bias, targets = _inputs(torch.float64)
     bounds = [0, 40, 40, 97, V]  # one empty range
     parts = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         plan = ChunkPlan(token_chunk=N, vocab_block=max(hi - lo, 1), keep_logits=False, stat_dtype=torch.float64)
         st, _ = forward(torch_backend, hidden, weight[lo:hi], bias[lo:hi], targets - lo, TRANSFORM, plan, False,
                         want_sum_sq=True)
