@@ -25,7 +25,7 @@ from ..ops import (
 )
 from .layout import counted_first_order
 
-STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
+STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1", "log_sum_sq_probs")
 
 
 @dataclass
@@ -34,7 +34,8 @@ class TokenStats:
     all of them in recompute mode), ``[n]`` each, fp32 (fp64 for fp64 inputs), nats.
 
     ``logp``, ``lse``, ``entropy``, ``mean_logit`` are differentiable (``None`` unless
-    requested); ``is_top1`` (bool, the target has the largest logit; ties count) is not.
+    requested); ``is_top1`` (bool, the target has the largest logit; ties count) and
+    ``log_sum_sq_probs`` (``log Σ_v p_v²``, TRL's name: WPO's weight) are not.
     ``positions`` are the tokens' indices in the flattened ``targets`` and ``count`` the
     number of counted tokens of the whole call (for means).
     """
@@ -46,6 +47,7 @@ class TokenStats:
     is_top1: torch.Tensor | None
     positions: torch.Tensor
     count: int
+    log_sum_sq_probs: torch.Tensor | None = None
 
 
 Term = Callable[[TokenStats], torch.Tensor]
@@ -80,7 +82,9 @@ def head_loss(
         metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.
             ``{"entropy": lambda s: s.entropy.sum() / s.count}``.
         ignore_index: target value of tokens that are not counted.
-        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1``).
+        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1,
+            log_sum_sq_probs``; the last only on backends that compute it, see
+            :func:`~logitless.ops.contract.resolve_backend`).
         options: :class:`logitless.PassOptions` (``mode`` ``"auto"``/``"fused"``: gradient in the
             forward; ``"recompute"``).
 
@@ -126,7 +130,8 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     def objective(sl: slice, st: ChunkStats):
         ts = TokenStats(logp=st.logp, lse=st.lse if "lse" in stats else None,
                         entropy=st.entropy, mean_logit=None if st.sum_z is None else st.sum_z / vocab_size,
-                        is_top1=st.is_top1 if "is_top1" in stats else None, positions=positions[sl], count=count)
+                        is_top1=st.is_top1 if "is_top1" in stats else None, positions=positions[sl], count=count,
+                        log_sum_sq_probs=st.log_sum_sq_probs)
         values = {name: term(ts) for name, term in terms.items()}
         total = sum(values.values(), torch.zeros((), dtype=sdt, device=hidden.device))
         reported = {k: v.detach() for k, v in values.items()}
@@ -134,7 +139,8 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
             reported.update({name: fn(ts).detach() for name, fn in (metrics or {}).items()})
         return total, reported
 
-    spec = ObjectiveSpec(want=StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats))
+    spec = ObjectiveSpec(want=StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats,
+                                          sum_sq="log_sum_sq_probs" in stats))
     _, _, collected = result = run_objective(h, head, t, objective, spec, options)
     values = {name: sum((c[name] for c in collected), torch.zeros((), dtype=sdt, device=hidden.device))
               for name in (*terms, *(metrics or {}))}
