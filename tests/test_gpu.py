@@ -43,7 +43,7 @@ def case():
     return hid, w, b, tgt, rows[tgt[rows] != -100]
 
 
-@pytest.mark.parametrize("impl", ("triton", "gemm", "flash"))
+@pytest.mark.parametrize("impl", (*KERNELS, "flash"))
 def test_log_sum_sq_probs_vs_fp64(case, impl):
     """WPO's ``log Σ p²`` (``StatRequest(sum_sq=True)``) from the compiled kernels, in recompute
     and fused mode, against float64 materialized logits on sampled rows."""

@@ -119,8 +119,8 @@ def test_vocabulary_shards_merge(seed):
 
 
 def test_a_backend_without_the_statistic_is_refused(monkeypatch):
-    """A named backend whose capabilities lack ``sum_sq`` raises a ValueError naming it before any
-    kernel runs (the CuTe backend declares none: ``test_cute_backend.py``)."""
+    """A named backend whose capabilities lack ``sum_sq`` (every backend has it today: the torch
+    backend's is taken away here) raises a ValueError naming it before any kernel runs."""
     from logitless.ops.torch_backend import backend as torch_backend
 
     monkeypatch.setattr(torch_backend, "CAPS", dataclasses.replace(torch_backend.CAPS, sum_sq=False))

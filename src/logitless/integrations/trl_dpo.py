@@ -77,8 +77,7 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
             ``fused_loss``: the loss and metrics from one fused pass (the MoE aux loss resolves
             it off, with the reason logged); ``fused_logprobs``: logitless
             behind TRL's fused head, for the reference and wherever TRL's loss code runs.
-            ``use_weighting=True`` (WPO) runs on either, the pass computing ``log Σ p²``
-            (with a backend that computes it: not ``impl="cute"``, which raises a ValueError).
+            ``use_weighting=True`` (WPO) runs on either, the pass computing ``log Σ p²``.
         ref_cache: a :class:`logitless.refcache.RefCache` (or its directory, then opened
             against the policy's initial weights and tokenizer) holding the reference log-probs
             of every sequence the trainer will see (build it from :func:`reference_records`):
