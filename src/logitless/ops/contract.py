@@ -378,23 +378,22 @@ class RowStats:
             return self
         m = all_reduce(self.max_logit, "max", group)
         scale = torch.exp(self.max_logit - m)  # 0 for a rank with no rows (max_logit = -inf)
-        parts = [self.sum_exp * scale, torch.where(self.owned, self.target_logit, torch.zeros_like(m))]
-        if self.sum_exp_logit is not None:
-            parts.append(self.sum_exp_logit * scale)
-        if self.sum_logit is not None:
-            parts.append(self.sum_logit)
-        if self.sum_exp_sq is not None:
-            parts.append(self.sum_exp_sq * scale.square())
+        # The optional sums present, rescaled to the global max as Σ exp (Σ exp² by the scale squared).
+        optional = {name: x * factor for name, x, factor in (("sum_exp_logit", self.sum_exp_logit, scale),
+                                                             ("sum_logit", self.sum_logit, 1),
+                                                             ("sum_exp_sq", self.sum_exp_sq, scale.square()))
+                    if x is not None}
+        parts = [self.sum_exp * scale, torch.where(self.owned, self.target_logit, torch.zeros_like(m)),
+                 *optional.values()]
         total = all_reduce(torch.stack(parts), "sum", group)
-        at = {name: i for i, name in enumerate(
-            name for name in ("sum_exp_logit", "sum_logit", "sum_exp_sq") if getattr(self, name) is not None)}
+        reduced = dict(zip(optional, total[2:], strict=True))
         return RowStats(
             max_logit=m,
             sum_exp=total[0],
             target_logit=total[1],
-            sum_exp_logit=total[2 + at["sum_exp_logit"]] if "sum_exp_logit" in at else None,
-            sum_logit=total[2 + at["sum_logit"]] if "sum_logit" in at else None,
-            sum_exp_sq=total[2 + at["sum_exp_sq"]] if "sum_exp_sq" in at else None,
+            sum_exp_logit=reduced.get("sum_exp_logit"),
+            sum_logit=reduced.get("sum_logit"),
+            sum_exp_sq=reduced.get("sum_exp_sq"),
             owned=torch.ones_like(self.owned),
         )
 
