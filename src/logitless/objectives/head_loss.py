@@ -25,7 +25,9 @@ from ..ops import (
 )
 from .layout import counted_first_order
 
-STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1", "log_sum_sq_probs")
+STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
+# Statistics a term may also ask for, never by default (one more sum per logit).
+EXTRA_STATS = ("log_sum_sq_probs",)
 
 
 @dataclass
@@ -82,9 +84,8 @@ def head_loss(
         metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.
             ``{"entropy": lambda s: s.entropy.sum() / s.count}``.
         ignore_index: target value of tokens that are not counted.
-        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1,
-            log_sum_sq_probs``; the last only on backends that compute it, see
-            :func:`~logitless.ops.contract.resolve_backend`).
+        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1``, the
+            default, and ``log_sum_sq_probs``, only when named).
         options: :class:`logitless.PassOptions` (``mode`` ``"auto"``/``"fused"``: gradient in the
             forward; ``"recompute"``).
 
@@ -106,9 +107,9 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     (:func:`cross_entropy`'s count) read in the head checks' synchronization."""
     if not terms:
         raise ValueError("head_loss needs at least one term")
-    unknown = set(stats) - set(STATS)
+    unknown = set(stats) - set(STATS + EXTRA_STATS)
     if unknown:
-        raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
+        raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS + EXTRA_STATS}")
     head, options = as_head(head), as_options(options)
     checks = ValueChecks() if pending is None else pending
     counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
