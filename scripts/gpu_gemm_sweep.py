@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.ops import gemm
-from logitless.ops.contract import RowCoefficients, RowStats, SavedStats, StatGrads
+from logitless.ops.contract import RowCoefficients, RowStats, SavedStats, StatGrads, StatRequest
 from logitless.ops.flash_backend.kernels import flash_config
 from logitless.ops.flash_backend.kernels import launch_stats as flash_stats
 from logitless.ops.gemm_backend.kernels import (
@@ -62,7 +62,8 @@ def main() -> None:
     ms = {}
     ms["cublas bf16 out"] = do_bench(lambda: torch.mm(hid, w.t()))
     ms["cublas fp32 out"] = do_bench(lambda: gemm.mm(hid, w.t(), torch.float32))
-    ms["flash forward"] = do_bench(lambda: flash_stats(hid, w, None, tgt, tr, True, False, True, flash_config()))
+    want = StatRequest(entropy=True)
+    ms["flash forward"] = do_bench(lambda: flash_stats(hid, w, None, tgt, tr, want, True, flash_config()))
     base = gemm_config()
     best = (float("inf"), None)
     for t, per_sm, ws, group in VARIANTS:

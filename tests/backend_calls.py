@@ -15,10 +15,11 @@ def local_head(w, b, tr) -> LocalHead:
                      reduce_grad_hidden=True)
 
 
-def forward(backend, h, w, b, t, tr, plan, want_entropy, keep_logits=False, want_sum_z=False, low=None):
+def forward(backend, h, w, b, t, tr, plan, want_entropy, keep_logits=False, want_sum_z=False, low=None,
+            want_sum_sq=False):
     """``backend.chunk_forward`` of rows ``h``/``t`` against ``w``/``b``/``tr``."""
     return backend.chunk_forward(local_head(w, b, tr), ChunkRows(h, t, low), plan,
-                                 StatRequest(want_entropy, want_sum_z), keep_logits)
+                                 StatRequest(want_entropy, want_sum_z, want_sum_sq), keep_logits)
 
 
 def backward(backend, h, w, b, t, tr, plan, saved: SavedStats, grads: StatGrads, acc: Accumulators, kept=None,
@@ -78,3 +79,14 @@ def lse_logp_sum_pz(partials) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
     """``(lse, logp, Σ p z)`` of finished :class:`RowStats` partials."""
     stats, saved = partials.finalize()
     return stats.lse, stats.logp, saved.sum_pz
+
+
+def log_sum_sq_probs(partials) -> torch.Tensor:
+    """``log Σ_v p_v²`` of finished :class:`RowStats` partials (``sum_sq`` requested)."""
+    return partials.finalize()[0].log_sum_sq_probs
+
+
+def log_sum_sq_oracle(h, w, b, tr) -> torch.Tensor:
+    """float64 materialized ``log Σ_v p_v²`` (TRL's ``log_sum_sq_probs``) of the logits ``tr(h wᵀ + b)``."""
+    y = h.double() @ w.double().t() + (0 if b is None else b.double())
+    return torch.logsumexp(2 * torch.log_softmax(tr.apply(y), dim=-1), dim=-1)

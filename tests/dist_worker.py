@@ -443,3 +443,24 @@ def sum_partials_cases(rank: int, world: int, case: dict) -> dict:
             got.append(hh.grad)
         out["pass"][mode] = got
     return out
+
+
+def vocab_parallel_sum_sq(rank: int, world: int, case: dict) -> dict:
+    """``log Σ_v p_v²`` with this rank's rows of the head (the case's shard sizes, padding rows on
+    the last rank), in recompute and fused mode: ``{mode: [n] tensor}``."""
+    from logitless.ops import ObjectiveSpec, StatRequest, run_objective
+
+    vocab = case["weight"].shape[0] - case["pad"]
+    start, rows = _shard_rows(vocab, world, rank, case["sizes"])
+    if rank == world - 1:
+        rows += case["pad"]
+    head = Head(case["weight"][start:start + rows],
+                shard=VocabShard(group=dist.group.WORLD, vocab_start=start, vocab_size=vocab))
+    spec = ObjectiveSpec(want=StatRequest(entropy=False, sum_sq=True))
+    out = {}
+    for mode in ("recompute", "fused"):
+        options = PassOptions(mode=mode, impl="torch", chunk_bytes=case["chunk"])
+        result = run_objective(case["hidden"], head, case["targets"], lambda sl, st: (st.logp.sum(), None), spec,
+                               options)
+        out[mode] = result.stats.log_sum_sq_probs
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_calls import backward, forward, lse_logp_sum_pz
+from backend_calls import backward, forward, log_sum_sq_oracle, log_sum_sq_probs, lse_logp_sum_pz
 from test_flash_backend import TRANSFORMS, _assert_bounded
 
 from logitless import PassOptions
@@ -123,14 +123,18 @@ def test_chunk_forward(dtype, transform_key, hidden_size, optional):
     tile's logits centred on its row maximum, to fp16's resolution."""
     cute_backend, torch_backend = _backends()
     h, w, b, t, tr = _inputs(dtype, transform_key, hidden_size)
-    ours, kept = forward(cute_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional)
-    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, want_sum_z=True)
+    ours, kept = forward(cute_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional,
+                         want_sum_sq=optional)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, want_sum_z=True, want_sum_sq=True)
+    assert (ours.sum_exp_logit is None, ours.sum_logit is None, ours.sum_exp_sq is None) == (not optional,) * 3
     oracle, z64 = _oracle(h, w, b, t, tr)
     assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
     for i, name in enumerate(("lse", "logp", "sum_pz")[: 3 if optional else 2]):
         _assert_bounded(lse_logp_sum_pz(ours)[i], lse_logp_sum_pz(ref)[i], oracle[i], 1e-5, name)
     if optional:
         _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], 1e-5, "sum_z")
+        _assert_bounded(log_sum_sq_probs(ours), log_sum_sq_probs(ref), log_sum_sq_oracle(h, w, b, tr), 1e-5,
+                        "log_sum_sq_probs")
     tiles = kept.tile_max.shape[0]
     tile_of = torch.arange(V, device=h.device) // 256
     assert kept.z.dtype == torch.float16 and kept.z.shape == (N, V) and tiles == 4 and kept.tile_v == 256

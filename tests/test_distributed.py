@@ -132,6 +132,21 @@ def test_vocab_parallel_rollout_one_max_one_sum():
         assert o["counts"] == {"max": 1, "sum": 1, "other": 0}
 
 
+def test_vocab_parallel_log_sum_sq_probs():
+    """WPO's ``log Σ p²`` over uneven shards with padding rows: each rank's ``Σ e²`` is rescaled by
+    the squared distance to the global max in the all-reduce; several token chunks, both modes."""
+    gen = torch.Generator().manual_seed(17)
+    case = _policy_case(gen)
+    hidden, targets = case["hidden"].reshape(-1, 16), case["targets"].reshape(-1)
+    pad = 3
+    weight = torch.cat([case["weight"], 3 * torch.randn(pad, 16, generator=gen, dtype=torch.float64)])
+    lsm = torch.log_softmax(hidden @ case["weight"].T, -1)  # float64 materialized logits, padding excluded
+    ref = torch.logsumexp(2 * lsm, -1)
+    rc = dict(hidden=hidden, weight=weight, targets=targets, pad=pad, sizes=[30, 71], chunk=1500)
+    for o in _spawn("vocab_parallel_sum_sq", 2, rc):
+        assert _close(o["recompute"], ref) and _close(o["fused"], ref)
+
+
 def test_sum_partials_reduce_scatter_equals_all_reduce_then_cast(seed):
     """``d hidden`` of a 16-bit head under a vocabulary split is summed by an fp32
     reduce-scatter, cast per shard, and a 16-bit all-gather (``distributed.sum_partials``): on 4

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_calls import backward, forward, lse_logp_sum_pz
+from backend_calls import backward, forward, log_sum_sq_oracle, log_sum_sq_probs, lse_logp_sum_pz
 from interpreter import INTERPRETED, child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
@@ -118,10 +118,12 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key)
-    ours, kept = forward(flash_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional)
-    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
+    ours, kept = forward(flash_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional,
+                         want_sum_sq=optional)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True,
+                     want_sum_sq=True)
     assert kept is None
-    assert (ours.sum_exp_logit is None, ours.sum_logit is None) == (not optional, not optional)
+    assert (ours.sum_exp_logit is None, ours.sum_logit is None, ours.sum_exp_sq is None) == (not optional,) * 3
     assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
     assert torch.equal(ours.target_logit >= ours.max_logit, ref.target_logit >= ref.max_logit)  # is_top1
     oracle, _ = _oracle(h, w, b, t, tr)
@@ -132,6 +134,8 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
     if optional:
         _assert_bounded(ours_spz, ref_spz, oracle[2], _rtol(dtype, "stats"), "sum_pz")
         _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], _rtol(dtype, "stats"), "sum_z")
+        _assert_bounded(log_sum_sq_probs(ours), log_sum_sq_probs(ref), log_sum_sq_oracle(h, w, b, tr),
+                        _rtol(dtype, "stats"), "log_sum_sq_probs")
 
 
 # Backward: each of g_logp, g_lse, g_entropy, g_sum_z alone and all together, both dtypes, both

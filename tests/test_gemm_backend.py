@@ -11,7 +11,15 @@ import math
 
 import pytest
 import torch
-from backend_calls import backward, forward, keep_planned_chunks, lse_logp_sum_pz, record_layouts
+from backend_calls import (
+    backward,
+    forward,
+    keep_planned_chunks,
+    log_sum_sq_oracle,
+    log_sum_sq_probs,
+    lse_logp_sum_pz,
+    record_layouts,
+)
 from interpreter import INTERPRETED, child_run, interpreted
 from test_flash_backend import TRANSFORMS, _assert_bounded, _oracle
 
@@ -71,9 +79,11 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
 
     _use_loads(monkeypatch, loads)
     h, w, b, t, tr = _inputs(dtype, transform_key)
-    ours, kept = forward(gemm_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional)
-    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
-    assert (ours.sum_exp_logit is None, ours.sum_logit is None) == (not optional, not optional)
+    ours, kept = forward(gemm_backend, h, w, b, t, tr, _plan(), optional, keep_logits=True, want_sum_z=optional,
+                         want_sum_sq=optional)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True,
+                     want_sum_sq=True)
+    assert (ours.sum_exp_logit is None, ours.sum_logit is None, ours.sum_exp_sq is None) == (not optional,) * 3
     assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
     assert torch.equal(ours.target_logit >= ours.max_logit, ref.target_logit >= ref.max_logit)  # is_top1
     oracle, _ = _oracle(h, w, b, t, tr)
@@ -82,6 +92,8 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
         _assert_bounded(lse_logp_sum_pz(ours)[i], lse_logp_sum_pz(ref)[i], oracle[i], 1e-5, name)
     if optional:
         _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], 1e-5, "sum_z")
+        _assert_bounded(log_sum_sq_probs(ours), log_sum_sq_probs(ref), log_sum_sq_oracle(h, w, b, tr), 1e-5,
+                        "log_sum_sq_probs")
     # The kept tile: z - m per 32-wide tile, fp16.
     z64 = tr.apply(h.double() @ w.double().t() + (0 if b is None else b.double()))
     tiles = kept.tile_max.shape[0]
@@ -102,7 +114,8 @@ def test_forward_needs_no_zeroed_buffers(monkeypatch):
     from logitless.ops.gemm_backend import backend as gemm_backend
 
     h, w, b, t, tr = _inputs(torch.bfloat16, "plain")
-    clean, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
+    clean, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True,
+                       want_sum_sq=True)
     real_empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -110,9 +123,10 @@ def test_forward_needs_no_zeroed_buffers(monkeypatch):
         return x.fill_(math.nan if x.is_floating_point() else -7)
 
     monkeypatch.setattr(torch, "empty", poisoned)
-    dirty, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True)
+    dirty, _ = forward(gemm_backend, h, w, b, t, tr, _plan(), True, keep_logits=False, want_sum_z=True,
+                       want_sum_sq=True)
     assert torch.all(dirty.target_logit[~dirty.owned] == 0)
-    for name in ("max_logit", "sum_exp", "sum_exp_logit", "target_logit", "sum_logit"):
+    for name in ("max_logit", "sum_exp", "sum_exp_logit", "target_logit", "sum_logit", "sum_exp_sq"):
         assert torch.equal(getattr(dirty, name), getattr(clean, name)), name
 
 

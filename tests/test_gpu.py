@@ -43,6 +43,30 @@ def case():
     return hid, w, b, tgt, rows[tgt[rows] != -100]
 
 
+@pytest.mark.parametrize("impl", (*KERNELS, "flash"))
+def test_log_sum_sq_probs_vs_fp64(case, impl):
+    """WPO's ``log Σ p²`` (``StatRequest(sum_sq=True)``) from the compiled kernels, in recompute
+    and fused mode, against float64 materialized logits on sampled rows."""
+    from logitless.ops import ObjectiveSpec, StatRequest, run_objective
+
+    hid, w, b, tgt, rows = case
+    valid = tgt != -100
+    at = valid.cumsum(0)[rows] - 1  # the sampled rows among the valid ones
+    want = StatRequest(entropy=False, sum_sq=True)
+    assert resolve_backend(impl, hid, want=want).NAME == impl  # no silent fallback
+    z64 = TRANSFORM.apply(hid[rows].double() @ w.double().t() + b.double())
+    ref = torch.logsumexp(2 * torch.log_softmax(z64, -1), -1)
+    got = {}
+    for mode in ("recompute", "fused"):
+        hh = hid[valid].clone().requires_grad_()
+        out = run_objective(hh, Head(w, b, TRANSFORM), tgt[valid], lambda sl, st: (st.logp.sum(), None),
+                            ObjectiveSpec(want=want), PassOptions(impl=impl, mode=mode))
+        out.loss.backward()
+        got[mode] = out.stats.log_sum_sq_probs
+        assert got[mode].dtype == torch.float32 and rel(got[mode][at], ref) <= 1e-5, mode
+    assert rel(got["fused"], got["recompute"]) <= 1e-6
+
+
 def _vocab_stats(case, impl):
     hid, w, b, tgt, _ = case
     hh, ww, bb = (x.clone().requires_grad_() for x in (hid, w, b))

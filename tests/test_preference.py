@@ -79,8 +79,10 @@ def _fake_model(hidden, weight, shifted_mask):
         tgt = labels[:, 1:]
         lp = lsm.gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1) * (tgt != -100)
         ent = -(lsm.exp() * lsm).sum(-1)
+        # log Σ p² as TRL's head defines it (chunked_logprob.py), read by WPO's weights
+        log_sum_sq = torch.logsumexp(2 * lsm, -1).detach() * (tgt != -100)
         return types.SimpleNamespace(log_probs=lp, entropy=ent.detach(), mean_logits=z.mean(-1).detach(),
-                                     is_top1=z.argmax(-1) == tgt)
+                                     is_top1=z.argmax(-1) == tgt, log_sum_sq_probs=log_sum_sq)
 
     model.training = True
     return model

@@ -174,7 +174,7 @@ def test_fused_computes_the_logits_once(monkeypatch):
     assert counts[1] == 2 * counts[0] == 2 * int(mask.sum()), counts
 
 
-def _fused_dpo_against_trl(loss_type: list[str], ld_alpha: float | None = None):
+def _fused_dpo_against_trl(loss_type: list[str], ld_alpha: float | None = None, use_weighting: bool = False):
     """The fused DPO loss, gradients and metrics against TRL's ``DPOTrainer._compute_loss``
     (test_preference's stub) on one batch."""
     from test_preference import DPOTrainer, _fake_model, _trl_stub
@@ -185,14 +185,13 @@ def _fused_dpo_against_trl(loss_type: list[str], ld_alpha: float | None = None):
     completion[:, 0] = 0
     ref = torch.randn(2 * B, dtype=torch.float64) - 12
     hidden, weight = _leaves(hidden, weight)
-    cfg = DPOLossConfig(beta=0.2, loss_type=loss_type, ld_alpha=ld_alpha)
+    cfg = DPOLossConfig(beta=0.2, loss_type=loss_type, ld_alpha=ld_alpha, use_weighting=use_weighting)
     loss, metrics = dpo_loss_fused(hidden, weight, input_ids[:, 1:], completion[:, 1:], ref[:B], ref[B:],
                                    config=cfg, options=PassOptions(chunk_bytes=CHUNK))
     stub = _trl_stub(DPOTrainer, _fake_model(hidden, weight, None), loss_types=loss_type, beta=0.2,
                      label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
                      discopop_tau=0.05, loss_weights=[1.0] * len(loss_type))
-    if ld_alpha is not None:
-        stub.ld_alpha = ld_alpha
+    stub.ld_alpha, stub.use_weighting = ld_alpha, use_weighting
     inputs = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": completion,
               "ref_chosen_logps": ref[:B], "ref_rejected_logps": ref[B:]}
     trl_loss = DPOTrainer._compute_loss(stub, stub.model, inputs, return_outputs=False)
@@ -218,6 +217,31 @@ def test_ld_dpo_fused_matches_trl(loss_type, ld_alpha, chunk_counts):
     _fused_dpo_against_trl(loss_type, ld_alpha)
     if "aot" not in loss_type:
         assert len(chunk_counts[0][1]) > 1, chunk_counts  # several chunks of whole pairs
+
+
+# WPO against TRL's own _compute_loss: per-pair weights on several loss types (several chunks of
+# whole pairs) and with LD-DPO's scores.
+# Not hinge: TRL 1.16 weighs relu's output in place (per_sequence_loss *= ...), so its own
+# backward fails ("modified by an inplace operation"); ours has no such step.
+@pytest.mark.parametrize(("loss_type", "ld_alpha"), [(["sigmoid", "ipo"], None), (["bco_pair", "robust"], 0.5)])
+def test_wpo_fused_matches_trl(loss_type, ld_alpha, chunk_counts):
+    _fused_dpo_against_trl(loss_type, ld_alpha, use_weighting=True)
+    assert len(chunk_counts[0][1]) > 1, chunk_counts  # several chunks of whole pairs
+
+
+def test_wpo_is_refused_where_it_cannot_apply():
+    """WPO needs per-token statistics (not the two-call path's sums) and per-pair losses (not
+    aot's sorts over the batch, which TRL refuses too, nor the batch-wide sft term, on which TRL's
+    own loss fails)."""
+    hidden, weight, _, labels, mask = _batch()
+    ref = torch.randn(2 * B, dtype=torch.float64) - 12
+    with pytest.raises(ValueError, match=r"use_weighting .* aot"):
+        DPOLossConfig(loss_type=("sigmoid", "aot"), use_weighting=True)
+    with pytest.raises(ValueError, match=r"use_weighting .* sft"):
+        DPOLossConfig(loss_type=("sigmoid", "sft"), use_weighting=True)
+    policy = sequence_logps(hidden, weight, labels, mask)
+    with pytest.raises(ValueError, match=r"use_weighting .*dpo_loss_fused"):
+        dpo_loss(policy, ref[:B], ref[B:], config=DPOLossConfig(use_weighting=True))
 
 
 def test_ld_alpha_is_refused_where_it_cannot_apply():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_calls import backward, forward, lse_logp_sum_pz
+from backend_calls import backward, forward, log_sum_sq_oracle, log_sum_sq_probs, lse_logp_sum_pz
 from interpreter import child_run, interpreted
 
 from logitless import Head, LogitTransform, PassOptions
@@ -110,8 +110,8 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, vocab_block, tile):
 
     h, w, b, t, tr = _inputs(dtype, transform_key)
     plan = _plan(vocab_block, tile)
-    ours, kept = forward(triton_backend, h, w, b, t, tr, plan, True, keep_logits=True)
-    ref, _ = forward(torch_backend, h, w, b, t, tr, plan, True, keep_logits=True)
+    ours, kept = forward(triton_backend, h, w, b, t, tr, plan, True, keep_logits=True, want_sum_sq=True)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, plan, True, keep_logits=True, want_sum_sq=True)
     assert (kept is not None) == (vocab_block == V)
     assert torch.equal(ours.owned, ref.owned)
     assert (
@@ -125,6 +125,9 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, vocab_block, tile):
     names = ("lse", "logp", "sum_pz")
     for name, a, r, o in zip(names, lse_logp_sum_pz(ours), lse_logp_sum_pz(ref), oracle, strict=True):
         _assert_bounded(a, r, o, _rtol(dtype, tile, "stats"), name)
+    assert ours.sum_exp_sq.dtype == torch.float32
+    _assert_bounded(log_sum_sq_probs(ours), log_sum_sq_probs(ref), log_sum_sq_oracle(h, w, b, tr),
+                    _rtol(dtype, tile, "stats"), "log_sum_sq_probs")
     assert torch.all(ours.target_logit[~ours.owned] == 0)
 
 
@@ -135,7 +138,7 @@ def test_chunk_forward_without_entropy_matches_with():
     h, w, b, t, tr = _inputs(torch.float32, "full")
     a, _ = forward(triton_backend, h, w, b, t, tr, _plan(50), False, keep_logits=False)
     c, _ = forward(triton_backend, h, w, b, t, tr, _plan(50), True, keep_logits=False)
-    assert a.sum_exp_logit is None
+    assert a.sum_exp_logit is None and a.sum_exp_sq is None and c.sum_exp_sq is None
     for x, y in ((a.max_logit, c.max_logit), (a.sum_exp, c.sum_exp), (a.target_logit, c.target_logit)):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 

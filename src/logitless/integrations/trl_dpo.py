@@ -7,10 +7,11 @@ With ``fused_loss`` (the default where it applies) the loss, its gradient and ev
 come from one fused vocabulary pass over the completion tokens (:func:`~logitless.objectives.
 preference_fused.dpo_fused_pass`: chunks of whole pairs, 3 GEMMs of work, the formulas of
 :func:`logitless.dpo_loss`, which are ``DPOTrainer._compute_loss``'s; LD-DPO's ``ld_alpha``
-included), never from logits. Where it does not apply (the MoE router aux loss; per call:
-multimodal inputs or ``return_outputs=True``) the loss is TRL's own code on the per-token
-log-probs, entropies and mean logits of a logitless pass behind TRL's fused head
-(``fused_logprobs``, recompute mode). WPO (``use_weighting``) runs TRL's own head and loss.
+included; WPO's ``use_weighting`` too, its weights from the pass's ``log Σ_v p_v²``), never from
+logits. Where it does not apply (the MoE router aux loss; ``use_weighting`` with the ``sft`` loss
+type, on which TRL's own loss fails; per call: multimodal inputs or ``return_outputs=True``) the
+loss is TRL's own code on the per-token log-probs, entropies, mean logits, top-1 hits and
+``log Σ p²`` of a logitless pass behind TRL's fused head (``fused_logprobs``, recompute mode).
 The reference log-probs come from the reference model through logitless, or from the dataset
 when TRL precomputed them (``precompute_ref_log_probs``), or from a reference log-prob cache
 (``ref_cache=``, then no reference model runs at all).
@@ -45,11 +46,8 @@ _NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejecte
 
 
 def _outputs(trainer: DPOTrainer) -> tuple[str, ...]:
-    # use_weighting (WPO) also asks TRL's head for log Σ_v p_v², which logitless does not compute, so
-    # both switches resolve off. Its math would fuse: a pair's weight exp(mean(logp - log Σ p²)) of
-    # chosen times rejected is detached and depends on that pair's tokens only (with the sft term the
-    # batch mean of the weights couples every pair: recompute mode, as aot). What is missing is the
-    # statistic: Σ_v exp(2 (z_v - max)) beside sum_exp in every backend's vocabulary kernels.
+    # use_weighting (WPO) also asks the head for log Σ_v p_v² (TRL's log_sum_sq_probs), as TRL's
+    # __init__ asks its own head.
     return _OUTPUTS + (("log_sum_sq_probs",) if trainer.use_weighting else ())
 
 
@@ -59,6 +57,10 @@ def _unsupported(trainer: DPOTrainer) -> list[str]:
     out = []
     if trainer.aux_loss_enabled:
         out.append("MoE router aux loss (output_router_logits)")
+    if trainer.use_weighting and "sft" in trainer.loss_types:
+        # TRL weighs its batch-wide sft term (an expanded view) in place, which torch refuses: its
+        # own loss code then runs, and fails as TRL's trainer does.
+        out.append("use_weighting with the sft loss type (TRL's own loss fails on it)")
     return out
 
 
@@ -75,7 +77,7 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
             ``fused_loss``: the loss and metrics from one fused pass (the MoE aux loss resolves
             it off, with the reason logged); ``fused_logprobs``: logitless
             behind TRL's fused head, for the reference and wherever TRL's loss code runs.
-            ``use_weighting=True`` (WPO's ``log Σ p²``) resolves both off and TRL's head runs.
+            ``use_weighting=True`` (WPO) runs on either, the pass computing ``log Σ p²``.
         ref_cache: a :class:`logitless.refcache.RefCache` (or its directory, then opened
             against the policy's initial weights and tokenizer) holding the reference log-probs
             of every sequence the trainer will see (build it from :func:`reference_records`):
@@ -127,7 +129,8 @@ class LogitlessDPOTrainer(ActiveMetric, DPOTrainer):
         return DPOLossConfig(beta=self.beta, loss_type=tuple(self.loss_types), loss_weights=tuple(self.loss_weights),
                              label_smoothing=self.label_smoothing, f_divergence_type=self.f_divergence_type,
                              f_alpha_divergence_coef=self.f_alpha_divergence_coef,
-                             discopop_tau=self.args.discopop_tau, ld_alpha=self.ld_alpha)
+                             discopop_tau=self.args.discopop_tau, ld_alpha=self.ld_alpha,
+                             use_weighting=self.use_weighting)
 
     def _log_fused_metrics(self, mode, inputs, out, ref_chosen_logps, ref_rejected_logps) -> None:
         """``DPOTrainer._compute_loss``'s metric bookkeeping (gathers included), on the pass's sums."""

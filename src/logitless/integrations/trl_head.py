@@ -44,7 +44,7 @@ from ..model_heads import (
     head_inputs,
 )
 from ..objectives import head_loss, vocab_stats
-from ..ops import Head, resolve_backend
+from ..ops import Head, resolve_backend, stat_dtype_for
 from . import TESTED_TRL
 from .config import LogitlessConfig, Switches
 
@@ -52,8 +52,8 @@ from .config import LogitlessConfig, Switches
 class UnsupportedConfigError(ValueError):
     """A TRL option that cannot be combined with what was asked of logitless."""
 
-# Per-token fields of TRL's FusedCausalLMOutput that logitless computes (log Σ p², WPO's weight, is not).
-SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "mean_logits", "is_top1"})
+# Per-token fields of TRL's FusedCausalLMOutput that logitless computes (all of TRL 1.16's).
+SUPPORTED_OUTPUTS = frozenset({"log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs"})
 # Why fused_loss is off in a drop-in whose loss is TRL's code on the log-probs (DPO, KTO, RLOO).
 _TRL_LOSS_ON_LOGPROBS = "the loss is TRL's own code on logitless log-probs (fused_logprobs)"
 # Keyword arguments that only shape the backbone's text pass (padding-free batches included);
@@ -298,28 +298,39 @@ def _fused_output(trainer, model, hidden, labels, outputs, temperature, num_item
     mask = labels != -100
     st = vocab_stats(hidden, head, labels, entropy="entropy" in outputs, mean_logit="mean_logits" in outputs,
                      options=sw.options)
-    is_top1 = _is_top1(hidden, head, labels, sw.options) if "is_top1" in outputs else None
+    detached = _detached_outputs(hidden, head, labels, sw.options, outputs)
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(
         loss=-st.logp.sum() / count, log_probs=st.logp, entropy=st.entropy,
-        mean_logits=None if st.mean_logit is None else st.mean_logit.detach(), is_top1=is_top1, label_mask=mask)
+        mean_logits=None if st.mean_logit is None else st.mean_logit.detach(), label_mask=mask, **detached)
+
+
+# The non-differentiable fields of TRL's output that vocab_stats does not return: (name, dtype).
+_DETACHED_OUTPUTS = (("is_top1", torch.bool), ("log_sum_sq_probs", None))
 
 
 @torch.no_grad()
-def _is_top1(hidden, head, labels, options) -> torch.Tensor:
-    """Whether each label has the largest logit (``[B, T]`` bool, False where ignored): a second,
-    forward-only pass, since :func:`vocab_stats` does not return it."""
-    flat = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
+def _detached_outputs(hidden, head, labels, options, outputs) -> dict[str, torch.Tensor]:
+    """Of ``outputs``, ``is_top1`` (whether each label has the largest logit, bool) and
+    ``log_sum_sq_probs`` (``log Σ_v p_v²``, WPO's weight, statistics dtype), ``[B, T]`` each and
+    ``False``/0 where ignored: one second, forward-only pass for both, since :func:`vocab_stats`
+    returns neither."""
+    wanted = [(name, dtype) for name, dtype in _DETACHED_OUTPUTS if name in outputs]
+    if not wanted:
+        return {}
+    sdt = stat_dtype_for(hidden.dtype)
+    flat = {name: torch.zeros(labels.numel(), dtype=dtype or sdt, device=labels.device) for name, dtype in wanted}
 
     def record(s):
-        flat[s.positions] = s.is_top1
+        for name in flat:
+            flat[name][s.positions] = getattr(s, name)
         return s.logp.sum() * 0
 
     frozen = dataclasses.replace(head, weight=head.weight.detach(),
                                  bias=None if head.bias is None else head.bias.detach())
-    head_loss(hidden.detach(), frozen, labels, {"is_top1": record}, stats=("logp", "is_top1"),
+    head_loss(hidden.detach(), frozen, labels, {"record": record}, stats=("logp", *flat),
               options=dataclasses.replace(options, mode="recompute"))
-    return flat.view(labels.shape)
+    return {name: x.view(labels.shape) for name, x in flat.items()}
 
 
 # ---- the reference model's log-probs served from a RefCache (DPO, KTO) ---------------------

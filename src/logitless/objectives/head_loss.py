@@ -26,6 +26,8 @@ from ..ops import (
 from .layout import counted_first_order
 
 STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
+# Statistics a term may also ask for, never by default (one more sum per logit).
+EXTRA_STATS = ("log_sum_sq_probs",)
 
 
 @dataclass
@@ -34,7 +36,8 @@ class TokenStats:
     all of them in recompute mode), ``[n]`` each, fp32 (fp64 for fp64 inputs), nats.
 
     ``logp``, ``lse``, ``entropy``, ``mean_logit`` are differentiable (``None`` unless
-    requested); ``is_top1`` (bool, the target has the largest logit; ties count) is not.
+    requested); ``is_top1`` (bool, the target has the largest logit; ties count) and
+    ``log_sum_sq_probs`` (``log Σ_v p_v²``, TRL's name: WPO's weight) are not.
     ``positions`` are the tokens' indices in the flattened ``targets`` and ``count`` the
     number of counted tokens of the whole call (for means).
     """
@@ -46,6 +49,7 @@ class TokenStats:
     is_top1: torch.Tensor | None
     positions: torch.Tensor
     count: int
+    log_sum_sq_probs: torch.Tensor | None = None
 
 
 Term = Callable[[TokenStats], torch.Tensor]
@@ -80,7 +84,8 @@ def head_loss(
         metrics: like ``terms`` but only reported (no gradient, not added to the loss), e.g.
             ``{"entropy": lambda s: s.entropy.sum() / s.count}``.
         ignore_index: target value of tokens that are not counted.
-        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1``).
+        stats: statistics the terms use (subset of ``logp, lse, entropy, mean_logit, is_top1``, the
+            default, and ``log_sum_sq_probs``, only when named).
         options: :class:`logitless.PassOptions` (``mode`` ``"auto"``/``"fused"``: gradient in the
             forward; ``"recompute"``).
 
@@ -102,9 +107,9 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     (:func:`cross_entropy`'s count) read in the head checks' synchronization."""
     if not terms:
         raise ValueError("head_loss needs at least one term")
-    unknown = set(stats) - set(STATS)
+    unknown = set(stats) - set(STATS + EXTRA_STATS)
     if unknown:
-        raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS}")
+        raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS + EXTRA_STATS}")
     head, options = as_head(head), as_options(options)
     checks = ValueChecks() if pending is None else pending
     counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
@@ -126,7 +131,8 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     def objective(sl: slice, st: ChunkStats):
         ts = TokenStats(logp=st.logp, lse=st.lse if "lse" in stats else None,
                         entropy=st.entropy, mean_logit=None if st.sum_z is None else st.sum_z / vocab_size,
-                        is_top1=st.is_top1 if "is_top1" in stats else None, positions=positions[sl], count=count)
+                        is_top1=st.is_top1 if "is_top1" in stats else None, positions=positions[sl], count=count,
+                        log_sum_sq_probs=st.log_sum_sq_probs)
         values = {name: term(ts) for name, term in terms.items()}
         total = sum(values.values(), torch.zeros((), dtype=sdt, device=hidden.device))
         reported = {k: v.detach() for k, v in values.items()}
@@ -134,7 +140,8 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
             reported.update({name: fn(ts).detach() for name, fn in (metrics or {}).items()})
         return total, reported
 
-    spec = ObjectiveSpec(want=StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats))
+    spec = ObjectiveSpec(want=StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats,
+                                          sum_sq="log_sum_sq_probs" in stats))
     _, _, collected = result = run_objective(h, head, t, objective, spec, options)
     values = {name: sum((c[name] for c in collected), torch.zeros((), dtype=sdt, device=hidden.device))
               for name in (*terms, *(metrics or {}))}

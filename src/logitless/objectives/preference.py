@@ -6,9 +6,10 @@ concatenate them) and returns per-sequence sums; the loss functions are the fiel
 those sums, with TRL 1.16's semantics and metric names:
 
 * :func:`dpo_loss`: ``DPOTrainer._compute_loss`` (loss types below, ``f_divergence_type``,
-  ``loss_weights``; ``ld_alpha`` in :func:`~logitless.dpo_loss_fused` only); not supported:
-  ``use_weighting`` (WPO, which needs ``Σ p²``, a statistic the pass does not compute), and the
-  ``logits/*`` and ``mean_token_accuracy`` metrics (need the mean logit and the argmax).
+  ``loss_weights``; ``ld_alpha`` and ``use_weighting`` (WPO, whose weights need every token's
+  ``log Σ p²``) in :func:`~logitless.dpo_loss_fused` only); not supported: the ``logits/*`` and
+  ``mean_token_accuracy`` metrics (need the mean logit and the argmax; the fused pass for the TRL
+  drop-in, :func:`~logitless.objectives.preference_fused.dpo_fused_pass`, returns their sums).
 * :func:`kto_loss`: ``KTOTrainer._compute_loss`` (``kto``, ``apo_zero_unpaired``).
 * :func:`cpo_loss`: ``CPOTrainer.cpo_loss`` + its NLL term (``sigmoid``, ``hinge``, ``ipo``,
   ``simpo``; AlphaPO's ``alpha``); SimPO is ``loss_type="simpo"`` with ``cpo_alpha=0``
@@ -154,11 +155,19 @@ class DPOLossConfig:
             ``min(chosen length, rejected length)`` completion tokens plus ``α ·`` the rest (the
             ``sft`` term stays the plain token mean); ``None``: no weighting. Per-token, so only
             the fused pass (:func:`~logitless.dpo_loss_fused`) takes it, not :func:`dpo_loss`.
+        use_weighting: WPO (Zhou et al. 2024, https://huggingface.co/papers/2406.11827, Eq. 2, as
+            TRL's ``DPOTrainer._compute_loss``): every loss type's per-pair loss is multiplied by
+            ``w_chosen · w_rejected``, ``w = exp(mean over the completion tokens of (logp - log Σ_v p_v²))``,
+            detached (no gradient flows through the weights). Per-token, so only the fused pass
+            (:func:`~logitless.dpo_loss_fused`) takes it.
 
     Raises:
         ValueError: an unknown or empty ``loss_type``, ``loss_weights`` of another length, an
             unknown ``f_divergence_type`` or one the loss types do not support,
-            ``label_smoothing`` outside what ``robust`` allows, and ``ld_alpha`` outside ``[0, 1]``.
+            ``label_smoothing`` outside what ``robust`` allows, ``ld_alpha`` outside ``[0, 1]``,
+            ``use_weighting`` with ``aot``/``aot_unpaired`` (as TRL: their sorts over the batch
+            would misalign the per-pair weights) or with ``sft`` (TRL 1.16 multiplies its
+            batch-wide token mean, an expanded view, by the weights in place, which torch refuses).
     """
 
     beta: float = 0.1
@@ -169,6 +178,7 @@ class DPOLossConfig:
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
     ld_alpha: float | None = None
+    use_weighting: bool = False
 
     def __post_init__(self) -> None:
         types = (self.loss_type,) if isinstance(self.loss_type, str) else tuple(self.loss_type)
@@ -190,6 +200,12 @@ class DPOLossConfig:
             raise ValueError("exo_pair needs label_smoothing > 0 (the paper recommends 1e-3)")
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must be in [0, 1] (or None), got {self.ld_alpha}")
+        if self.use_weighting and {"aot", "aot_unpaired"} & set(types):
+            raise ValueError("use_weighting (WPO) is not supported with the aot and aot_unpaired loss types: they sort "
+                             "over the batch, which would misalign the per-pair weights")
+        if self.use_weighting and "sft" in types:
+            raise ValueError("use_weighting (WPO) is not supported with the sft loss type: TRL 1.16 defines no "
+                             "weighted sft term (its own DPOTrainer fails on it); drop sft or use_weighting")
 
 
 def _f_scores(logratios: torch.Tensor, cfg: DPOLossConfig) -> torch.Tensor:
@@ -230,13 +246,16 @@ def dpo_loss(
 
     Raises:
         ValueError: an odd number of sequences in ``policy``, reference shapes that do not
-            match the pairs; ``config.ld_alpha`` set (it weights tokens, which sums no longer tell
-            apart: use :func:`~logitless.dpo_loss_fused`).
+            match the pairs; ``config.ld_alpha`` or ``config.use_weighting`` set (they weight
+            tokens, which sums no longer tell apart: use :func:`~logitless.dpo_loss_fused`).
     """
     cfg = DPOLossConfig() if config is None else config
     if cfg.ld_alpha is not None:
         raise ValueError("dpo_loss takes sequence sums, but ld_alpha weights the tokens past the shorter completion "
                          "of a pair: use dpo_loss_fused (or set ld_alpha=None)")
+    if cfg.use_weighting:
+        raise ValueError("dpo_loss takes sequence sums, but use_weighting (WPO) needs every token's log Σ p²: use "
+                         "dpo_loss_fused (or set use_weighting=False)")
     chosen_logps, rejected_logps = policy.halves(policy.logps)
     chosen_len, rejected_len = policy.halves(policy.lengths)
     _check_pairs(chosen_logps, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)

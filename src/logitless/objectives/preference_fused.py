@@ -16,6 +16,10 @@ engine's fused mode runs the gradient GEMMs on the logits it still holds.
 * Loss types that couple the pairs of a batch (DPO's ``aot`` and ``aot_unpaired`` sort over the
   batch) cannot be split into per-chunk terms: :func:`dpo_loss_fused` runs the same objective in
   recompute mode (one chunk of every pair, the backward recomputes the logits), with the same results.
+* WPO (``DPOLossConfig.use_weighting``): a pair's weight ``w_chosen · w_rejected`` is detached and
+  depends on that pair's tokens only (each ``w = exp(mean(logp - log Σ p²))`` over a completion;
+  the pass computes ``log Σ p²`` beside the other statistics), so it stays a per-pair factor of the
+  chunk's terms.
 * The metrics are taken once after the pass from every token's detached statistics, by the
   two-call path's own code, so they are those of :func:`~logitless.dpo_loss` & co.
 * :func:`dpo_fused_pass`, :func:`kto_fused_pass`, :func:`cpo_fused_pass` and :func:`orpo_fused_pass`
@@ -132,6 +136,18 @@ class _Units:
                              nll_count=per_sequence(self.nll_count[s0:s0 + k * self.size]) if nll else None,
                              entropy_sum=logp.new_zeros(k * self.size))
 
+    def wpo_weights(self, sl: slice, logp: torch.Tensor, log_sum_sq: torch.Tensor) -> torch.Tensor:
+        """WPO's weight of each sequence of the units a chunk ``sl`` owns, from its tokens' ``logp``
+        and ``log Σ_v p_v²`` (detached): ``exp(Σ_t (logp_t - log Σ p²_t) / max(length, 1))`` over the
+        completion tokens, ``[(u1 - u0) · size]`` in the caller's convention (TRL's
+        ``DPOTrainer._compute_loss``, WPO's Eq. 2)."""
+        u0, u1 = self.span(sl)
+        s0, k = u0 * self.size, u1 - u0
+        aligned = (logp.detach() - log_sum_sq) * self.completion[sl]
+        sums = aligned.new_zeros(k * self.size).index_add(0, self.seq[sl] - s0, aligned)
+        mean = sums / self.lengths[s0:s0 + k * self.size].clamp(min=1)
+        return torch.exp(mean).view(k, self.size).t().reshape(-1)
+
     def caller_sums(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token ``x [n]`` summed per sequence, in the caller's order ``[S]``."""
         return x.new_zeros(self.order.shape[0]).index_add(0, self.order[self.seq], x)
@@ -141,8 +157,8 @@ class _Units:
         return torch.empty_like(x).index_copy_(0, self.order, x)
 
 
-# loss_of_units(u0, u1, the units' sums) -> the chunk's loss term
-UnitLoss = Callable[[int, int, SequenceLogps], torch.Tensor]
+# loss_of_units(u0, u1, the units' sums[, their WPO weights]) -> the chunk's loss term
+UnitLoss = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -259,18 +275,23 @@ class PreferencePass(NamedTuple):
 
 
 def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units, loss_of_units: UnitLoss,
-         options: PassOptions, token_sums: bool = False) -> PreferencePass:
+         options: PassOptions, token_sums: bool = False, weighted: bool = False) -> PreferencePass:
     """The pass: the loss, every sequence's detached sums in the caller's order and, with
-    ``token_sums``, their :class:`TokenSums` (else ``tokens`` is ``None``)."""
+    ``token_sums``, their :class:`TokenSums` (else ``tokens`` is ``None``). With ``weighted``
+    the pass also computes ``log Σ p²`` and ``loss_of_units`` takes the units' WPO weights
+    (:meth:`_Units.wpo_weights`) as a fourth argument."""
 
     def objective(sl: slice, stats: ChunkStats):
-        return loss_of_units(*units.span(sl), units.part(sl, stats.logp)), None
+        extra = (units.wpo_weights(sl, stats.logp, stats.log_sum_sq_probs),) if weighted else ()
+        return loss_of_units(*units.span(sl), units.part(sl, stats.logp), *extra), None
 
     cuts = sorted({e for e in units.ends if e > 0})
-    spec = ObjectiveSpec(want=StatRequest(entropy=True, sum_z=token_sums), cuts=cuts)
+    spec = ObjectiveSpec(want=StatRequest(entropy=True, sum_z=token_sums, sum_sq=weighted), cuts=cuts)
     loss, stats, collected = run_objective(hidden, head, targets, objective, spec, options)
     if not collected:  # no token, so no chunk: every unit's loss is a constant
-        loss = loss + loss_of_units(0, len(units.ends), units.part(slice(0, 0), loss.new_zeros(0)))
+        empty = loss.new_zeros(0)
+        extra = (units.wpo_weights(slice(0, 0), empty, empty),) if weighted else ()
+        loss = loss + loss_of_units(0, len(units.ends), units.part(slice(0, 0), empty), *extra)
     nll = units.nll is not None
     policy = SequenceLogps(logps=units.caller_sums(stats.logp * units.score_weight),
                            lengths=units.caller_order(units.lengths),
@@ -345,8 +366,9 @@ def dpo_loss_fused(
     loss, policy, _ = _dpo(hidden, as_head(head), batch, refs, cfg, as_options(options), False)
     with torch.no_grad():
         # ld_alpha already weighs policy.logps; dpo_loss (on sums) refuses it, and its loss is not used here.
+        # use_weighting weighs the loss only (TRL logs no weight), and needs per-token statistics too.
         _, metrics = dpo_loss(policy, ref_chosen_logps, ref_rejected_logps,
-                              config=dataclasses.replace(cfg, ld_alpha=None))
+                              config=dataclasses.replace(cfg, ld_alpha=None, use_weighting=False))
     return loss, metrics
 
 
@@ -404,16 +426,19 @@ def _dpo(hidden: torch.Tensor, head: Head, batch: _Batch, refs: tuple[torch.Tens
     pairs = ref_c.shape[0]
     sft_scale = pairs / _chosen_tokens(units) if "sft" in cfg.loss_type else None
 
-    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps) -> torch.Tensor:
+    def loss_of_pairs(u0: int, u1: int, part: SequenceLogps, wpo: torch.Tensor | None = None) -> torch.Tensor:
         (c, r), (c_len, r_len) = part.halves(part.logps), part.halves(part.lengths)
         terms = _dpo_pair_losses(c, r, c_len, r_len, ref_c[u0:u1], ref_r[u0:u1], cfg, sft_scale)
         if plain_sft:
             nll = _chosen_nll_parts(part)[0]
             terms = [(nll * sft_scale, w) if t == "sft" else (per, w) for t, (per, w) in zip(cfg.loss_type, terms,
                                                                                              strict=True)]
+        if wpo is not None:  # (DPOLossConfig refuses it with the batch-wide sft and aot terms)
+            chosen_w, rejected_w = part.halves(wpo)
+            terms = [(per * (chosen_w * rejected_w), w) for per, w in terms]
         return sum(per.sum() * w for per, w in terms) / pairs
 
-    return _run(h_flat, head, t_flat, units, loss_of_pairs, options, token_sums)
+    return _run(h_flat, head, t_flat, units, loss_of_pairs, options, token_sums, cfg.use_weighting)
 
 
 @graph_break

@@ -10,7 +10,7 @@ points to the engine; :meth:`Head.local` resolves the shard once per call into t
 Vocabulary (tensor) parallelism and padded vocabularies (:class:`VocabShard`): each rank holds
 rows ``[vocab_start, vocab_start + V_local)`` of the head. A pass computes per-token partial
 statistics over its rows, then one all-reduce MAX (the running max) and one all-reduce SUM of a
-stacked tensor (``Σ exp``, ``Σ exp·z``, the owner's target logit, ``Σ z``) make them global
+stacked tensor (``Σ exp``, ``Σ exp·z``, the owner's target logit, ``Σ z``, ``Σ exp²``) make them global
 (Megatron-style vocab-parallel cross-entropy). Backward: each rank writes ``dz`` for its rows;
 ``d hidden`` partials are summed over the group unless the caller's framework reduces them itself.
 
@@ -244,11 +244,13 @@ class LocalHead:
 
 
 class StatRequest(NamedTuple):
-    """Statistics a pass accumulates beyond ``lse``/``logp``/top-1: ``entropy`` (``Σ p z``) and
-    ``sum_z`` (``Σ_v z_v``, the mean logit times ``V``)."""
+    """Statistics a pass accumulates beyond ``lse``/``logp``/top-1: ``entropy`` (``Σ p z``),
+    ``sum_z`` (``Σ_v z_v``, the mean logit times ``V``) and ``sum_sq`` (``log Σ_v p_v²``, WPO's
+    weight; only backends whose :attr:`Capabilities.sum_sq` is set compute it)."""
 
     entropy: bool = True
     sum_z: bool = False
+    sum_sq: bool = False
 
 
 class ChunkRows(NamedTuple):
@@ -266,7 +268,10 @@ class ChunkStats(NamedTuple):
 
     ``logp`` (of the target), ``lse`` (log-partition), ``entropy`` (``None`` unless requested)
     and ``sum_z`` (``Σ_v z_v``, ``None`` unless requested) are differentiable inside an
-    objective; ``is_top1`` (bool: the target's logit is the largest, ties count) is not.
+    objective; ``is_top1`` (bool: the target's logit is the largest, ties count) and
+    ``log_sum_sq_probs`` (``log Σ_v p_v²``, ``None`` unless requested with
+    ``StatRequest(sum_sq=True)``; TRL's name and definition, ``trl/kernels/chunked_logprob.py``,
+    where it is non-differentiable too: WPO's weights take no gradient) are not.
     """
 
     logp: torch.Tensor
@@ -274,6 +279,7 @@ class ChunkStats(NamedTuple):
     entropy: torch.Tensor | None
     sum_z: torch.Tensor | None
     is_top1: torch.Tensor
+    log_sum_sq_probs: torch.Tensor | None = None
 
     def detached(self) -> ChunkStats:
         return ChunkStats(*(None if t is None else t.detach() for t in self))
@@ -290,6 +296,7 @@ class RowStats:
         target_logit: the target's logit where ``owned``, else 0.
         owned: the target lies in this range.
         sum_logit: ``Σ z`` (``None`` unless asked for).
+        sum_exp_sq: ``Σ exp(2 (z - max_logit))`` (``None`` unless ``sum_sq`` is asked for).
     """
 
     max_logit: torch.Tensor
@@ -298,8 +305,9 @@ class RowStats:
     target_logit: torch.Tensor
     owned: torch.Tensor
     sum_logit: torch.Tensor | None = None
+    sum_exp_sq: torch.Tensor | None = None
 
-    _FIELDS = ("max_logit", "sum_exp", "sum_exp_logit", "target_logit", "owned", "sum_logit")
+    _FIELDS = ("max_logit", "sum_exp", "sum_exp_logit", "target_logit", "owned", "sum_logit", "sum_exp_sq")
 
     @classmethod
     def start(
@@ -317,6 +325,7 @@ class RowStats:
             target_logit=zeros(),
             owned=owned,
             sum_logit=zeros(want.sum_z),
+            sum_exp_sq=zeros(want.sum_sq),
         )
 
     @classmethod
@@ -333,6 +342,7 @@ class RowStats:
             target_logit=new(),
             owned=new(dt=torch.bool),
             sum_logit=new(want.sum_z),
+            sum_exp_sq=new(want.sum_sq),
         )
 
     @classmethod
@@ -340,7 +350,8 @@ class RowStats:
         """Merge ``[parts, n]`` partials of disjoint vocabulary ranges into ``[n]``:
         ``max_logit = max_s m_s``, ``sum_exp = Σ_s se_s e^(m_s - max_logit)`` (likewise ``sez``),
         the target logit ``zy`` and ``Σ z`` (``sz``) summed (``zy`` is nonzero in at most one
-        range). Keys ``m``, ``se``, ``zy`` and optionally ``sez``, ``sz``."""
+        range), ``sum_exp_sq = Σ_s ssq_s e^(2 (m_s - max_logit))``. Keys ``m``, ``se``, ``zy`` and
+        optionally ``sez``, ``sz``, ``ssq``."""
         m_s = parts["m"]
         m = m_s.max(dim=0).values
         weight = torch.exp(m_s - m)  # a range that is empty has m_s = -inf: weight 0
@@ -351,6 +362,7 @@ class RowStats:
             target_logit=parts["zy"].sum(dim=0),
             owned=owned,
             sum_logit=parts["sz"].sum(dim=0) if "sz" in parts else None,
+            sum_exp_sq=(parts["ssq"] * weight.square()).sum(dim=0) if "ssq" in parts else None,
         )
 
     def write(self, sl: slice, part: RowStats) -> None:
@@ -367,18 +379,22 @@ class RowStats:
             return self
         m = all_reduce(self.max_logit, "max", group)
         scale = torch.exp(self.max_logit - m)  # 0 for a rank with no rows (max_logit = -inf)
-        parts = [self.sum_exp * scale, torch.where(self.owned, self.target_logit, torch.zeros_like(m))]
-        if self.sum_exp_logit is not None:
-            parts.append(self.sum_exp_logit * scale)
-        if self.sum_logit is not None:
-            parts.append(self.sum_logit)
+        # The optional sums present, rescaled to the global max as Σ exp (Σ exp² by the scale squared).
+        optional = {name: x * factor for name, x, factor in (("sum_exp_logit", self.sum_exp_logit, scale),
+                                                             ("sum_logit", self.sum_logit, 1),
+                                                             ("sum_exp_sq", self.sum_exp_sq, scale.square()))
+                    if x is not None}
+        parts = [self.sum_exp * scale, torch.where(self.owned, self.target_logit, torch.zeros_like(m)),
+                 *optional.values()]
         total = all_reduce(torch.stack(parts), "sum", group)
+        reduced = dict(zip(optional, total[2:], strict=True))
         return RowStats(
             max_logit=m,
             sum_exp=total[0],
             target_logit=total[1],
-            sum_exp_logit=total[2] if self.sum_exp_logit is not None else None,
-            sum_logit=total[-1] if self.sum_logit is not None else None,
+            sum_exp_logit=reduced.get("sum_exp_logit"),
+            sum_logit=reduced.get("sum_logit"),
+            sum_exp_sq=reduced.get("sum_exp_sq"),
             owned=torch.ones_like(self.owned),
         )
 
@@ -387,12 +403,15 @@ class RowStats:
         lse = self.max_logit + torch.log(self.sum_exp)
         sum_pz = None if self.sum_exp_logit is None else self.sum_exp_logit / self.sum_exp
         entropy = None if sum_pz is None else lse - sum_pz
+        # Both sums share max_logit: log Σ p² = log Σ e^(2 (z - m)) - 2 log Σ e^(z - m).
+        log_sum_sq = None if self.sum_exp_sq is None else torch.log(self.sum_exp_sq) - 2 * torch.log(self.sum_exp)
         stats = ChunkStats(
             logp=self.target_logit - lse,
             lse=lse,
             entropy=entropy,
             sum_z=self.sum_logit,
             is_top1=self.target_logit >= self.max_logit,
+            log_sum_sq_probs=log_sum_sq,
         )
         return stats, SavedStats(lse, sum_pz)
 
@@ -498,6 +517,8 @@ class Capabilities:
         distill: its package holds a ``distill`` module that runs the two-head distillation pass
             (:class:`~logitless.ops.distill_contract.DistillBackend`); without one, distillation
             runs the torch backend's (:func:`~logitless.ops.distill_contract.resolve_distill`).
+        sum_sq: its forward computes ``Σ exp(2 (z - max))`` (:attr:`StatRequest.sum_sq`, WPO's
+            ``log Σ p²``); :func:`resolve_backend` refuses a request for it on a backend without.
     """
 
     dtypes: tuple[torch.dtype, ...]
@@ -505,6 +526,7 @@ class Capabilities:
     stores_weight_grad: bool = False
     pairs_weight_grad: bool = False
     distill: bool = False
+    sum_sq: bool = False
 
 
 class Backend(Protocol):
@@ -556,7 +578,8 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) -> Backend:
+def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False,
+                    want: StatRequest | None = None) -> Backend:
     """The backend module that runs a pass over ``hidden`` (its device and dtype).
 
     ``"auto"`` on CUDA with Triton: on Hopper (sm90) the CuTe DSL backend where CUTLASS's CuTe
@@ -568,17 +591,21 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
     torch backend. fp64 inputs always run on the torch backend (no fp64 tensor-core GEMMs to
     gain from); a head adapter under ``"flash"``/``"gemm"``/``"cute"`` runs on the Triton backend
     (those kernels have no low-rank term), as do fp32 inputs under ``"gemm"``/``"cute"`` (their
-    GEMMs are written for 16-bit tensor-core operands).
+    GEMMs are written for 16-bit tensor-core operands). A ``want`` with ``sum_sq`` needs a backend
+    whose :attr:`Capabilities.sum_sq` is set: ``"auto"`` then takes the Triton backend where it
+    would take one without.
 
     Raises:
         ValueError: unknown ``impl``; ``"triton"``/``"flash"``/``"gemm"``/``"cute"`` where Triton cannot
-            run; ``"cute"`` without the CuTe DSL or off a Hopper GPU.
+            run; ``"cute"`` without the CuTe DSL or off a Hopper GPU; ``want.sum_sq`` on a named
+            backend that does not compute it.
     """
     if impl not in ("auto", "torch", "triton", "flash", "gemm", "cute"):
         raise ValueError(f"impl must be 'auto', 'torch', 'triton', 'flash', 'gemm' or 'cute', got {impl!r}")
     if impl == "cute":
         _check_cute(hidden)
-    if impl == "auto":
+    auto = impl == "auto"
+    if auto:
         impl = auto_impl(hidden.device)
     if impl != "torch":
         if not triton_available():
@@ -586,10 +613,16 @@ def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False) ->
         if hidden.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"impl={impl!r} needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {hidden.device}")
     if impl == "torch" or hidden.dtype == torch.float64:
-        return _module("torch")
-    backend = _module(impl)
-    if hidden.dtype not in backend.CAPS.dtypes or (has_lora and not backend.CAPS.lora):
-        return _module("triton")
+        backend = _module("torch")
+    else:
+        backend = _module(impl)
+        if hidden.dtype not in backend.CAPS.dtypes or (has_lora and not backend.CAPS.lora):
+            backend = _module("triton")
+    if want is not None and want.sum_sq and not backend.CAPS.sum_sq:
+        if not auto:
+            raise ValueError(f"impl={impl!r}: the {backend.NAME} backend does not compute log_sum_sq_probs "
+                             "(StatRequest(sum_sq=True), WPO's use_weighting); use impl='auto', 'triton' or 'torch'")
+        backend = _module("triton")
     return backend
 
 

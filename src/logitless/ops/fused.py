@@ -75,7 +75,7 @@ class SoftmaxPass:
              options: PassOptions) -> tuple[SoftmaxPass, torch.Tensor | None]:
         """The pass and the adapter's hidden-side factor ``x`` (differentiable, or ``None``)."""
         local = head.local()
-        backend = resolve_backend(options.impl, hidden, head.lora is not None)
+        backend = resolve_backend(options.impl, hidden, head.lora is not None, spec.want)
         plan = ChunkPlan.make(hidden.shape[0], local.weight.shape[0], options.budget, hidden.dtype, backend.PLAN,
                               options.fp32_logits)
         x = b = None
@@ -116,7 +116,7 @@ class SoftmaxPass:
             return self.backend.chunk_backward(self.head, rows, plan, saved, grads, acc, kept)
 
     def fields_present(self) -> tuple[bool, ...]:
-        return True, True, self.want.entropy, self.want.sum_z, True
+        return True, True, self.want.entropy, self.want.sum_z, True, self.want.sum_sq
 
     def chunk_stats(self, rows: ChunkRows, plan: ChunkPlan,
                     keep_logits: bool) -> tuple[ChunkStats, SavedStats, object | None]:

@@ -39,7 +39,7 @@ from .kernels import TILE_V, launch_forward, z_buffer
 NAME = "cute"
 PLAN = "gemm"  # the same 2-byte kept tile as the GEMM-epilogue backend
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=False)
+                    pairs_weight_grad=True, distill=False, sum_sq=True)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
@@ -56,7 +56,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         owned = (ops.targets >= 0) & (ops.targets < vocab)
         return RowStats.start(n, torch.float32, ops.hidden.device, want, owned), None
     z = z_buffer(n, vocab, ops.hidden.device) if keep_logits and plan.vocab_block >= vocab else None
-    parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z)
+    parts = launch_forward(ops, want, plan.fp32_logits, z)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (ops.targets >= 0) & (ops.targets < vocab)
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)

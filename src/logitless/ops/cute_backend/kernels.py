@@ -3,7 +3,7 @@ warp-specialized WGMMA kernel whose epilogue reduces each ``128 x 256`` tile's r
 softmax partials and, optionally, stores the tile in fp16 centred on its row maxima.
 
 The outputs are those of the Triton GEMM of :mod:`logitless.ops.gemm_backend` (``[tiles, n]``
-partials ``m``, ``se``, ``sez``, ``sz`` and the target logit ``zy``), so the backward's row kernels
+partials ``m``, ``se``, ``sez``, ``sz``, ``ssq`` and the target logit ``zy``), so the backward's row kernels
 (:mod:`logitless.ops.triton_shared.centred`) and :meth:`~logitless.ops.contract.RowStats.combine`
 read them unchanged. The statistics come from the fp32 accumulator.
 
@@ -56,6 +56,7 @@ class KernelKey(NamedTuple):
     dtype: torch.dtype
     want_entropy: bool
     want_sum_z: bool
+    want_sum_sq: bool
     store_z: bool
     has_bias: bool
     has_scale: bool
@@ -80,7 +81,7 @@ class StatsGemm:
     """The kernel for one :class:`KernelKey`. ``__call__`` takes (all with a trailing batch mode of
     1 where noted): ``hidden [n, H, 1]``, ``weight [V, H, 1]`` (16-bit, unit stride along ``H``),
     ``z_out [n, V, 1]`` fp16 or ``None``, ``bias [V]`` fp32 or ``None``, ``targets [n]`` int64,
-    ``parts [k, tiles, n]`` fp32 (``m``, ``se``, then ``sez`` and/or ``sz`` as asked),
+    ``parts [k, tiles, n]`` fp32 (``m``, ``se``, then ``sez``, ``sz``, ``ssq`` as asked),
     ``target_logit [n]`` fp32, the transform's ``(logit_scale, softcap, 1 / temperature)``."""
 
     def __init__(self, key: KernelKey):
@@ -337,11 +338,14 @@ class StatsGemm:
                     se = cutlass.Float32(0.0)
                     sez = cutlass.Float32(0.0)
                     sz = cutlass.Float32(0.0)
+                    ssq = cutlass.Float32(0.0)
                     zy = cutlass.Float32(0.0)
                     for c in cutlass.range_constexpr(cols):
                         z = acc_mn[r, c]
                         e = cute.math.exp2(z * LOG2_E - mx_log2, fastmath=True)
                         se = se + e
+                        if cutlass.const_expr(key.want_sum_sq):  # padding: e = 0, so e² adds nothing
+                            ssq = ssq + e * e
                         if cutlass.const_expr(key.want_entropy or key.want_sum_z):
                             if n0 + crd_mn[r, c][1] < vocab:  # -inf padding: e = 0 but e * z is nan
                                 if cutlass.const_expr(key.want_entropy):
@@ -359,6 +363,8 @@ class StatsGemm:
                             sez = sez + cute.arch.shuffle_sync_bfly(sez, offset=off)
                         if cutlass.const_expr(key.want_sum_z):
                             sz = sz + cute.arch.shuffle_sync_bfly(sz, offset=off)
+                        if cutlass.const_expr(key.want_sum_sq):
+                            ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=off)
                     if lane % 4 == 0 and row < n and tile_ok:
                         mP[0, coord[1], row] = mx
                         mP[1, coord[1], row] = se
@@ -366,6 +372,8 @@ class StatsGemm:
                             mP[2, coord[1], row] = sez
                         if cutlass.const_expr(key.want_sum_z):
                             mP[2 + int(key.want_entropy), coord[1], row] = sz
+                        if cutlass.const_expr(key.want_sum_sq):
+                            mP[2 + int(key.want_entropy) + int(key.want_sum_z), coord[1], row] = ssq
                         if t_col[r] >= 0 and t_col[r] < TILE_V and target[r] < cutlass.Int64(vocab):
                             mZY[row] = zy
                         # A target outside [0, V) gets 0 from the first tile: no zero-filled buffer.
@@ -436,7 +444,7 @@ def z_buffer(n: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.empty((n, -(-vocab // 8) * 8), dtype=torch.float16, device=device)[:, :vocab]
 
 
-def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool,
+def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool,
                    z_out: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight`` (bf16/fp16), and
     optionally the centred fp16 logits: the outputs of
@@ -444,13 +452,15 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
 
     Args:
         ops: :class:`~logitless.ops.triton_shared.tile_gemm.TileOperands` (``targets`` int64).
-        want: ``(entropy, sum_z)``: whether ``sez``/``sz`` are computed.
+        want: ``(entropy, sum_z[, sum_sq])`` (a :class:`~logitless.ops.contract.StatRequest` is one):
+            whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input dtype first).
         z_out: ``[n, V]`` fp16 from :func:`z_buffer`, overwritten with ``z - m`` of each tile; ``None``:
             nothing stored.
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``).
+        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``;
+        ``ssq = Σ exp(2 (z - m))``).
     """
     hidden, weight, bias, targets, transform = ops
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -458,14 +468,15 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1
                              and (z_out.stride(0) * 2) % 16 == 0 and z_out.data_ptr() % 16 == 0)
     tiles = -(-vocab // TILE_V)
-    names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
+    entropy, sum_z, sum_sq = (*want, False)[:3]
+    names = ("m", "se", *(k for k, on in (("sez", entropy), ("sz", sum_z), ("ssq", sum_sq)) if on))
     flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
     out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
     out["zy"] = flat[-n:].view(1, n)
     if n == 0 or vocab == 0:
         return out
     hidden, weight = _aligned(hidden), _aligned(weight)
-    key = KernelKey(hidden.get_device(), hidden.dtype, want[0], want[1], z_out is not None, bias is not None,
+    key = KernelKey(hidden.get_device(), hidden.dtype, entropy, sum_z, sum_sq, z_out is not None, bias is not None,
                     transform.logit_scale != 1.0, transform.softcap is not None, transform.temperature != 1.0,
                     not fp32_logits,
                     # raster_along_m, measured on one H200 (8192 tokens): along the vocabulary for

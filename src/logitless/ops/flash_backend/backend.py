@@ -42,7 +42,7 @@ from .kernels import FlashGrads, flash_config, launch_grad, launch_stats
 NAME = "flash"
 PLAN = "triton"
 # Its tile GEMMs have no low-rank term.
-CAPS = Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), lora=False)
+CAPS = Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), lora=False, sum_sq=True)
 
 
 def _operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor):
@@ -66,8 +66,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     owned = (targets >= 0) & (targets < vocab)
     if n == 0 or vocab == 0:  # nothing to fold: the empty range's statistics
         return RowStats.start(n, torch.float32, hidden.device, want, owned), None
-    parts = launch_stats(hidden, weight, bias, targets, head.transform, want.entropy, want.sum_z,
-                         plan.fp32_logits, flash_config())
+    parts = launch_stats(hidden, weight, bias, targets, head.transform, want, plan.fp32_logits, flash_config())
     return RowStats.combine(parts, owned), None
 
 

@@ -75,7 +75,7 @@ from ..triton_shared.tile_gemm import (
 )
 
 if TYPE_CHECKING:
-    from ..contract import RowCoefficients
+    from ..contract import RowCoefficients, StatRequest
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -203,11 +203,11 @@ def _flash_stats_kernel(
     w_src, stride_wv,  # [V, H] weight (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer), unit stride along H
     bias_ptr,  # [V] or dummy
     tgt_ptr,  # [n] int64 targets (outside [0, V): not in this range)
-    m_ptr, se_ptr, sez_ptr, zy_ptr, sz_ptr,  # [splits, n] fp32 outputs (row stride n)
+    m_ptr, se_ptr, sez_ptr, zy_ptr, sz_ptr, ssq_ptr,  # [splits, n] fp32 outputs (row stride n)
     n, vocab, hidden_size, n_splits,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr, WANT_SUM_SQ: tl.constexpr,
     ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -225,6 +225,7 @@ def _flash_stats_kernel(
     sez = tl.zeros([BLOCK_N], dtype=tl.float32)
     zy = tl.zeros([BLOCK_N], dtype=tl.float32)
     sz = tl.zeros([BLOCK_N], dtype=tl.float32)
+    ssq = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < vocab
@@ -243,6 +244,8 @@ def _flash_stats_kernel(
             sez = sez * alpha + tl.sum(e * z, axis=1)
         if WANT_SUM_Z:
             sz += tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1)
+        if WANT_SUM_SQ:  # Σ e², rescaled by alpha² (the same max, squared)
+            ssq = ssq * (alpha * alpha) + tl.sum(e * e, axis=1)
         m_run = m_new
         # The target's logit is read from the same tile as the sums, so zy >= max is exact at top-1.
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -254,6 +257,8 @@ def _flash_stats_kernel(
         tl.store(sez_ptr + out, sez, mask=row_ok)
     if WANT_SUM_Z:
         tl.store(sz_ptr + out, sz, mask=row_ok)
+    if WANT_SUM_SQ:
+        tl.store(ssq_ptr + out, ssq, mask=row_ok)
 
 
 @triton.jit
@@ -352,7 +357,7 @@ def _launch(kernel, cfg: FlashConfig, tiles: Tiles, n_programs, *args, **constex
 
 
 def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                 transform: LogitTransform, want_entropy: bool, want_sum_z: bool, fp32_logits: bool,
+                 transform: LogitTransform, want: StatRequest, fp32_logits: bool,
                  cfg: FlashConfig) -> dict[str, torch.Tensor]:
     """Per-split partial statistics of ``hidden [n, H]`` against ``weight [V, H]``.
 
@@ -360,21 +365,23 @@ def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         hidden, weight: fp16/bf16/fp32, same dtype, unit stride along ``H``.
         bias: ``[V]`` or ``None``.
         targets: ``[n]`` int64; values outside ``[0, V)`` leave ``zy`` at 0.
+        want: :class:`~logitless.ops.contract.StatRequest`: whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: keep the matmul output in fp32 (else round it to the input dtype first, as
             the plain bf16/fp16 path does; :class:`~logitless.ops.plan.ChunkPlan`).
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[splits, n]`` buffers; for split ``s``,
+        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"]}``: fp32 ``[splits, n]`` buffers; for split ``s``,
         ``m`` is the max logit of its vocabulary range (``-inf`` if the range is empty),
         ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``zy`` the target's logit if it lies
-        in the range (else 0), ``sz = Σ z``.
+        in the range (else 0), ``sz = Σ z``, ``ssq = Σ exp(2 (z - m))``.
     """
     check_operands(hidden, weight)
     n, hidden_size = hidden.shape
     vocab = weight.shape[0]
     t = cfg.tiles("fwd", hidden.dtype)
     splits = cfg.splits(n, vocab, t, hidden.device)
-    names = ("m", "se", "zy") + (("sez",) if want_entropy else ()) + (("sz",) if want_sum_z else ())
+    optional = (("sez", want.entropy), ("sz", want.sum_z), ("ssq", want.sum_sq))
+    names = ("m", "se", "zy", *(k for k, on in optional if on))
     out = {k: torch.empty((splits, n), dtype=torch.float32, device=hidden.device) for k in names}
     scalars, flags = transform_args(transform)
     tma = cfg.tma and tma_ready(hidden, weight)
@@ -382,8 +389,8 @@ def launch_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
             weight.stride(0), hidden if bias is None else bias, targets,
             out["m"], out["se"], out.get("sez", out["se"]), out["zy"], out.get("sz", out["se"]),
-            n, vocab, hidden_size, splits, *scalars,
-            HAS_BIAS=bias is not None, WANT_ENTROPY=want_entropy, WANT_SUM_Z=want_sum_z,
+            out.get("ssq", out["se"]), n, vocab, hidden_size, splits, *scalars,
+            HAS_BIAS=bias is not None, WANT_ENTROPY=want.entropy, WANT_SUM_Z=want.sum_z, WANT_SUM_SQ=want.sum_sq,
             ROUND_Y=not fp32_logits and hidden.dtype != torch.float32,
             EVEN_K=hidden_size % t.block_k == 0 and not cfg.autotune, USE_TMA=tma,
             DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(), **flags)

@@ -49,7 +49,7 @@ NAME = "gemm"
 PLAN = "gemm"
 # Its GEMM is written for 16-bit tensor-core operands and has no low-rank term.
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=True)
+                    pairs_weight_grad=True, distill=True, sum_sq=True)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
@@ -67,7 +67,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         return RowStats.start(n, torch.float32, hidden.device, want, (targets >= 0) & (targets < vocab)), None
     keep = keep_logits and plan.vocab_block >= vocab
     z = torch.empty((n, vocab), dtype=torch.float16, device=hidden.device) if keep else None
-    parts = launch_forward(ops, (want.entropy, want.sum_z), plan.fp32_logits, z, gemm_config())
+    parts = launch_forward(ops, want, plan.fp32_logits, z, gemm_config())
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
     kept = None if z is None else CentredTile(z, parts["m"], gemm_config().fwd.block_v)

@@ -122,13 +122,13 @@ def _epilogue_kernel(
     h_src, stride_hn,  # [n, H] hidden (descriptor of [BLOCK_N, BLOCK_K] blocks, or pointer)
     w_src, stride_wv,  # [V, H] weight (descriptor of [BLOCK_V, BLOCK_K] blocks, or pointer)
     bias_ptr, tgt_ptr,  # [V] or dummy; [n] int64 targets (outside [0, V): not in this range)
-    m_ptr, se_ptr, sez_ptr, sz_ptr,  # [tiles, n] fp32 partials (row stride n)
+    m_ptr, se_ptr, sez_ptr, sz_ptr, ssq_ptr,  # [tiles, n] fp32 partials (row stride n)
     zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it (0 by the first tile: none does)
     z_dst, stride_zn,  # [n, V] fp16 centred logits (descriptor of [BLOCK_N, BLOCK_V] blocks, or pointer) or dummy
     n, vocab, hidden_size,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr, WANT_SUM_SQ: tl.constexpr,
     STORE_Z: tl.constexpr, STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
@@ -168,6 +168,8 @@ def _epilogue_kernel(
             tl.store(sez_ptr + out, tl.sum(e * finite, axis=1) + m * se, mask=row_ok)
         if WANT_SUM_Z:
             tl.store(sz_ptr + out, tl.sum(finite, axis=1) + m * tl.sum(col_ok.to(tl.float32), axis=0), mask=row_ok)
+        if WANT_SUM_SQ:
+            tl.store(ssq_ptr + out, tl.sum(e * e, axis=1), mask=row_ok)
         # The target's logit from the same tile as the maximum: exactly m when it is the largest,
         # so is_top1 is exact.
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
@@ -218,23 +220,24 @@ def _grad_tile_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool, z_out: torch.Tensor | None,
+def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool, z_out: torch.Tensor | None,
                    cfg: GemmConfig) -> dict[str, torch.Tensor]:
     """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight``, and optionally the
     centred fp16 logits.
 
     Args:
         ops: :class:`TileOperands`.
-        want: ``(entropy, sum_z)``: whether ``sez``/``sz`` are computed.
+        want: ``(entropy, sum_z[, sum_sq])`` (a :class:`~logitless.ops.contract.StatRequest` is one):
+            whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input
             dtype first, as the plain path's; :class:`~logitless.ops.plan.ChunkPlan`).
         z_out: ``[n, V]`` fp16 with unit column stride, overwritten with ``z - m`` of each tile;
             ``None``: nothing stored.
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``);
+        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``);
         for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its maximum logit,
-        ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``; ``zy`` the target's
+        ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``, ``ssq = Σ exp(2 (z - m))``; ``zy`` the target's
         logit (0 for a target outside ``[0, V)``).
     """
     hidden, weight, bias, targets, transform = ops
@@ -244,7 +247,8 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1)
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
-    names = ("m", "se") + (("sez",) if want[0] else ()) + (("sz",) if want[1] else ())
+    entropy, sum_z, sum_sq = (*want, False)[:3]
+    names = ("m", "se", *(k for k, on in (("sez", entropy), ("sz", sum_z), ("ssq", sum_sq)) if on))
     # One allocation for every partial, uninitialized (each is a host-side cost while the GPU waits).
     flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
     out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
@@ -261,10 +265,11 @@ def launch_forward(ops: TileOperands, want: tuple[bool, bool], fp32_logits: bool
     _epilogue_kernel[(programs,)](
         operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
         weight.stride(0), hidden if bias is None else bias, targets,
-        out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out["zy"],
+        out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out.get("ssq", out["se"]), out["zy"],
         z_dst, 0 if z_out is None else z_out.stride(0),
         n, vocab, hidden_size, *scalars,
-        HAS_BIAS=bias is not None, WANT_ENTROPY=want[0], WANT_SUM_Z=want[1], STORE_Z=z_out is not None,
+        HAS_BIAS=bias is not None, WANT_ENTROPY=entropy, WANT_SUM_Z=sum_z, WANT_SUM_SQ=sum_sq,
+        STORE_Z=z_out is not None,
         STORE_TMA=store_tma,
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),

@@ -26,7 +26,8 @@ from ..transform import LogitTransform
 
 NAME = "torch"
 PLAN = "torch"
-CAPS = Capabilities(dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.float16), lora=True, distill=True)
+CAPS = Capabilities(dtypes=(torch.float64, torch.float32, torch.bfloat16, torch.float16), lora=True, distill=True,
+                    sum_sq=True)
 
 
 def logits_block(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -76,6 +77,8 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         # In place: one [n, v] temporary beside z (this backend's workspace, plan.workspace_per_element).
         e = (z - new_max[:, None]).exp_()
         st.sum_exp = st.sum_exp * rescale + e.sum(dim=1)
+        if st.sum_exp_sq is not None:  # Σ e², a row-wise dot product: no second [n, v] temporary
+            st.sum_exp_sq = st.sum_exp_sq * rescale.square() + torch.einsum("nv,nv->n", e, e)
         if st.sum_exp_logit is not None:
             st.sum_exp_logit = st.sum_exp_logit * rescale + e.mul_(z).sum(dim=1)
         del e

@@ -41,7 +41,8 @@ from .kernels import KernelConfig, kernel_config, launch_dlogits, launch_stats
 
 NAME = "triton"
 PLAN = "triton"
-CAPS = Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), lora=True, stores_weight_grad=True)
+CAPS = Capabilities(dtypes=(torch.float32, torch.bfloat16, torch.float16), lora=True, stores_weight_grad=True,
+                    sum_sq=True)
 
 
 def _tile(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int, cfg: KernelConfig,

@@ -102,12 +102,12 @@ def _stats_kernel(
     y_ptr, stride_yn,  # [n, width] raw matmul tile
     bias_ptr,  # [V] (indexed from v_start) or dummy
     tgt_ptr,  # [n] int64 targets, vocabulary-global
-    m_ptr, se_ptr, sez_ptr, zy_ptr, sz_ptr,  # [n] fp32 running statistics, updated in place
+    m_ptr, se_ptr, sez_ptr, zy_ptr, sz_ptr, ssq_ptr,  # [n] fp32 running statistics, updated in place
     n, width, v_start,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    WANT_SUM_SQ: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
@@ -120,6 +120,7 @@ def _stats_kernel(
     acc_se = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     acc_sez = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     acc_sz = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    acc_ssq = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     for off in range(0, width, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         col_ok = cols < width
@@ -139,6 +140,8 @@ def _stats_kernel(
             acc_sez = acc_sez * alpha[:, None] + e * z
         if WANT_SUM_Z:
             acc_sz += tl.where(mask, z, 0.0)
+        if WANT_SUM_SQ:  # Σ e², rescaled by alpha² (the same max, squared)
+            acc_ssq = acc_ssq * (alpha * alpha)[:, None] + e * e
         m_run = m_new
     carry = tl.exp(m_old - m_run)  # 0 on the first block (m_old = -inf)
     tl.store(m_ptr + rows, m_run, mask=row_ok)
@@ -150,6 +153,9 @@ def _stats_kernel(
     if WANT_SUM_Z:
         sz_old = tl.load(sz_ptr + rows, mask=row_ok, other=0.0)
         tl.store(sz_ptr + rows, sz_old + tl.sum(acc_sz, axis=1), mask=row_ok)
+    if WANT_SUM_SQ:
+        ssq_old = tl.load(ssq_ptr + rows, mask=row_ok, other=0.0)
+        tl.store(ssq_ptr + rows, ssq_old * (carry * carry) + tl.sum(acc_ssq, axis=1), mask=row_ok)
     # The target's logit: one load of the same tile element, so it agrees with the sums.
     t = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - v_start
     here = row_ok & (t >= 0) & (t < width)
@@ -213,7 +219,7 @@ def _dlogits_kernel(
 
 # restore_value: both kernels update buffers in place, so every trial must start from the same
 # contents (every running statistic, Σz included; the in-place tile of the gradient kernel).
-_RESTORE = {"stats": ["m_ptr", "se_ptr", "sez_ptr", "zy_ptr", "sz_ptr"], "dlogits": ["y_ptr"]}
+_RESTORE = {"stats": ["m_ptr", "se_ptr", "sez_ptr", "zy_ptr", "sz_ptr", "ssq_ptr"], "dlogits": ["y_ptr"]}
 
 
 @functools.cache
@@ -252,19 +258,19 @@ def launch_stats(tile: torch.Tensor, bias: torch.Tensor | None, targets: torch.T
         targets: ``[n]`` int64 local indices; rows whose target is outside
             ``[v_start, v_start + v)`` keep their ``target_logit``.
         st: :class:`~logitless.ops.contract.RowStats` of ``[n]`` fp32 contiguous tensors
-            (``sum_exp_logit``/``sum_logit`` ``None``: not computed), updated in place.
+            (``sum_exp_logit``/``sum_logit``/``sum_exp_sq`` ``None``: not computed), updated in place.
     """
     n, width = tile.shape
     assert tile.stride(1) == 1 and st.max_logit.dtype == torch.float32 and targets.dtype == torch.int64
     if n == 0:
         return
     scalars, flags = transform_args(transform)
-    se, sez, sz = st.sum_exp, st.sum_exp_logit, st.sum_logit
+    se, sez, sz, ssq = st.sum_exp, st.sum_exp_logit, st.sum_logit, st.sum_exp_sq
     _launch("stats", cfg, n, cfg.stats_rows, cfg.stats_block_v, cfg.stats_warps,
             tile, tile.stride(0), tile if bias is None else bias, targets,
-            st.max_logit, se, se if sez is None else sez, st.target_logit, se if sz is None else sz, n, width,
-            v_start, *scalars, HAS_BIAS=bias is not None, WANT_ENTROPY=sez is not None, WANT_SUM_Z=sz is not None,
-            **flags)
+            st.max_logit, se, se if sez is None else sez, st.target_logit, se if sz is None else sz,
+            se if ssq is None else ssq, n, width, v_start, *scalars, HAS_BIAS=bias is not None,
+            WANT_ENTROPY=sez is not None, WANT_SUM_Z=sz is not None, WANT_SUM_SQ=ssq is not None, **flags)
 
 
 def launch_dlogits(tile: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
