@@ -71,7 +71,7 @@ if [ "${SKIP_PYTEST:-0}" != "1" ]; then
     # The GPU tests (marked cuda) and the kernel test modules, whose interpreter cases run in a
     # child process there; modules that need TRL or the reference cache are left to CPU CI.
     step "2. GPU tests + kernel modules (limit ${PYTEST_S}s)"
-    timeout "$PYTEST_S" python3 -m pytest -q -p no:cacheprovider \
+    timeout "$PYTEST_S" python3 -m pytest -q -p no:cacheprovider --disable-warnings -rs \
         tests/test_gpu.py tests/test_gemm_backend.py tests/test_triton_backend.py tests/test_flash_backend.py \
         tests/test_weight_grad_kernels.py tests/test_zero_rows.py tests/test_preference_fused.py tests/test_backward_scale.py \
         tests/test_distill_gemm.py tests/test_cute_backend.py tests/test_host_syncs.py tests/test_sum_sq.py \

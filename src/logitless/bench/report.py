@@ -116,7 +116,7 @@ def _run_section(run: dict[str, Any]) -> list[str]:
         if not names:
             continue
         by = {(c_i, r["row"]): r for c_i, c in enumerate(cases) for r in c["results"] if r["objective"] == objective}
-        in_step = ("; in a step: each call queued behind 10 ms of GPU work, as a training step calls its "
+        in_step = ("; in a step: each call queued behind 10 ms of GEMMs, as a training step calls its "
                    "head (only host work after a read of the device idles the GPU), over the floor timed so"
                    if any("in_step_ratio" in r for r in by.values()) else "")
         lines += [f"### {OBJECTIVE_TITLES.get(objective, objective)}", "",

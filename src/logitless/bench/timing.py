@@ -78,21 +78,21 @@ STEP_AHEAD_MS = 10.0
 
 
 def time_in_step(step: Callable[[], object], reset: Callable[[], None], device: torch.device,
-                 reps: int = 5) -> Timing | None:
-    """Time ``step`` (already warmed up) queued behind :data:`STEP_AHEAD_MS` of GPU work, from
-    the end of that work to the end of the call's: the host prepares the call while the GPU is
-    busy, as in a training step, so only host work after a read of the device (which waits for
-    the queue) leaves the GPU idle. ``None`` off CUDA."""
+                 reps: int = 10) -> Timing | None:
+    """Time ``step`` (already warmed up) queued behind :data:`STEP_AHEAD_MS` of bf16 GEMMs, from
+    the end of those to the end of the call: the host prepares the call while the GPU computes, as
+    in a training step, so only host work after a read of the device (which waits for the queue)
+    leaves the GPU idle. GEMMs rather than an idle wait keep the GPU at a computing clock, as a
+    forward pass does. ``None`` off CUDA."""
     if device.type != "cuda":
         return None
-    cycles = int(_cycles_per_ms(device.index if device.index is not None else torch.cuda.current_device())
-                 * STEP_AHEAD_MS)
+    ahead = _step_ahead(device.index if device.index is not None else torch.cuda.current_device())
     times: list[float] = []
     for _ in range(reps):
         reset()
         synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)
+        ahead()
         start.record()
         step()
         end.record()
@@ -102,16 +102,27 @@ def time_in_step(step: Callable[[], object], reset: Callable[[], None], device: 
 
 
 @functools.cache
-def _cycles_per_ms(index: int) -> float:
-    """Clock cycles a millisecond of ``torch.cuda._sleep`` spins on GPU ``index`` (measured once)."""
+def _step_ahead(index: int) -> Callable[[], None]:
+    """Enqueues about :data:`STEP_AHEAD_MS` of 4096-cubed bf16 GEMMs on GPU ``index`` (their count
+    measured once)."""
     with torch.cuda.device(index):
-        torch.cuda._sleep(1_000_000)  # warm-up
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(a)
+        for _ in range(3):
+            torch.mm(a, a, out=out)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.cuda._sleep(10_000_000)
+        for _ in range(10):
+            torch.mm(a, a, out=out)
         end.record()
         end.synchronize()
-        return 10_000_000 / start.elapsed_time(end)
+        count = max(1, math.ceil(STEP_AHEAD_MS / (start.elapsed_time(end) / 10)))
+
+    def ahead() -> None:
+        for _ in range(count):
+            torch.mm(a, a, out=out)
+
+    return ahead
 
 
 def peak_bytes(step: Callable[[], object], reset: Callable[[], None], device: torch.device) -> int | None:
