@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..settings import on_reload, settings
 from ..transform import LogitTransform
-from ..triton_shared.common import interpreting, raw_grad, to_logits, transform_args
+from ..triton_shared.common import interpreting, raw_grad, row_coefficients, row_dz, to_logits, transform_args
 
 if TYPE_CHECKING:
     from ..contract import RowCoefficients, RowStats
@@ -183,16 +183,9 @@ def _dlogits_kernel(
     row = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + row * stride_yn
     dy_row = dy_ptr + row * stride_dyn
-    lse = tl.load(lse_ptr + row)
-    coef = tl.load(coef_ptr + row)  # g_lse - g_logp
-    if HAS_ENTROPY:
-        g_ent = tl.load(g_ent_ptr + row)
-        c = tl.load(sum_pz_ptr + row)
-    if HAS_LOGP:
-        g_logp = tl.load(g_logp_ptr + row)
-        t = tl.load(tgt_ptr + row) - v_start
-    if HAS_SUM_Z:
-        g_sz = tl.load(g_sz_ptr + row)
+    lse, coef, g_ent, c, g_logp, t, g_sz = row_coefficients(
+        row, tgt_ptr, v_start, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
+        HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
     for off in range(0, width, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < width
@@ -200,15 +193,7 @@ def _dlogits_kernel(
         if HAS_BIAS:
             y += tl.load(bias_ptr + v_start + cols, mask=mask, other=0.0).to(tl.float32)
         z = to_logits(y, logit_scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-        p = tl.exp(z - lse)
-        if HAS_ENTROPY:
-            dz = p * (coef - g_ent * (z - c))
-        else:
-            dz = p * coef
-        if HAS_SUM_Z:
-            dz += g_sz
-        if HAS_LOGP:
-            dz += tl.where(cols == t, g_logp, 0.0)
+        dz = row_dz(z, cols, lse, coef, g_ent, c, g_logp, t, g_sz, HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
         dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)
         tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
         if NARROWING:

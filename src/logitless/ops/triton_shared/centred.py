@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..transform import LogitTransform
-from .common import interpreting, raw_grad, transform_args
+from .common import interpreting, raw_grad, row_coefficients, row_dz, transform_args
 from .tile_gemm import tile_dz
 
 if TYPE_CHECKING:
@@ -76,31 +76,16 @@ def _centred_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_zn
     dy_row = dy_ptr + row * stride_dyn
-    lse = tl.load(lse_ptr + row)
-    coef = tl.load(coef_ptr + row)  # g_lse - g_logp
-    if HAS_ENTROPY:
-        g_ent = tl.load(g_ent_ptr + row)
-        c = tl.load(sum_pz_ptr + row)
-    if HAS_LOGP:
-        g_logp = tl.load(g_logp_ptr + row)
-        t = tl.load(tgt_ptr + row) - v_start
-    if HAS_SUM_Z:
-        g_sz = tl.load(g_sz_ptr + row)
+    lse, coef, g_ent, c, g_logp, t, g_sz = row_coefficients(
+        row, tgt_ptr, v_start, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
+        HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
     for off in range(0, width, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < width
         # One tile maximum per TILE_V columns: a broadcast load from cache.
         m = tl.load(m_ptr + (cols // TILE_V) * n + row, mask=mask, other=0.0)
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32) + m
-        p = tl.exp(z - lse)
-        if HAS_ENTROPY:
-            dz = p * (coef - g_ent * (z - c))
-        else:
-            dz = p * coef
-        if HAS_SUM_Z:
-            dz += g_sz
-        if HAS_LOGP:
-            dz += tl.where(cols == t, g_logp, 0.0)
+        dz = row_dz(z, cols, lse, coef, g_ent, c, g_logp, t, g_sz, HAS_LOGP, HAS_ENTROPY, HAS_SUM_Z)
         # An entry stored as -inf (more than 65504 below its tile's maximum) has p = 0; only the
         # softcap's chain rule would see z = -inf, and a softcap bounds |z| far below that.
         dy = raw_grad(dz, z, logit_scale, softcap, temperature, HAS_SOFTCAP, HAS_FACTOR)

@@ -53,3 +53,44 @@ def raw_grad(dz, z, logit_scale, softcap, temperature,
     if HAS_FACTOR:
         dz = dz * (logit_scale / temperature)
     return dz
+
+
+@triton.jit
+def row_coefficients(row, tgt_ptr, v_start, lse_ptr, sum_pz_ptr, coef_ptr, g_logp_ptr, g_ent_ptr, g_sz_ptr,
+                     HAS_LOGP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr):
+    """One row's ``(lse, coef, g_entropy, sum_pz, g_logp, target column, g_sum_z)`` for
+    :func:`row_dz` (the target relative to ``v_start``; what a flag leaves out is 0, never read)."""
+    lse = tl.load(lse_ptr + row)
+    coef = tl.load(coef_ptr + row)  # g_lse - g_logp
+    g_ent = 0.0
+    c = 0.0
+    g_logp = 0.0
+    t = 0
+    g_sz = 0.0
+    if HAS_ENTROPY:
+        g_ent = tl.load(g_ent_ptr + row)
+        c = tl.load(sum_pz_ptr + row)
+    if HAS_LOGP:
+        g_logp = tl.load(g_logp_ptr + row)
+        t = tl.load(tgt_ptr + row) - v_start
+    if HAS_SUM_Z:
+        g_sz = tl.load(g_sz_ptr + row)
+    return lse, coef, g_ent, c, g_logp, t, g_sz
+
+
+@triton.jit
+def row_dz(z, cols, lse, coef, g_ent, c, g_logp, t, g_sz,
+           HAS_LOGP: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_SUM_Z: tl.constexpr):
+    """``dL/dz`` of one row's logits ``z`` at columns ``cols`` (:mod:`logitless.ops.contract`):
+    ``p (coef - g_entropy (z - sum_pz)) + g_sum_z + g_logp [v == y]`` with ``p = exp(z - lse)``,
+    from :func:`row_coefficients`."""
+    p = tl.exp(z - lse)
+    if HAS_ENTROPY:
+        dz = p * (coef - g_ent * (z - c))
+    else:
+        dz = p * coef
+    if HAS_SUM_Z:
+        dz += g_sz
+    if HAS_LOGP:
+        dz += tl.where(cols == t, g_logp, 0.0)
+    return dz
