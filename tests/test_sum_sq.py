@@ -128,3 +128,18 @@ def test_a_backend_without_the_statistic_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"impl='torch': the torch backend does not compute log_sum_sq_probs"):
         resolve_backend("torch", h, want=StatRequest(sum_sq=True))
     assert resolve_backend("torch", h, want=StatRequest(sum_z=True)) is torch_backend
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="resolves Triton backends for CPU tensors: TRITON_INTERPRET=1 (CPU CI)")
+def test_auto_takes_a_backend_with_the_statistic(monkeypatch):
+    """Where ``impl="auto"`` would take a backend without ``sum_sq`` (patched away here from the
+    gemm backend), a request for the statistic runs on the Triton backend instead of failing."""
+    from logitless.ops import contract
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    from logitless.ops.triton_backend import backend as triton_backend
+
+    monkeypatch.setattr(contract, "auto_impl", lambda device: "gemm")
+    monkeypatch.setattr(gemm_backend, "CAPS", dataclasses.replace(gemm_backend.CAPS, sum_sq=False))
+    h = torch.randn(2, 3).bfloat16()
+    assert resolve_backend("auto", h, want=StatRequest(sum_sq=True)) is triton_backend
+    assert resolve_backend("auto", h, want=StatRequest(sum_z=True)) is gemm_backend
