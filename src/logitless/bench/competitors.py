@@ -436,8 +436,11 @@ def distill_logitless(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
         loss, _ = logitless.distill_loss(h2, x.weight, th, tw, config=cfg, options=options)
         return _train_outputs(loss)
 
-    name = _impl_name(impl, x.hidden.device)
-    return Prepared(step, name if name == "gemm" else "torch")
+    from ..ops.distill_contract import resolve_distill
+
+    # The backend whose distillation kernels run (the CuTe backend has none: the gemm one's then).
+    kernels = resolve_distill(impl, x.hidden.detach(), th, 0)
+    return Prepared(step, kernels.__name__.split(".")[-2].removesuffix("_backend"))
 
 
 def distill_trl_chunked(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
