@@ -14,6 +14,7 @@ import sys
 import torch
 
 from logitless.bench.cases import make_inputs, parse_shape
+from logitless.ops.contract import StatRequest
 from logitless.ops.cute_backend import kernels as cute_kernels
 from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
@@ -49,8 +50,8 @@ def case_line(text: str, dev: torch.device) -> str:
     tile = cute_kernels.z_buffer(hidden.shape[0], case.vocab_size, dev)
     cublas = bench(lambda: torch.mm(ops.hidden, ops.weight.t(), out=logits))
     rows = {
-        "triton": lambda z: launch_forward(ops, (True, False), True, z, gemm_config()),
-        "cute": lambda z: cute_kernels.launch_forward(ops, (True, False), True, z),
+        "triton": lambda z: launch_forward(ops, StatRequest(), True, z, gemm_config()),
+        "cute": lambda z: cute_kernels.launch_forward(ops, StatRequest(), True, z),
     }
     line = f"{text}: cuBLAS {cublas:.3f} ms"
     for name, run in rows.items():

@@ -72,9 +72,9 @@ def main() -> None:
         name = (f"epilogue {t.block_n}x{t.block_v}x{t.block_k} w{t.warps} s{t.stages} x{per_sm}/SM g{group}"
                 f"{' warp-specialized' if ws else ''}")
         try:
-            a = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, None, cfg))
+            a = do_bench(lambda cfg=cfg: launch_forward(ops, StatRequest(), True, None, cfg))
             # (warp specialization applies to the statistics-only launch alone)
-            b = do_bench(lambda cfg=cfg: launch_forward(ops, (True, False), True, z, cfg))
+            b = do_bench(lambda cfg=cfg: launch_forward(ops, StatRequest(), True, z, cfg))
         except Exception as e:  # a variant that does not compile or fit is reported and skipped
             print(f"{name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             continue
@@ -84,7 +84,7 @@ def main() -> None:
         if b < best[0]:
             best = (b, cfg)
     cfg = best[1]
-    parts = launch_forward(ops, (True, False), True, z, cfg)
+    parts = launch_forward(ops, StatRequest(), True, z, cfg)
     m = parts["m"]
     stats, saved = RowStats.combine(parts, torch.ones(n, dtype=torch.bool, device="cuda")).finalize()
     lse, sum_pz = stats.lse, saved.sum_pz

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from logitless.ops.contract import resolve_backend
+from logitless.ops.contract import StatRequest, resolve_backend
 
 
 def per_call(fn, n: int = 200) -> float:
@@ -54,7 +54,7 @@ tgt = torch.randint(0, 128256, (8192,), device="cuda")
 ops = TileOperands(x, w, None, tgt, LogitTransform())
 cfg = gemm_config()
 launches = {
-    "launch_forward stats (async)": lambda: launch_forward(ops, (True, False), True, None, cfg),
+    "launch_forward stats (async)": lambda: launch_forward(ops, StatRequest(), True, None, cfg),
     "TensorDescriptor.from_tensor": lambda: TensorDescriptor.from_tensor(w, [256, 64]),
     "torch.empty [501, 8192] f32": lambda: torch.empty((501, 8192), dtype=torch.float32, device="cuda"),
 }

@@ -27,6 +27,7 @@ from logitless.bench.batches import group_inputs, is_group_objective
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import Prepared, rows_of
 from logitless.bench.timing import time_step
+from logitless.ops.contract import StatRequest
 from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
 from logitless.ops.triton_shared.tile_gemm import TileOperands
@@ -147,7 +148,7 @@ def main() -> None:
     if "kernel" in names:  # the statistics GEMM alone, as a rollout launches it
         h2, y = x.hidden.detach().reshape(-1, case.hidden_size), x.targets.reshape(-1)
         ops = TileOperands(h2, x.weight.detach(), None, y, LogitTransform())
-        rows.append(("kernel", Prepared(lambda: launch_forward(ops, (True, False), True, None, gemm_config()))))
+        rows.append(("kernel", Prepared(lambda: launch_forward(ops, StatRequest(), True, None, gemm_config()))))
     for name, prepared in rows:
         for _ in range(3):
             reset()

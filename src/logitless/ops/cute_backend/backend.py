@@ -80,7 +80,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
         if tile is None:
             local = ops.block(block)
             z = z_buffer(hidden.shape[0], block.stop - block.start, hidden.device)
-            tile = CentredTile(z, launch_forward(local, (False, False), plan.fp32_logits, z)["m"], TILE_V)
+            tile = CentredTile(z, launch_forward(local, StatRequest(entropy=False), plan.fp32_logits, z)["m"], TILE_V)
         dy = tile_dy(tile, hidden.dtype, targets, block.start, head.transform, rc)
         grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
         del dy, tile

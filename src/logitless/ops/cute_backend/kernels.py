@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -42,6 +42,9 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ..triton_shared.tile_gemm import TileOperands
+
+if TYPE_CHECKING:
+    from ..contract import StatRequest
 
 LOG2_E = 1.4426950408889634
 TILE_N, TILE_V = 128, 256  # token rows x vocabulary entries of one CTA tile
@@ -444,7 +447,7 @@ def z_buffer(n: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.empty((n, -(-vocab // 8) * 8), dtype=torch.float16, device=device)[:, :vocab]
 
 
-def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool,
+def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
                    z_out: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight`` (bf16/fp16), and
     optionally the centred fp16 logits: the outputs of
@@ -452,8 +455,7 @@ def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool,
 
     Args:
         ops: :class:`~logitless.ops.triton_shared.tile_gemm.TileOperands` (``targets`` int64).
-        want: ``(entropy, sum_z[, sum_sq])`` (a :class:`~logitless.ops.contract.StatRequest` is one):
-            whether ``sez``/``sz``/``ssq`` are computed.
+        want: :class:`~logitless.ops.contract.StatRequest`: whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input dtype first).
         z_out: ``[n, V]`` fp16 from :func:`z_buffer`, overwritten with ``z - m`` of each tile; ``None``:
             nothing stored.
@@ -468,7 +470,7 @@ def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool,
     assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1
                              and (z_out.stride(0) * 2) % 16 == 0 and z_out.data_ptr() % 16 == 0)
     tiles = -(-vocab // TILE_V)
-    entropy, sum_z, sum_sq = (*want, False)[:3]
+    entropy, sum_z, sum_sq = want
     names = ("m", "se", *(k for k, on in (("sez", entropy), ("sz", sum_z), ("ssq", sum_sq)) if on))
     flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
     out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))

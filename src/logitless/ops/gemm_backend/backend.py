@@ -104,5 +104,5 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
 def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: GemmConfig) -> CentredTile:
     """The centred fp16 logits of vocabulary rows ``block`` for a backward (statistics discarded)."""
     z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
-    parts = launch_forward(ops.block(block), (False, False), fp32_logits, z, cfg)
+    parts = launch_forward(ops.block(block), StatRequest(entropy=False), fp32_logits, z, cfg)
     return CentredTile(z, parts["m"], cfg.fwd.block_v)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..contract import Accumulators, LocalHead
+from ..contract import Accumulators, LocalHead, StatRequest
 from ..distill_contract import (
     DistillGrads,
     DistillHeads,
@@ -75,7 +75,7 @@ def _tile(ops: TileOperands, fp32_logits: bool, cfg: GemmConfig,
     """One head's launch over ``ops``' rows: its ``[tiles, n]`` partials and stored tile (``store``)."""
     n, width = ops.hidden.shape[0], ops.weight.shape[0]
     z = torch.empty((n, width), dtype=torch.float16, device=ops.hidden.device) if store else None
-    parts = launch_forward(ops, (True, False), fp32_logits, z, cfg)
+    parts = launch_forward(ops, StatRequest(), fp32_logits, z, cfg)
     return parts, None if z is None else CentredTile(z, parts["m"], cfg.fwd.block_v)
 
 

@@ -49,7 +49,7 @@ from ..triton_shared.tile_gemm import (
 )
 
 if TYPE_CHECKING:
-    from ..contract import RowCoefficients
+    from ..contract import RowCoefficients, StatRequest
 
 # ---------------------------------------------------------------------------------------------
 # Launch configs
@@ -220,15 +220,14 @@ def _grad_tile_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool, z_out: torch.Tensor | None,
+def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool, z_out: torch.Tensor | None,
                    cfg: GemmConfig) -> dict[str, torch.Tensor]:
     """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight``, and optionally the
     centred fp16 logits.
 
     Args:
         ops: :class:`TileOperands`.
-        want: ``(entropy, sum_z[, sum_sq])`` (a :class:`~logitless.ops.contract.StatRequest` is one):
-            whether ``sez``/``sz``/``ssq`` are computed.
+        want: :class:`~logitless.ops.contract.StatRequest`: whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input
             dtype first, as the plain path's; :class:`~logitless.ops.plan.ChunkPlan`).
         z_out: ``[n, V]`` fp16 with unit column stride, overwritten with ``z - m`` of each tile;
@@ -247,8 +246,7 @@ def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool,
     assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1)
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
-    entropy, sum_z, sum_sq = (*want, False)[:3]
-    names = ("m", "se", *(k for k, on in (("sez", entropy), ("sz", sum_z), ("ssq", sum_sq)) if on))
+    names = ("m", "se", *(k for k, on in (("sez", want.entropy), ("sz", want.sum_z), ("ssq", want.sum_sq)) if on))
     # One allocation for every partial, uninitialized (each is a host-side cost while the GPU waits).
     flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
     out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
@@ -268,7 +266,7 @@ def launch_forward(ops: TileOperands, want: tuple[bool, ...], fp32_logits: bool,
         out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out.get("ssq", out["se"]), out["zy"],
         z_dst, 0 if z_out is None else z_out.stride(0),
         n, vocab, hidden_size, *scalars,
-        HAS_BIAS=bias is not None, WANT_ENTROPY=entropy, WANT_SUM_Z=sum_z, WANT_SUM_SQ=sum_sq,
+        HAS_BIAS=bias is not None, WANT_ENTROPY=want.entropy, WANT_SUM_Z=want.sum_z, WANT_SUM_SQ=want.sum_sq,
         STORE_Z=z_out is not None,
         STORE_TMA=store_tma,
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
