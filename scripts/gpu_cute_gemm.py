@@ -1,7 +1,7 @@
 """The statistics GEMMs alone (GPU only, sm90, with the CuTe DSL importable): cuBLAS's bf16 logits
-GEMM, the Triton epilogue GEMM (statistics, + the stored fp16 tile) and the CuTe DSL one, each as
-a ratio to cuBLAS's time in the same run, and the CuTe GEMM's ``lse``/target logit against the
-Triton one's (max abs, nats).
+GEMM, the Triton epilogue GEMM (statistics, + the stored fp16 tile) and the CuTe DSL one (each of its
+schedules), each as a ratio to cuBLAS's time in the same run, and
+the CuTe GEMM's ``lse``/target logit against the Triton one's (max abs, nats).
 
     python3 scripts/gpu_cute_gemm.py [SHAPE ...]     # default 8k:llama3-8b 8k:gemma2-2b 8k:qwen2.5-7b
 """
@@ -21,18 +21,22 @@ from logitless.ops.transform import LogitTransform
 from logitless.ops.triton_shared.tile_gemm import TileOperands
 
 
-def bench(fn, reps: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def bench(fns: dict, rounds: int = 25) -> dict[str, float]:
+    """Median ms of each of ``fns``, timed round-robin (one call of each a round), so the GPU's clock
+    drift over the run falls on every function alike."""
+    for fn in fns.values():
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def lse(parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -48,18 +52,27 @@ def case_line(text: str, dev: torch.device) -> str:
                        LogitTransform())
     logits = torch.empty(hidden.shape[0], case.vocab_size, device=dev, dtype=torch.bfloat16)
     tile = cute_kernels.z_buffer(hidden.shape[0], case.vocab_size, dev)
-    cublas = bench(lambda: torch.mm(ops.hidden, ops.weight.t(), out=logits))
-    rows = {
-        "triton": lambda z: launch_forward(ops, StatRequest(), True, z, gemm_config()),
-        "cute": lambda z: cute_kernels.launch_forward(ops, StatRequest(), True, z),
-    }
-    line = f"{text}: cuBLAS {cublas:.3f} ms"
+    rows = {"triton": lambda z: launch_forward(ops, StatRequest(), True, z, gemm_config())}
+    for schedule in SCHEDULES:
+        rows[f"cute-{schedule}"] = lambda z, schedule=schedule: cute_kernels.launch_forward(
+            ops, StatRequest(), True, z, schedule == "pingpong")
+    fns = {"cuBLAS": lambda: torch.mm(ops.hidden, ops.weight.t(), out=logits)}
     for name, run in rows.items():
-        alone, stored = bench(lambda run=run: run(None)), bench(lambda run=run: run(tile))
-        line += f" | {name} {alone / cublas:.3f}x, + tile {stored / cublas:.3f}x"
-    ref, got = rows["triton"](None), rows["cute"](None)
-    return line + (f" | cute - triton: lse {(lse(got) - lse(ref)).abs().max().item():.1e},"
-                   f" target logit {(got['zy'] - ref['zy']).abs().max().item():.1e}")
+        fns[name] = lambda run=run: run(None)
+        fns[f"{name} + tile"] = lambda run=run: run(tile)
+    ms = bench(fns)
+    line = f"{text}: cuBLAS {ms['cuBLAS']:.3f} ms"
+    for name in rows:
+        line += f" | {name} {ms[name] / ms['cuBLAS']:.3f}x, + tile {ms[name + ' + tile'] / ms['cuBLAS']:.3f}x"
+    ref = rows["triton"](None)
+    for schedule in SCHEDULES:
+        got = rows[f"cute-{schedule}"](None)
+        line += (f"\n  cute-{schedule} - triton: lse {(lse(got) - lse(ref)).abs().max().item():.1e},"
+                 f" target logit {(got['zy'] - ref['zy']).abs().max().item():.1e}")
+    return line
+
+
+SCHEDULES = ("cooperative", "pingpong")
 
 
 def main() -> None:

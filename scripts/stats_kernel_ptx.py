@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import os
 import re
 import tempfile
@@ -89,12 +90,14 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
     fields = K.KernelKey._fields
     if "want_sum_sq" not in fields and want_sum_sq:
         return
-    for store_z in (False, True):
+    for store_z, schedule in itertools.product((False, True), getattr(K, "SCHEDULES", (None,))):
         key = dict(device=0, dtype=torch.bfloat16, want_entropy=True, want_sum_z=False, store_z=store_z,
                    has_bias=False, has_scale=False, has_softcap=False, has_temperature=False, round_y=False,
                    raster_along_m=False)
         if "want_sum_sq" in fields:
             key["want_sum_sq"] = want_sum_sq
+        if schedule is not None:
+            key["schedule"] = schedule
         n, h, v, tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
         row = cute.sym_int(divisibility=8)
         parts = 3 + want_sum_sq
@@ -112,7 +115,8 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
                      fake(cutlass.Float32, (n,), (1,), 4),
                      (cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0)), 132, make_fake_stream())
         (ptx,) = dump.glob("*.ptx")
-        print(f"cute.StatsGemm[store_z={store_z}]", f"sum_sq={want_sum_sq}", *digest(ptx.read_text()))
+        named = [f"schedule={schedule}"] if schedule else []
+        print(f"cute.StatsGemm[store_z={store_z}]", f"sum_sq={want_sum_sq}", *named, *digest(ptx.read_text()))
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ CuTe kernels cannot run on a CPU: the ``cuda``-marked cases are skipped without 
 CuTe DSL (``scripts/gpu_check.sh`` stages it), the refusals run in CI. The shapes leave a 44-row tail
 of the 128-row tile, a 232-entry tail of the 256-wide vocabulary tile, and a hidden size that is not
 a multiple of 8 (operands padded for TMA). Errors are bounded by the torch backend's own:
-``|ours - fp64| <= |torch - fp64| + tol``.
+``|ours - fp64| <= |torch - fp64| + tol``. The kernel's two schedules (cooperative, ping-pong)
+are compared on a grid with more tiles than CTAs, so each CTA's two warpgroups take turns.
 """
 
 from __future__ import annotations
@@ -143,6 +144,37 @@ def test_chunk_forward(dtype, transform_key, hidden_size, optional):
     centred = z64 - m64.t()[:, tile_of]
     assert torch.all(kept.z.double() <= 0)
     assert torch.all((kept.z.double() - centred).abs() <= centred.abs() * 2**-10 + 1e-4)
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.cuda
+@on_hopper
+def test_schedules_agree(store):
+    """The cooperative and ping-pong schedules run the same per-tile arithmetic: equal bits in every
+    output, on 2000 x 20000 logits (1000+ tiles: every CTA runs several, each warpgroup its turns, and
+    the row and vocabulary tails), and ``lse`` within fp32 rounding of float64."""
+    from logitless.ops.contract import StatRequest
+    from logitless.ops.cute_backend import kernels
+    from logitless.ops.triton_shared.tile_gemm import TileOperands
+
+    n, vocab, hidden_size = 2000, 20000, 136
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(n, hidden_size, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(vocab, hidden_size, generator=g) * 2 / hidden_size**0.5).to(torch.bfloat16).cuda()
+    t = torch.randint(0, vocab, (n,), generator=g).cuda()
+    ops = TileOperands(h, w, None, t, LogitTransform())
+    want = StatRequest(entropy=True, sum_z=True, sum_sq=True)
+    outs = []
+    for pingpong in (False, True):
+        z = kernels.z_buffer(n, vocab, h.device) if store else None
+        outs.append((kernels.launch_forward(ops, want, True, z, pingpong), z))
+    (coop, z_coop), (pp, z_pp) = outs
+    assert coop.keys() == pp.keys() and all(torch.equal(coop[k], pp[k]) for k in coop)
+    assert not store or torch.equal(z_coop, z_pp)
+    m = coop["m"].max(0).values
+    lse = m + torch.log((coop["se"] * torch.exp(coop["m"] - m)).sum(0))
+    lse64 = torch.logsumexp(h.double() @ w.double().t(), 1)
+    torch.testing.assert_close(lse.double(), lse64, rtol=0, atol=5e-5)
 
 
 # Each statistic's gradient alone and all together, kept logits and recomputed vocabulary blocks

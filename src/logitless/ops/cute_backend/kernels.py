@@ -1,6 +1,6 @@
 """The CuTe DSL statistics GEMM (Hopper, sm90): ``y = hidden @ weight.T`` in a persistent,
-warp-specialized WGMMA kernel whose epilogue reduces each ``128 x 256`` tile's rows to their
-softmax partials and, optionally, stores the tile in fp16 centred on its row maxima.
+warp-specialized WGMMA kernel whose epilogue reduces each tile's rows to their softmax partials
+over its 256 vocabulary entries and, optionally, stores the tile in fp16 centred on its row maxima.
 
 The outputs are those of the Triton GEMM of :mod:`logitless.ops.gemm_backend` (``[tiles, n]``
 partials ``m``, ``se``, ``sez``, ``sz``, ``ssq`` and the target logit ``zy``), so the backward's row kernels
@@ -9,7 +9,14 @@ read them unchanged. The statistics come from the fp32 accumulator.
 
 * One producer warp issues TMA loads of ``hidden``/``weight`` blocks into a ring of shared-memory
   stages (multicast of the weight block across a cluster of two CTAs along the tokens); two
-  consumer warpgroups run the WGMMAs, each on 64 of the tile's 128 rows, then the epilogue.
+  consumer warpgroups run the WGMMAs and the epilogue, on one of two schedules (see
+  :data:`PINGPONG_STORING`):
+
+  - cooperative: both on one ``128 x 256`` tile, 64 rows each; the tensor cores idle during the
+    epilogue while the producer fills the ring;
+  - ping-pong (CUTLASS's ``KernelTmaWarpSpecializedPingpong``): each warpgroup on its own
+    ``64 x 256`` tile, alternate tiles of the schedule; named barriers give them turns at the main
+    loop and at the epilogue, so one's epilogue runs under the other's main loop.
 * Epilogue: the WGMMA accumulator gives each thread 2 rows x 64 columns of the tile; each row's
   maximum and sums are reduced over the thread's columns, then across the 4 threads that share the
   row (two butterfly shuffles). The targets are read before the main loop, so their latency hides.
@@ -18,7 +25,8 @@ read them unchanged. The statistics come from the fp32 accumulator.
 
 Adapted from the Hopper persistent dense GEMM of CUTLASS's CuTe DSL examples
 (``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm_persistent.py``,
-BSD-3-Clause, NVIDIA); the accumulator's row/column view follows QuACK's ``convert_layout_acc_mn``.
+BSD-3-Clause, NVIDIA); the accumulator's row/column view follows QuACK's ``convert_layout_acc_mn``,
+the ping-pong turns QuACK's ``gemm_sm90.py``.
 
 Imported only where :func:`logitless.ops.contract.resolve_backend` picks this backend: the
 ``cutlass`` package (``pip install 'logitless[cute]'``) is optional.
@@ -47,7 +55,7 @@ if TYPE_CHECKING:
     from ..contract import StatRequest
 
 LOG2_E = 1.4426950408889634
-TILE_N, TILE_V = 128, 256  # token rows x vocabulary entries of one CTA tile
+TILE_V = 256  # vocabulary entries of a tile: the width its partials and stored logits are centred over
 
 
 class KernelKey(NamedTuple):
@@ -67,6 +75,7 @@ class KernelKey(NamedTuple):
     has_temperature: bool
     round_y: bool
     raster_along_m: bool
+    pingpong: bool
 
 
 def _acc_rows_cols(layout: cute.Layout) -> cute.Layout:
@@ -89,23 +98,28 @@ class StatsGemm:
 
     def __init__(self, key: KernelKey):
         self.key = key
-        self.tile_mnk = (TILE_N, TILE_V, 64)
+        # Each consumer warpgroup holds 64 rows x 256 fp32 accumulators (128 registers a thread):
+        # cooperative, both work on one 128-row tile; ping-pong, each on its own 64-row tile, taking
+        # turns at the tensor cores, so one's epilogue runs under the other's main loop.
+        self.pingpong = key.pingpong
+        self.tile_n = 64 if key.pingpong else 128
+        self.tile_mnk = (self.tile_n, TILE_V, 64)
         self.cluster_mn = (2, 1)
-        self.num_mma_wg = 2  # each holds 64 rows x 256 fp32 accumulators: 128 registers a thread
+        self.num_mma_wg = 2
         self.threads_per_cta = (1 + self.num_mma_wg) * 128
-        self.num_mma_threads = self.num_mma_wg * 128
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+        self.num_epi_threads = 128 if self.pingpong else self.num_mma_wg * 128
+        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_epi_threads)
         self.z_dtype = cutlass.Float16
-        self.epi_tile = (TILE_N, 32)
+        self.epi_tile = (self.tile_n, 32)
         self.epi_stage = 4 if key.store_z else 0
 
     def _setup(self) -> None:
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.a_dtype, LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (self.num_mma_wg, 1, 1),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), cutlass.Float32, (self.tile_n // 64, 1, 1),
             tiler_mn=(64, TILE_V))
         self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
-        ab_bytes = (TILE_N + TILE_V) * self.tile_mnk[2] * self.a_dtype.width // 8
+        ab_bytes = (self.tile_n + TILE_V) * self.tile_mnk[2] * self.a_dtype.width // 8
         epi_bytes = self.epi_tile[0] * self.epi_tile[1] * 2 * self.epi_stage
         self.ab_stage = (utils.get_smem_capacity_in_bytes("sm_90") - 1024 - epi_bytes) // ab_bytes
 
@@ -114,7 +128,7 @@ class StatsGemm:
                 sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, self.tile_mnk[2]), dtype)
             return cute.tile_to_shape(atom, (rows, self.tile_mnk[2], stages), order=(0, 1, 2))
 
-        self.a_smem = staged(TILE_N, self.a_dtype, self.ab_stage)
+        self.a_smem = staged(self.tile_n, self.a_dtype, self.ab_stage)
         self.b_smem = staged(TILE_V, self.a_dtype, self.ab_stage)
         self.z_smem = None
         if cutlass.const_expr(self.key.store_z):
@@ -137,7 +151,7 @@ class StatsGemm:
             return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)),
                                                           (rows, self.tile_mnk[2]), num_multicast=mcast)
 
-        tma_a, g_a = tma_load(hidden, self.a_smem, TILE_N, self.cluster_mn[1])
+        tma_a, g_a = tma_load(hidden, self.a_smem, self.tile_n, self.cluster_mn[1])
         tma_b, g_b = tma_load(weight, self.b_smem, TILE_V, self.cluster_mn[0])
         tma_z, g_z = None, None
         if cutlass.const_expr(self.key.store_z):
@@ -146,7 +160,7 @@ class StatsGemm:
                 self.epi_tile)
 
         n, vocab = hidden.shape[0], weight.shape[0]
-        tiles_mnl = (cute.ceil_div(n, TILE_N), cute.ceil_div(vocab, TILE_V), 1)
+        tiles_mnl = (cute.ceil_div(n, self.tile_n), cute.ceil_div(vocab, TILE_V), 1)
         # Bands of 8 clusters traverse the other dimension, so a band's operand stays in L2.
         sched = utils.PersistentTileSchedulerParams(tiles_mnl, (*self.cluster_mn, 1), 8, self.key.raster_along_m)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
@@ -204,7 +218,8 @@ class StatsGemm:
                      + cute.size_in_bytes(self.a_dtype, cute.slice_(b_smem, (None, None, 0))))
 
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
-        consumers = self.cluster_mn[0] * self.num_mma_wg * 4  # every CTA the weight block is multicast to
+        # A stage is released by each warp that reads it, in every CTA the weight block is multicast to.
+        consumers = self.cluster_mn[0] * cute.size(tiled_mma) // 32
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.pipe.data_ptr(), num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -224,11 +239,14 @@ class StatsGemm:
             cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
+        mma_wg = wg - 1  # 0, 1 for the consumers
+        # Within the tiled MMA: a ping-pong warpgroup is the whole of it; a cooperative one, its half.
+        mma_tidx = (tidx - 128) % cute.size(tiled_mma)
         # WGMMA reads its operands per warpgroup: the operand slice is the warpgroup's.
-        thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg - 1))
+        thr_mma = tiled_mma.get_slice(mma_tidx - mma_tidx % 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_N, TILE_V)), cutlass.Float32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, TILE_V)), cutlass.Float32)
         k_tiles = cute.size(gA, mode=[3])
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
@@ -265,10 +283,20 @@ class StatsGemm:
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             k_blocks = cute.size(tCrA, mode=[2])
-            mma_tidx = tidx - 128
             lane = tidx % 32
+            stores = mma_tidx < 32  # the warp that issues the tile's bulk stores
+            if cutlass.const_expr(self.pingpong):
+                # The producer loads the tiles in the scheduler's order; the warpgroups take turns.
+                if mma_wg == 0:
+                    self._turn_arrive(0, "mma")
+                    self._turn_arrive(0, "epi")
+                else:
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
             # Each accumulator element's (row, column) in the tile, as this thread holds it.
-            tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((TILE_N, TILE_V)))
+            tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((self.tile_n, TILE_V)))
             acc_mn = cute.make_tensor(acc.iterator, _acc_rows_cols(acc.layout))
             crd_mn = cute.make_tensor(tCcC.iterator, _acc_rows_cols(tCcC.layout))
             rows = cute.size(acc_mn, mode=[0])
@@ -290,11 +318,11 @@ class StatsGemm:
                 per_epi = cute.size(tRS_f32)
                 store_pipe = pipeline.PipelineTmaStore.create(
                     num_stages=self.epi_stage,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_epi_threads))
 
             while work.is_valid_tile:
                 coord = work.tile_idx
-                m0 = coord[0] * TILE_N
+                m0 = coord[0] * self.tile_n
                 n0 = coord[1] * TILE_V
                 # The tile scheduler rounds the tile grid up to whole bands: such tiles write nothing.
                 tile_ok = n0 < vocab
@@ -308,6 +336,8 @@ class StatsGemm:
                 release.reset_count()
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                if cutlass.const_expr(self.pingpong):
+                    self._turn_wait(mma_wg, "mma")
                 cute.nvgpu.warpgroup.fence()
                 for k in range(k_tiles):
                     mainloop.consumer_wait(read)
@@ -321,9 +351,13 @@ class StatsGemm:
                         mainloop.consumer_release(release)
                         release.advance()
                     read.advance()
+                if cutlass.const_expr(self.pingpong):  # the other warpgroup's WGMMAs queue behind these
+                    self._turn_arrive(1 - mma_wg, "mma")
                 cute.nvgpu.warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
+                if cutlass.const_expr(self.pingpong):
+                    self._turn_wait(mma_wg, "epi")
 
                 for r in cutlass.range_constexpr(rows):
                     row = m0 + crd_mn[r, 0][0]
@@ -390,7 +424,8 @@ class StatsGemm:
                     epi_count = cute.size(tiles_z, mode=[1])
                     epi_shape = tiles_z.shape[1]
                     epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-                    done_before = sched.num_tiles_executed * epi_count
+                    # Ping-pong: every store of the previous tile has left shared memory (below).
+                    done_before = 0 if cutlass.const_expr(self.pingpong) else sched.num_tiles_executed * epi_count
                     for e in cutlass.range_constexpr(epi_count):
                         for v in cutlass.range_constexpr(per_epi):
                             tRS_f32[v] = tRS_acc[e * per_epi + v]
@@ -399,16 +434,34 @@ class StatsGemm:
                         cute.copy(r2s, tRS_f16, tRS_sZ[(None, None, None, buf)])
                         cute.arch.fence_proxy("async.shared", space="cta")
                         self.epi_barrier.arrive_and_wait()
-                        if warp_idx == 4:  # the first consumer warp issues the bulk store
+                        if stores:
                             cute.copy(tma_z, bSG_sZ[(None, buf)], bSG_gZ[(None, epi_layout.get_hier_coord(e))])
                             store_pipe.producer_commit()
                             store_pipe.producer_acquire()
                         self.epi_barrier.arrive_and_wait()
 
-                sched.advance_to_next_work()
+                if cutlass.const_expr(self.pingpong):
+                    # Both warpgroups store through the same shared buffers.
+                    if cutlass.const_expr(key.store_z):
+                        if stores:
+                            store_pipe.producer_tail()
+                    self._turn_arrive(1 - mma_wg, "epi")
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                sched.advance_to_next_work(advance_count=2 if self.pingpong else 1)
                 work = sched.get_current_work()
             if cutlass.const_expr(key.store_z):
-                store_pipe.producer_tail()
+                if stores:
+                    store_pipe.producer_tail()
+
+    # Ping-pong turns: named barriers 2, 3 (main loop) and 4, 5 (epilogue) of both warpgroups'
+    # 256 threads; a warpgroup waits on its own and arrives on the other's (as CUTLASS's
+    # OrderedSequenceBarrier and QuACK's pingpong barriers).
+    def _turn_wait(self, mma_wg, stage: str) -> None:
+        cute.arch.barrier(barrier_id=(2 if stage == "mma" else 4) + mma_wg, number_of_threads=256)
+
+    def _turn_arrive(self, mma_wg, stage: str) -> None:
+        cute.arch.barrier_arrive(barrier_id=(2 if stage == "mma" else 4) + mma_wg, number_of_threads=256)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,8 +500,14 @@ def z_buffer(n: int, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.empty((n, -(-vocab // 8) * 8), dtype=torch.float16, device=device)[:, :vocab]
 
 
+# The schedule of each kernel (``scripts/gpu_cute_schedules.py`` compares them through the bench):
+# ping-pong where the tile is stored, whose epilogue is the longer; cooperative for the statistics
+# alone, whose 128-row tiles keep the main loop faster than two 64-row ones taking turns.
+PINGPONG_STORING, PINGPONG_STATS = True, False
+
+
 def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
-                   z_out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                   z_out: torch.Tensor | None, pingpong: bool | None = None) -> dict[str, torch.Tensor]:
     """Per-tile partial statistics of ``ops.hidden`` against ``ops.weight`` (bf16/fp16), and
     optionally the centred fp16 logits: the outputs of
     :func:`logitless.ops.gemm_backend.kernels.launch_forward`, with ``TILE_V``-wide tiles.
@@ -459,6 +518,8 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input dtype first).
         z_out: ``[n, V]`` fp16 from :func:`z_buffer`, overwritten with ``z - m`` of each tile; ``None``:
             nothing stored.
+        pingpong: the ping-pong schedule (else the cooperative one); ``None``: :data:`PINGPONG_STORING`
+            or :data:`PINGPONG_STATS`.
 
     Returns:
         ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``;
@@ -469,6 +530,8 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
     assert hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
     assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1
                              and (z_out.stride(0) * 2) % 16 == 0 and z_out.data_ptr() % 16 == 0)
+    if pingpong is None:
+        pingpong = PINGPONG_STORING if z_out is not None else PINGPONG_STATS
     tiles = -(-vocab // TILE_V)
     entropy, sum_z, sum_sq = want
     names = ("m", "se", *(k for k, on in (("sez", entropy), ("sz", sum_z), ("ssq", sum_sq)) if on))
@@ -484,7 +547,7 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
                     # raster_along_m, measured on one H200 (8192 tokens): along the vocabulary for
                     # Llama-3's 4096-wide head (1.01x cuBLAS, 1.08x the other way), along the tokens for
                     # Gemma-2's 2304-wide one (1.06x, 1.12x the other way).
-                    hidden.shape[1] < 3072)
+                    hidden.shape[1] < 3072, pingpong)
     args = (_cute(hidden.unsqueeze(-1)), _cute(weight.unsqueeze(-1)),
             None if z_out is None else _cute(z_out.unsqueeze(-1)),
             None if bias is None else _cute(bias.float().contiguous(), 4), _cute(targets.contiguous(), 8),
