@@ -90,14 +90,14 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
     fields = K.KernelKey._fields
     if "want_sum_sq" not in fields and want_sum_sq:
         return
-    for store_z, schedule in itertools.product((False, True), getattr(K, "SCHEDULES", (None,))):
+    for store_z, pingpong in itertools.product((False, True), (False, True) if "pingpong" in fields else (None,)):
         key = dict(device=0, dtype=torch.bfloat16, want_entropy=True, want_sum_z=False, store_z=store_z,
                    has_bias=False, has_scale=False, has_softcap=False, has_temperature=False, round_y=False,
                    raster_along_m=False)
         if "want_sum_sq" in fields:
             key["want_sum_sq"] = want_sum_sq
-        if schedule is not None:
-            key["schedule"] = schedule
+        if pingpong is not None:
+            key["pingpong"] = pingpong
         n, h, v, tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
         row = cute.sym_int(divisibility=8)
         parts = 3 + want_sum_sq
@@ -115,7 +115,7 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
                      fake(cutlass.Float32, (n,), (1,), 4),
                      (cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0)), 132, make_fake_stream())
         (ptx,) = dump.glob("*.ptx")
-        named = [f"schedule={schedule}"] if schedule else []
+        named = [] if pingpong is None else [f"pingpong={pingpong}"]
         print(f"cute.StatsGemm[store_z={store_z}]", f"sum_sq={want_sum_sq}", *named, *digest(ptx.read_text()))
 
 
