@@ -98,9 +98,7 @@ class StatsGemm:
 
     def __init__(self, key: KernelKey):
         self.key = key
-        # Each consumer warpgroup holds 64 rows x 256 fp32 accumulators (128 registers a thread):
-        # cooperative, both work on one 128-row tile; ping-pong, each on its own 64-row tile, taking
-        # turns at the tensor cores, so one's epilogue runs under the other's main loop.
+        # Either way a consumer warpgroup holds 64 rows x 256 fp32 accumulators: 128 registers a thread.
         self.pingpong = key.pingpong
         self.tile_n = 64 if key.pingpong else 128
         self.tile_mnk = (self.tile_n, TILE_V, 64)
