@@ -1,7 +1,7 @@
 """The statistics GEMMs alone (GPU only, sm90, with the CuTe DSL importable): cuBLAS's bf16 logits
-GEMM, the Triton epilogue GEMM (statistics, + the stored fp16 tile) and the CuTe DSL one (each of its
-schedules), each as a ratio to cuBLAS's time in the same run, and
-the CuTe GEMM's ``lse``/target logit against the Triton one's (max abs, nats).
+GEMM, the Triton epilogue GEMM (statistics, + the stored fp16 tile) and the CuTe DSL one on each of
+its schedules, each as a ratio to cuBLAS's time in the same run (timed round-robin), and the CuTe
+GEMM's ``lse``/target logit against the Triton one's (max abs, nats).
 
     python3 scripts/gpu_cute_gemm.py [SHAPE ...]     # default 8k:llama3-8b 8k:gemma2-2b 8k:qwen2.5-7b
 """
