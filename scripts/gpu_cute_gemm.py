@@ -14,11 +14,13 @@ import sys
 import torch
 
 from logitless.bench.cases import make_inputs, parse_shape
-from logitless.ops.contract import StatRequest
+from logitless.ops.contract import RowStats, StatRequest
 from logitless.ops.cute_backend import kernels as cute_kernels
 from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
 from logitless.ops.triton_shared.tile_gemm import TileOperands
+
+SCHEDULES = ("cooperative", "pingpong")  # of the CuTe statistics GEMM (launch_forward's pingpong)
 
 
 def bench(fns: dict, rounds: int = 25) -> dict[str, float]:
@@ -40,8 +42,8 @@ def bench(fns: dict, rounds: int = 25) -> dict[str, float]:
 
 
 def lse(parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    m = parts["m"].max(0).values
-    return m + torch.log((parts["se"] * torch.exp(parts["m"] - m)).sum(0))
+    """Each row's log-partition from a launch's ``[tiles, n]`` partials (nats)."""
+    return RowStats.combine(parts, torch.ones_like(parts["m"][0], dtype=torch.bool)).finalize()[0].lse
 
 
 def case_line(text: str, dev: torch.device) -> str:
@@ -70,9 +72,6 @@ def case_line(text: str, dev: torch.device) -> str:
         line += (f"\n  cute-{schedule} - triton: lse {(lse(got) - lse(ref)).abs().max().item():.1e},"
                  f" target logit {(got['zy'] - ref['zy']).abs().max().item():.1e}")
     return line
-
-
-SCHEDULES = ("cooperative", "pingpong")
 
 
 def main() -> None:
