@@ -18,6 +18,7 @@ Triton kernel serves the rest.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -42,6 +43,8 @@ TILE_M, TILE_N, TILE_K = 64, 256, 64  # vocabulary rows x hidden columns of d we
 class KernelKey(NamedTuple):
     device: int
     first: bool  # store the pair (not read: uninitialized before), else add to it
+    pingpong: bool  # each warpgroup its own 64 x 256 tile, taking turns; else both on one 128 x 256
+    raster_along_m: bool
 
 
 def takes(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor) -> bool:
@@ -61,7 +64,8 @@ class PairWeightGrad:
 
     def __init__(self, key: KernelKey):
         self.key = key
-        self.tile_mnk = (TILE_M, TILE_N, TILE_K)
+        self.tile_m = TILE_M if key.pingpong else 2 * TILE_M
+        self.tile_mnk = (self.tile_m, TILE_N, TILE_K)
         self.cluster_mn = (2, 1)  # B (the hidden block) multicast to the two vocabulary tiles' CTAs
         self.threads_per_cta = 3 * 128  # a producer warpgroup, two consumer warpgroups
 
@@ -69,9 +73,9 @@ class PairWeightGrad:
         mn = LayoutEnum.COL_MAJOR  # A M-major, B N-major
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.a_dtype, mn.sm90_mma_major_mode(), mn.sm90_mma_major_mode(), cutlass.Float32,
-            (1, 1, 1), tiler_mn=(TILE_M, TILE_N))
+            (1 if self.key.pingpong else 2, 1, 1), tiler_mn=(TILE_M, TILE_N))
         self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
-        stage_bytes = (TILE_M + TILE_N) * TILE_K * self.a_dtype.width // 8
+        stage_bytes = (self.tile_m + TILE_N) * TILE_K * self.a_dtype.width // 8
         self.ab_stage = (utils.get_smem_capacity_in_bytes("sm_90") - 1024) // stage_bytes
 
         def staged(rows: int) -> cute.ComposedLayout:
@@ -79,7 +83,7 @@ class PairWeightGrad:
                 sm90_utils.get_smem_layout_atom(mn, self.a_dtype, rows), self.a_dtype)
             return cute.tile_to_shape(atom, (rows, TILE_K, self.ab_stage), order=(1, 0, 2))
 
-        self.a_smem = staged(TILE_M)
+        self.a_smem = staged(self.tile_m)
         self.b_smem = staged(TILE_N)
 
     @cute.jit
@@ -94,12 +98,12 @@ class PairWeightGrad:
             return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, cute.slice_(smem_staged, (None, None, 0)),
                                                           (rows, TILE_K), num_multicast=mcast)
 
-        tma_a, g_a = tma_load(a, self.a_smem, TILE_M, self.cluster_mn[1])
+        tma_a, g_a = tma_load(a, self.a_smem, self.tile_m, self.cluster_mn[1])
         tma_b, g_b = tma_load(b, self.b_smem, TILE_N, self.cluster_mn[0])
-        tiles_mnl = (cute.ceil_div(a.shape[0], TILE_M), cute.ceil_div(b.shape[0], TILE_N), 1)
+        tiles_mnl = (cute.ceil_div(a.shape[0], self.tile_m), cute.ceil_div(b.shape[0], TILE_N), 1)
         # Along the hidden columns first: the tiles of one vocabulary block read its dyᵀ rows
         # from L2 after the first; the hidden operand (n x H) stays in L2 throughout.
-        sched = utils.PersistentTileSchedulerParams(tiles_mnl, (*self.cluster_mn, 1), 8, False)
+        sched = utils.PersistentTileSchedulerParams(tiles_mnl, (*self.cluster_mn, 1), 8, self.key.raster_along_m)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_active_clusters)
 
         @cute.struct
@@ -154,11 +158,14 @@ class PairWeightGrad:
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         mma_wg = wg - 1
-        mma_tidx = tidx % 128
-        thr_mma = tiled_mma.get_slice(mma_tidx)
+        pingpong = self.key.pingpong
+        # Within the tiled MMA: a ping-pong warpgroup is the whole of it; a cooperative one, its half.
+        mma_tidx = (tidx - 128) % cute.size(tiled_mma)
+        # WGMMA reads its operands per warpgroup: the operand slice is the warpgroup's.
+        thr_mma = tiled_mma.get_slice(mma_tidx - mma_tidx % 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, TILE_N)), cutlass.Float32)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, TILE_N)), cutlass.Float32)
         k_tiles = cute.size(gA, mode=[3])
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
@@ -196,28 +203,30 @@ class PairWeightGrad:
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
             k_blocks = cute.size(tCrA, mode=[2])
             # The producer loads the tiles in the scheduler's order; the warpgroups take alternate ones.
-            if mma_wg == 0:
-                self._turn_arrive(0, "mma")
-                self._turn_arrive(0, "epi")
-            else:
-                read.advance(k_tiles)
-                release.advance(k_tiles)
-                sched.advance_to_next_work()
-                work = sched.get_current_work()
+            if cutlass.const_expr(pingpong):
+                if mma_wg == 0:
+                    self._turn_arrive(0, "mma")
+                    self._turn_arrive(0, "epi")
+                else:
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
             # Each accumulator element's (row, column) in the tile, as this thread holds it: mode 0
             # is (column pair, row half, 8-column group), so ((None, r, j), 0, 0) is two adjacent columns.
-            crd = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+            crd = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((self.tile_m, TILE_N)))
             groups = cute.size(acc, mode=[0, 2])
 
             while work.is_valid_tile:
                 coord = work.tile_idx
-                m0 = coord[0] * TILE_M
+                m0 = coord[0] * self.tile_m
                 n0 = coord[1] * TILE_N
                 read.reset_count()
                 release.reset_count()
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                self._turn_wait(mma_wg, "mma")
+                if cutlass.const_expr(pingpong):
+                    self._turn_wait(mma_wg, "mma")
                 cute.nvgpu.warpgroup.fence()
                 for k in range(k_tiles):
                     mainloop.consumer_wait(read)
@@ -230,36 +239,38 @@ class PairWeightGrad:
                         mainloop.consumer_release(release)
                         release.advance()
                     read.advance()
-                self._turn_arrive(1 - mma_wg, "mma")  # the other warpgroup's WGMMAs queue behind these
+                if cutlass.const_expr(pingpong):  # the other warpgroup's WGMMAs queue behind these
+                    self._turn_arrive(1 - mma_wg, "mma")
                 cute.nvgpu.warpgroup.wait_group(0)
                 mainloop.consumer_release(release)
                 release.advance()
-                self._turn_wait(mma_wg, "epi")
+                if cutlass.const_expr(pingpong):
+                    self._turn_wait(mma_wg, "epi")
 
                 # The scheduler rounds the tile grid up to whole bands: such tiles write nothing.
                 if m0 < rows_m and n0 < cols_n:
-                    for r in cutlass.range_constexpr(2):
-                        for j in cutlass.range_constexpr(groups):
-                            row = m0 + crd[(0, r, j), 0, 0][0]
-                            word = (n0 + crd[(0, r, j), 0, 0][1]) // 2
-                            s0 = acc[(0, r, j), 0, 0]
-                            s1 = acc[(1, r, j), 0, 0]
-                            if cutlass.const_expr(not self.key.first):
-                                h_bits = cutlass.Uint32(mHi[row, word])
-                                l_bits = cutlass.Uint32(mLo[row, word])
-                                s0 = s0 + _low_bf16(h_bits) + _low_bf16(l_bits)
-                                s1 = s1 + _high_bf16(h_bits) + _high_bf16(l_bits)
-                            h0 = _nearest_bf16_bits(s0)
-                            h1 = _nearest_bf16_bits(s1)
-                            r0 = _nearest_bf16_bits(s0 - _as_f32(h0))
-                            r1 = _nearest_bf16_bits(s1 - _as_f32(h1))
-                            mHi[row, word] = cutlass.Int32((h0 >> 16) | h1)
-                            mLo[row, word] = cutlass.Int32((r0 >> 16) | r1)
+                    for mm, r, j in itertools.product(range(cute.size(acc, mode=[1])), range(2), range(groups)):
+                        row = m0 + crd[(0, r, j), mm, 0][0]
+                        word = (n0 + crd[(0, r, j), mm, 0][1]) // 2
+                        s0 = acc[(0, r, j), mm, 0]
+                        s1 = acc[(1, r, j), mm, 0]
+                        if cutlass.const_expr(not self.key.first):
+                            h_bits = cutlass.Uint32(mHi[row, word])
+                            l_bits = cutlass.Uint32(mLo[row, word])
+                            s0 = s0 + _low_bf16(h_bits) + _low_bf16(l_bits)
+                            s1 = s1 + _high_bf16(h_bits) + _high_bf16(l_bits)
+                        h0 = _nearest_bf16_bits(s0)
+                        h1 = _nearest_bf16_bits(s1)
+                        r0 = _nearest_bf16_bits(s0 - _as_f32(h0))
+                        r1 = _nearest_bf16_bits(s1 - _as_f32(h1))
+                        mHi[row, word] = cutlass.Int32((h0 >> 16) | h1)
+                        mLo[row, word] = cutlass.Int32((r0 >> 16) | r1)
 
-                self._turn_arrive(1 - mma_wg, "epi")
-                read.advance(k_tiles)
-                release.advance(k_tiles)
-                sched.advance_to_next_work(advance_count=2)
+                if cutlass.const_expr(pingpong):
+                    self._turn_arrive(1 - mma_wg, "epi")
+                    read.advance(k_tiles)
+                    release.advance(k_tiles)
+                sched.advance_to_next_work(advance_count=2 if pingpong else 1)
                 work = sched.get_current_work()
 
     def _turn_wait(self, mma_wg, stage: str) -> None:
@@ -306,7 +317,11 @@ def _max_active_clusters() -> int:
 _compiled: dict[KernelKey, object] = {}
 
 
-def launch_pair_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, first: bool) -> None:
+PINGPONG, RASTER_ALONG_M = True, False
+
+
+def launch_pair_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, first: bool,
+                     pingpong: bool | None = None, raster_along_m: bool | None = None) -> None:
     """``hi + lo (+)= dyᵀ @ hidden``, the contract of
     :func:`logitless.ops.triton_shared.weight_grad.launch_weight_grad` (which runs the operands
     :func:`takes` refuses, and an empty chunk)."""
@@ -321,7 +336,8 @@ def launch_pair_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor, l
     def pair(t: torch.Tensor):
         return from_dlpack(t.view(torch.int32), assumed_align=16).mark_layout_dynamic(leading_dim=1)
 
-    key = KernelKey(dy.get_device(), first)
+    key = KernelKey(dy.get_device(), first, PINGPONG if pingpong is None else pingpong,
+                    RASTER_ALONG_M if raster_along_m is None else raster_along_m)
     args = (operand(dy), operand(hidden), pair(hi), pair(lo))
     stream = cuda.CUstream(torch.cuda.current_stream(dy.device).cuda_stream)
     kernel = _compiled.get(key)
