@@ -11,6 +11,8 @@ are compared on a grid with more tiles than CTAs, so each CTA's two warpgroups t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from backend_calls import backward, forward, log_sum_sq_oracle, log_sum_sq_probs, lse_logp_sum_pz
@@ -240,10 +242,11 @@ def test_rounded_logits_as_the_torch_backend():
 PAIR_CASES = [(8192, 512, 700), (4096, 2304, 333), (1000, 512, 300)]
 
 
+@pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize(("vocab", "hidden_size", "n"), PAIR_CASES)
 @pytest.mark.cuda
 @on_hopper
-def test_pair_weight_grad(vocab, hidden_size, n):
+def test_pair_weight_grad(vocab, hidden_size, n, pingpong):
     """``d weight`` over two chunks into the bf16 pair: the first stores, the second adds. The
     pair's sum is the float64 product within fp32 accumulation, ``hi`` a bf16 nearest that sum
     (``lo`` within half its spacing), and the Triton kernel's pair agrees."""
@@ -261,7 +264,7 @@ def test_pair_weight_grad(vocab, hidden_size, n):
     chunks = [chunk(), chunk()]
     assert cute_pair.takes(*chunks[0], torch.empty(vocab, hidden_size, dtype=torch.bfloat16)) == (vocab % 64 == 0)
     pairs = []
-    for launch in (cute_pair.launch_pair_grad, launch_weight_grad):
+    for launch in (functools.partial(cute_pair.launch_pair_grad, pingpong=pingpong), launch_weight_grad):
         hi = torch.full((vocab, hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
         lo = torch.full_like(hi, float("nan"))
         for i, (dy, h) in enumerate(chunks):
