@@ -7,13 +7,11 @@ For each shape: ``dy [chunk, V]`` (probabilities-like values) and ``hidden [chun
 chunk the fused pass uses with a 1 GiB tile and with the pair's larger tile; prints in ms
 cuBLAS's ``acc32 += dyᵀ h`` (the current per-chunk step), the final fp32 -> bf16 cast, and each
 launch config of the pair kernel (first chunk: store; later: add), with its registers and
-spills, the CuTe DSL pair kernel (where it imports), and the pair's error against float64 next to
-the fp32 accumulator's.
+spills, and the pair's error against float64 next to the fp32 accumulator's.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 
 import torch
@@ -70,17 +68,6 @@ def _chunk(shape: str, chunk: int, v: int, h: int, budget: int) -> None:
             continue
         print(f"  pair {cfg.block_v}x{cfg.block_h}x{cfg.block_k} w{cfg.warps} s{cfg.stages} g{cfg.group_v}: "
               f"store {t_first:.3f}  add {t_add:.3f}  ({t_add / t_cublas:.3f}x cuBLAS add)", flush=True)
-    try:
-        from logitless.ops.cute_backend.weight_grad import launch_pair_grad, takes
-    except ImportError:
-        print("  CuTe DSL not importable: no CuTe pair row")
-    else:
-        for pingpong, along_m in itertools.product((True, False), (False, True)) if takes(dy, hid, hi) else ():
-            t_first = ms(lambda p=pingpong, a=along_m: launch_pair_grad(dy, hid, hi, lo, True, p, a))
-            t_add = ms(lambda p=pingpong, a=along_m: launch_pair_grad(dy, hid, hi, lo, False, p, a))
-            print(f"  pair CuTe {'ping-pong 64' if pingpong else 'cooperative 128'}x256x64, raster along "
-                  f"{'V' if along_m else 'H'}: store {t_first:.3f}  add {t_add:.3f}  "
-                  f"({t_add / t_cublas:.3f}x cuBLAS add)", flush=True)
     # Two chunks summed, against float64.
     dy2 = (torch.rand(chunk, v, device="cuda", generator=g) * 1e-3).bfloat16()
     ref = dy.double().t() @ hid.double() + dy2.double().t() @ hid.double()

@@ -11,8 +11,6 @@ are compared on a grid with more tiles than CTAs, so each CTA's two warpgroups t
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from backend_calls import backward, forward, log_sum_sq_oracle, log_sum_sq_probs, lse_logp_sum_pz
@@ -234,47 +232,3 @@ def test_rounded_logits_as_the_torch_backend():
                                   strict=True):
         assert (ours - theirs).abs().max() <= 2e-2, name
     assert (lse_logp_sum_pz(rounded)[0] - lse_logp_sum_pz(exact)[0]).abs().max() > 1e-3
-
-
-# (vocabulary rows, hidden size, tokens a chunk): whole 64 x 256 tiles, more than the CTAs (each
-# warpgroup takes turns), token tails of the 64-token step; the last case is one the kernel
-# refuses (V not a multiple of 64), which the Triton kernel serves.
-PAIR_CASES = [(8192, 512, 700), (4096, 2304, 333), (1000, 512, 300)]
-
-
-@pytest.mark.parametrize("pingpong", [True, False])
-@pytest.mark.parametrize(("vocab", "hidden_size", "n"), PAIR_CASES)
-@pytest.mark.cuda
-@on_hopper
-def test_pair_weight_grad(vocab, hidden_size, n, pingpong):
-    """``d weight`` over two chunks into the bf16 pair: the first stores, the second adds. The
-    pair's sum is the float64 product within fp32 accumulation, ``hi`` a bf16 nearest that sum
-    (``lo`` within half its spacing), and the Triton kernel's pair agrees."""
-    from logitless.ops.cute_backend import weight_grad as cute_pair
-    from logitless.ops.triton_shared.weight_grad import launch_weight_grad
-
-    g = torch.Generator().manual_seed(vocab + n)
-
-    def chunk():  # dy as a softmax minus a one-hot, scaled per row as the policy losses do
-        p = torch.softmax(torch.randn(n, vocab, generator=g) * 3, 1)
-        p[torch.arange(n), torch.randint(0, vocab, (n,), generator=g)] -= 1
-        dy = (p * torch.randn(n, 1, generator=g)).to(torch.bfloat16).cuda()
-        return dy, torch.randn(n, hidden_size, generator=g).to(torch.bfloat16).cuda()
-
-    chunks = [chunk(), chunk()]
-    assert cute_pair.takes(*chunks[0], torch.empty(vocab, hidden_size, dtype=torch.bfloat16)) == (vocab % 64 == 0)
-    pairs = []
-    for launch in (functools.partial(cute_pair.launch_pair_grad, pingpong=pingpong), launch_weight_grad):
-        hi = torch.full((vocab, hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-        lo = torch.full_like(hi, float("nan"))
-        for i, (dy, h) in enumerate(chunks):
-            launch(dy, h, hi, lo, i == 0)
-        pairs.append((hi, lo))
-    ref = sum(dy.double().t() @ h.double() for dy, h in chunks)
-    scale = ref.abs().max()
-    for hi, lo in pairs:
-        total = hi.double() + lo.double()
-        assert float((total - ref).abs().max() / scale) < 1e-5
-        assert bool(((total - hi.double()).abs() <= hi.double().abs() * 2.0**-8).all())
-    torch.testing.assert_close(pairs[0][0].double() + pairs[0][1].double(),
-                               pairs[1][0].double() + pairs[1][1].double(), rtol=0, atol=2e-6 * float(scale))

@@ -35,7 +35,6 @@ from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kep
 from ..triton_shared.tile_gemm import TileOperands
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
-from .weight_grad import launch_pair_grad
 
 NAME = "cute"
 PLAN = "gemm"  # the same 2-byte kept tile as the GEMM-epilogue backend
@@ -83,7 +82,7 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
             z = z_buffer(hidden.shape[0], block.stop - block.start, hidden.device)
             tile = CentredTile(z, launch_forward(local, StatRequest(entropy=False), plan.fp32_logits, z)["m"], TILE_V)
         dy = tile_dy(tile, hidden.dtype, targets, block.start, head.transform, rc)
-        grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden, launch_pair_grad)
+        grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
         del dy, tile
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)

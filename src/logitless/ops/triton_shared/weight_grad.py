@@ -22,7 +22,6 @@ gradient GEMMs of the gemm backend and of distillation's) calls the launcher.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +33,6 @@ from .. import gemm
 from ..contract import Accumulators
 from .common import interpreting
 from .tile_gemm import grouped, mma, sm_count, tma_ready
-
-# (dy, hidden, hi, lo, first): a kernel with launch_weight_grad's contract.
-PairGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
 
 
 @dataclass(frozen=True)
@@ -179,14 +175,13 @@ def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor,
 
 
 def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, block: slice, acc: Accumulators,
-                grad_hidden: torch.Tensor | None, pair_grad: PairGrad | None = None) -> torch.Tensor | None:
+                grad_hidden: torch.Tensor | None) -> torch.Tensor | None:
     """The gradients of one vocabulary block from its ``dy [n, v]`` (GEMM dtype) in cuBLAS:
     ``d bias[block] += Σ_n dy``, ``d weight[block] += dyᵀ @ hidden`` (fp32 accumulator), and
     ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
     the first block, or without ``acc.hidden``). With ``acc.write_weight`` the ``d weight``
     product is stored in ``acc.weight``'s dtype instead of added; with ``acc.weight_lo`` it goes
-    into that bf16 pair by ``pair_grad`` (a backend's, with :func:`launch_weight_grad`'s
-    arguments; ``None``: that function)."""
+    into that bf16 pair (:func:`~logitless.ops.triton_shared.weight_grad.launch_weight_grad`)."""
     if acc.bias is not None:
         acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
     if acc.hidden:
@@ -196,7 +191,7 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
         else:
             gemm.addmm_(grad_hidden, dy, w)
     if acc.weight is not None and acc.weight_lo is not None:
-        (pair_grad or launch_weight_grad)(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight)
+        launch_weight_grad(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight)
     elif acc.weight is not None and acc.write_weight:
         gemm.mm_into(acc.weight[block], dy.t(), hidden)
     elif acc.weight is not None:
