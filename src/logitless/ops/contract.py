@@ -636,8 +636,11 @@ def auto_impl(device: torch.device) -> str:
     return "cute" if cute_runs_on(device) else "gemm"
 
 
+@functools.cache
 def cute_available() -> bool:
-    """Whether CUTLASS's CuTe DSL imports (``pip install 'logitless[cute]'``); nothing is imported."""
+    """Whether CUTLASS's CuTe DSL imports (``pip install 'logitless[cute]'``); nothing is imported.
+    Asked once per process: the search of the import path is host time on every call's path to
+    its first GEMM."""
     return importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("cuda") is not None
 
 
