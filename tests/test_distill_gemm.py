@@ -14,7 +14,6 @@ import torch
 from interpreter import INTERPRETED, child_run, interpreted
 
 from logitless import DistillConfig, Head, LogitTransform, PassOptions, distill_loss
-from logitless.ops import contract
 
 pytest.importorskip("triton")
 
@@ -117,12 +116,10 @@ def test_scope():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
-@pytest.mark.parametrize("mode", ["fused", "recompute"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "generalized_jsd"])
-def test_gpu_matches_torch(divergence, mode):
-    """Compiled kernels at a real tile size, V not a multiple of the tiles, on the gemm backend and
-    (on a Hopper GPU with the CuTe DSL) the CuTe one: loss within 1e-4 of float64 (relative),
-    gradients as close to float64 as the torch functions' bf16 path."""
+def test_gpu_matches_torch(divergence):
+    """Compiled kernels at a real tile size, V not a multiple of the tiles: loss and metrics within
+    1e-4 of float64 (relative), gradients as close to float64 as the torch functions' bf16 path."""
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 1000, 512, 5003
     hs = torch.randn(n, h, device="cuda", generator=g).bfloat16()
@@ -130,18 +127,15 @@ def test_gpu_matches_torch(divergence, mode):
     ht = (hs.float() + 0.3 * torch.randn(n, h, device="cuda", generator=g)).bfloat16()
     wt = (ws.float() + 0.3 * torch.randn(v, h, device="cuda", generator=g) / h**0.5).bfloat16()
     cfg = DistillConfig(divergence=divergence, beta=0.5)
-    ours = ("gemm", "cute") if contract.cute_runs_on(hs.device) else ("gemm",)
     out = {}
-    for name, dtype, impl in (*((k, torch.bfloat16, k) for k in ours), ("torch", torch.bfloat16, "torch"),
+    for name, dtype, impl in (("gemm", torch.bfloat16, "gemm"), ("torch", torch.bfloat16, "torch"),
                               ("fp64", torch.float64, "torch")):
         hh, ww = hs.to(dtype).clone().requires_grad_(), ws.to(dtype).clone().requires_grad_()
-        loss, _ = distill_loss(hh, ww, ht.to(dtype), wt.to(dtype), config=cfg,
-                               options=PassOptions(impl=impl, mode=mode))
+        loss, _ = distill_loss(hh, ww, ht.to(dtype), wt.to(dtype), config=cfg, options=PassOptions(impl=impl))
         loss.backward()
         out[name] = (loss.double(), hh.grad.double(), ww.grad.double())
-    for name in ours:
-        assert abs(out[name][0] - out["fp64"][0]) <= 1e-4 * abs(out["fp64"][0]), name
-        for i in (1, 2):
-            err = (out[name][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
-            ref = (out["torch"][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
-            assert err <= ref + 5e-3, (name, i, err.item(), ref.item())
+    assert abs(out["gemm"][0] - out["fp64"][0]) <= 1e-4 * abs(out["fp64"][0])
+    for i in (1, 2):
+        err = (out["gemm"][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
+        ref = (out["torch"][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
+        assert err <= ref + 5e-3, (i, err.item(), ref.item())

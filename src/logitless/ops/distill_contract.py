@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..distributed import all_reduce, is_active
-from .contract import Accumulators, Capabilities, LocalHead, resolve_backend
+from .contract import Accumulators, Capabilities, LocalHead, auto_impl, resolve_backend
 from .plan import ChunkPlan, Impl, PassOptions
 
 
@@ -273,6 +273,9 @@ def resolve_distill(impl: Impl, hidden: torch.Tensor, teacher_hidden: torch.Tens
     Raises:
         ValueError: as :func:`~logitless.ops.contract.resolve_backend` (bad ``impl`` for the device).
     """
+    # The CuTe statistics GEMM has no two-head pass: distillation runs the same design in Triton.
+    if impl == "cute" or (impl == "auto" and auto_impl(hidden.device) == "cute"):
+        impl = "gemm"
     backend = resolve_backend(impl, hidden)
     if backend.CAPS.distill:
         kernels = _distill_module(backend)

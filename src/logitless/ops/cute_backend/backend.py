@@ -39,7 +39,7 @@ from .kernels import TILE_V, launch_forward, z_buffer
 NAME = "cute"
 PLAN = "gemm"  # the same 2-byte kept tile as the GEMM-epilogue backend
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=True, sum_sq=True)
+                    pairs_weight_grad=True, distill=False, sum_sq=True)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,

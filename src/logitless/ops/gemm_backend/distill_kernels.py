@@ -1,8 +1,7 @@
-"""Triton row kernels of distillation over two stored tiles (the GEMM-epilogue and CuTe backends).
+"""Triton row kernels of distillation on the GEMM-epilogue backend.
 
-They read a student's and a teacher's logits as the statistics GEMMs store them
-(:class:`~logitless.ops.triton_shared.centred.CentredTile`: fp16, each tile centred on its row
-maximum), one program per token row:
+Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gemm_backend.kernels.launch_forward`
+(fp16, each tile centred on its row maximum), one program per token row:
 
 * :func:`_cross_kernel`: each (row, tile)'s cross sums ``sgap``/``tgap`` of both KL directions
   (:class:`~logitless.ops.distill_contract.DistillPartials`), the per-tile partials merged like the GEMM's;
@@ -27,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ..transform import LogitTransform
-from .centred import CentredTile, row_kernel_config
-from .common import raw_grad, transform_args
+from ..triton_shared.centred import CentredTile, row_kernel_config
+from ..triton_shared.common import raw_grad, transform_args
 
 
 class DistillRowCoefficients(NamedTuple):
