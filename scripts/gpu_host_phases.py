@@ -22,8 +22,9 @@ import time
 
 import torch
 
+from logitless.bench.batches import group_inputs, is_group_objective
 from logitless.bench.cases import make_inputs, parse_shape
-from logitless.bench.competitors import ROWS
+from logitless.bench.competitors import rows_of
 
 
 def main() -> None:
@@ -32,7 +33,9 @@ def main() -> None:
     name = sys.argv[3] if len(sys.argv) > 3 else "logitless-fused"
     dev = torch.device(os.environ.get("DEVICE", "cuda"))
     x = make_inputs(case, dev, torch.bfloat16)
-    row = next(r for r in ROWS if r.objective == objective and r.name == name)
+    if is_group_objective(objective):  # grpo-c<percent>[-kl]: advantages from group rewards
+        x = group_inputs(x, objective)
+    row = next(r for r in rows_of(objective) if r.name == name)
     prepared = row.prepare(x, "auto" if dev.type == "cuda" else "torch")
 
     def reset() -> None:

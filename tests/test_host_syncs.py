@@ -175,11 +175,24 @@ def test_fused_preference_reads_the_host_once(seed, host_reads, objective, maske
     assert reads == ["tolist"] and syncing.ops == [], (reads, syncing.ops)
 
 
-@pytest.mark.parametrize("call", ["policy", "sequence_level_policy", "cross_entropy", "cross_entropy_ignored",
-                                  "token_logprobs", "distill"])
+def _chunked_policy(hidden: torch.Tensor, weight: torch.Tensor, v: int) -> torch.Tensor:
+    """A policy loss over 3 chunks of 128 tokens, 2 of the 8 sequences of zero advantage (the
+    hidden rows are the call's own, tiled: their gradient reaches ``hidden``)."""
+    b, t = 8, 48
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    h = rows.repeat(-(-b * t // rows.shape[0]), 1)[:b * t].reshape(b, t, -1)
+    mask = (torch.rand(b, t) > 0.2).float()
+    adv = torch.randn(b).masked_fill(torch.arange(b) < 2, 0.0)
+    return policy_loss(h, weight, torch.randint(0, v, (b, t)), mask, adv, torch.randn(b, t) - 3,
+                       options=PassOptions(impl="torch", mode="fused", chunk_bytes=128 * v * 8))[0]
+
+
+@pytest.mark.parametrize("call", ["policy", "policy_chunks", "sequence_level_policy", "cross_entropy",
+                                  "cross_entropy_ignored", "token_logprobs", "distill"])
 def test_head_calls_read_the_host_once(seed, host_reads, call):
     """One host read in the whole call: a policy loss (its zero-gradient rows' count comes with
-    the checks' read), a sequence-level one (its chunk cuts too), cross-entropy with and without
+    the checks' read; over several chunks, a running count of them, so each chunk's backward
+    rows are counted on the host), a sequence-level one (its chunk cuts too), cross-entropy with and without
     ignored targets (the ignored positions and their count need no read of their own), rollout
     log-probs, and distillation with a mask and ignored targets (the targets' range is checked with
     the other values)."""
@@ -191,6 +204,7 @@ def test_head_calls_read_the_host_once(seed, host_reads, call):
     calls = {
         "policy": lambda: policy_loss(hidden, weight, ids, mask, torch.randn(b).masked_fill(torch.arange(b) == 0, 0.0),
                                       torch.randn(b, t) - 3, options=options)[0],  # zero rows: a zero advantage
+        "policy_chunks": lambda: _chunked_policy(hidden, weight, v),
         "cross_entropy": lambda: logitless.cross_entropy(hidden, weight, ids, options=options)[0],
         "cross_entropy_ignored": lambda: logitless.cross_entropy(hidden, weight, ids.masked_fill(mask == 0, -100),
                                                                  options=options)[0],

@@ -350,11 +350,17 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     ends = None
     if count is not None and cfg.needs_whole_sequences:
         ends = torch.cumsum(in_place.sum(1), 0)
-    reads = ([] if count is None else [count]) + ([] if zero is None else [(~zero).sum()])
-    read = checks.run(*reads, *(() if ends is None else ends.unbind()))
+    # The rows with a gradient come as a running count over the rows (a few bytes a token), so a
+    # pass of several chunks counts each chunk's on the host.
+    reads = [] if count is None else [count]
+    before = None if zero is None else torch.cumsum(~zero, 0)
+    read, before = checks.run_with_vector(before, *reads, *(() if ends is None else ends.unbind()))
     lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])
 
-    zero_rows = None if zero is None else ZeroRows(zero[:lay.n], int(read[len(reads) - 1]))
+    zero_rows = None
+    if zero is not None:
+        before = before[:lay.n]
+        zero_rows = ZeroRows(zero[:lay.n], int(before[-1]) if lay.n else 0, before)
 
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+import numpy as np
 import torch
 
 from .contract import Accumulators, device_properties
@@ -456,10 +457,15 @@ class ZeroRows(NamedTuple):
         mask: ``[n]`` bool.
         others: how many rows are not in ``mask``, when the caller has read it (e.g. with its
             value checks); ``None``: the pass reads it (one host synchronization).
+        before: ``[n]`` NumPy array, how many of rows ``0..i`` are not in ``mask``, when the
+            caller has read it: a pass of several chunks then counts each chunk's rows on the host
+            (``None``: it reads those counts, one host synchronization behind the first chunk's
+            statistics GEMM).
     """
 
     mask: torch.Tensor
     others: int | None = None
+    before: np.ndarray | None = None
 
 
 def rows_of(value: NamedTuple, sl: slice) -> NamedTuple:
@@ -595,13 +601,16 @@ def backward_rows(zero: ZeroRows, chunks: Sequence[slice]) -> list[torch.Tensor 
     A row whose statistics all have a zero gradient has ``dz = 0`` exactly (``p_v`` times zero
     coefficients), so it adds nothing to ``d weight`` and its ``d hidden`` is zero: the gradient
     GEMMs may leave it out. A chunk's rows are those not in ``zero.mask``, then as many of the
-    others as round the count up to :data:`_ROW_MULTIPLE`. Several chunks (or an unread count)
-    take one host synchronization for the whole pass."""
+    others as round the count up to :data:`_ROW_MULTIPLE`. The counts come from ``zero.others``
+    (one chunk) or ``zero.before`` (several); without them, one host synchronization for the
+    whole pass."""
     mask = zero.mask
     if not mask.numel():
         return [None] * len(chunks)
     if len(chunks) == 1 and zero.others is not None:
         totals = [0, zero.others]
+    elif zero.before is not None:
+        totals = [0, *(int(zero.before[sl.stop - 1]) for sl in chunks)]
     else:
         ends = torch.tensor([sl.stop - 1 for sl in chunks], device=mask.device)
         totals = [0, *torch.cumsum((~mask).to(torch.int64), 0)[ends].tolist()]

@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from .contract import Head, VocabShard
@@ -392,17 +393,30 @@ class ValueChecks:
         """Read every check's values and the one-element tensors ``reads`` in one
         synchronization, raise the first failed check's error, else return the values of ``reads``
         (as floats: exact for ids below 2^53 and for bools)."""
+        return self.run_with_vector(None, *reads)[0]
+
+    def run_with_vector(self, vector: torch.Tensor | None, *reads: torch.Tensor) -> tuple[list[float],
+                                                                                    np.ndarray | None]:
+        """:meth:`run`, also bringing the 1-D ``vector`` to the host in the same synchronization:
+        ``(values of reads, vector)``, the vector a float64 NumPy array (exact for counts below
+        2^53; ``None`` without a vector)."""
         values = self._values + [r if r.dim() == 0 else r.reshape(()) for r in reads]
         then, self._values, self._then = self._then, [], []
-        if not values:
-            return []
+        if not values and vector is None:
+            return [], None
+        k, extra = len(values), 0 if vector is None else vector.numel()
         # float64 holds every value exactly (int64 ids up to 2^53, any float's value).
         with torch.no_grad():
-            read = torch.stack(values, out=torch.empty(len(values), dtype=torch.float64, device=values[0].device))
-        host = read.tolist()
+            buf = torch.empty(k + extra, dtype=torch.float64, device=(values[0] if values else vector).device)
+            if k:
+                torch.stack(values, out=buf[:k])
+            if extra:
+                buf[k:].copy_(vector)
+            buf = buf.cpu()
+        host = buf[:k].tolist()
         for step in then:
             step(host)
-        return host[len(host) - len(reads):] if reads else []
+        return (host[len(host) - len(reads):] if reads else []), None if vector is None else buf[k:].numpy()
 
 
 class _FiniteTensors:
