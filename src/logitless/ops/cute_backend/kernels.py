@@ -499,9 +499,10 @@ def z_buffer(n: int, vocab: int, device: torch.device) -> torch.Tensor:
 
 
 # The schedule of each kernel (``scripts/gpu_cute_schedules.py`` compares them through the bench):
-# ping-pong where the tile is stored, whose epilogue is the longer; cooperative for the statistics
-# alone, whose 128-row tiles keep the main loop faster than two 64-row ones taking turns.
-PINGPONG_STORING, PINGPONG_STATS = True, False
+# cooperative for both. Where the tile is stored, ping-pong overlaps the longer epilogue, but its
+# 64-row tiles feed the tensor cores less well: through the bench it was 3-8% slower on an H100
+# and within 1-2% on an H200 (benchmarks/NOTES-h100.md, sessions 17-18).
+PINGPONG_STORING, PINGPONG_STATS = False, False
 
 
 def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
