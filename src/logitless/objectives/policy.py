@@ -359,8 +359,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
 
     zero_rows = None
     if zero is not None:
-        before = before[:lay.n]
-        zero_rows = ZeroRows(zero[:lay.n], int(before[-1]) if lay.n else 0, before)
+        n = lay.n
+        zero_rows = ZeroRows(zero[:n], int(before[n - 1]) if n else 0, before[:n])
 
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first
