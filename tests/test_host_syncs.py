@@ -176,8 +176,9 @@ def test_fused_preference_reads_the_host_once(seed, host_reads, objective, maske
 
 
 def _chunked_policy(hidden: torch.Tensor, weight: torch.Tensor, v: int) -> torch.Tensor:
-    """A policy loss over 3 chunks of 128 tokens, 2 of the 8 sequences of zero advantage (the
-    hidden rows are the call's own, tiled: their gradient reaches ``hidden``)."""
+    """A fused policy loss over several chunks (this budget plans 64-token chunks of its ~300
+    counted tokens), 2 of the 8 sequences of zero advantage; the hidden rows are the call's own,
+    tiled, so their gradient reaches ``hidden``."""
     b, t = 8, 48
     rows = hidden.reshape(-1, hidden.shape[-1])
     h = rows.repeat(-(-b * t // rows.shape[0]), 1)[:b * t].reshape(b, t, -1)
@@ -192,8 +193,8 @@ def _chunked_policy(hidden: torch.Tensor, weight: torch.Tensor, v: int) -> torch
 def test_head_calls_read_the_host_once(seed, host_reads, call):
     """One host read in the whole call: a policy loss (its zero-gradient rows' count comes with
     the checks' read; over several chunks, a running count of them, so each chunk's backward
-    rows are counted on the host), a sequence-level one (its chunk cuts too), cross-entropy with and without
-    ignored targets (the ignored positions and their count need no read of their own), rollout
+    rows are counted on the host), a sequence-level one (its chunk cuts too), cross-entropy with
+    and without ignored targets (the ignored positions and their count need no read of their own), rollout
     log-probs, and distillation with a mask and ignored targets (the targets' range is checked with
     the other values)."""
     b, t, h, v = 4, 6, 8, 30
