@@ -49,7 +49,7 @@ from cutlass.cute.runtime import from_dlpack
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from ..triton_shared.tile_gemm import TileOperands
+from ..triton_shared.tile_gemm import TileOperands, tile_partials
 
 if TYPE_CHECKING:
     from ..contract import StatRequest
@@ -533,10 +533,7 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
         pingpong = PINGPONG_STORING if z_out is not None else PINGPONG_STATS
     tiles = -(-vocab // TILE_V)
     entropy, sum_z, sum_sq = want
-    names = ("m", "se", *(k for k, on in (("sez", entropy), ("sz", sum_z), ("ssq", sum_sq)) if on))
-    flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
-    out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
-    out["zy"] = flat[-n:].view(1, n)
+    out, stacked = tile_partials(want, tiles, n, hidden.device)
     if n == 0 or vocab == 0:
         return out
     hidden, weight = _aligned(hidden), _aligned(weight)
@@ -550,7 +547,7 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
     args = (_cute(hidden.unsqueeze(-1)), _cute(weight.unsqueeze(-1)),
             None if z_out is None else _cute(z_out.unsqueeze(-1)),
             None if bias is None else _cute(bias.float().contiguous(), 4), _cute(targets.contiguous(), 8),
-            _cute(flat[:-n].view(len(names), tiles, n)), _cute(out["zy"].view(n), 4),
+            _cute(stacked), _cute(out["zy"].view(n), 4),
             (cutlass.Float32(transform.logit_scale), cutlass.Float32(transform.softcap or 1.0),
              cutlass.Float32(1.0 / transform.temperature)))
     stream = cuda.CUstream(torch.cuda.current_stream(hidden.device).cuda_stream)

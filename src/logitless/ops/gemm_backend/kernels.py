@@ -45,6 +45,7 @@ from ..triton_shared.tile_gemm import (
     operand_src,
     sm_count,
     tile_dz,
+    tile_partials,
     tma_ready,
 )
 
@@ -246,11 +247,7 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool, z_ou
     assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1)
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
-    names = ("m", "se", *(k for k, on in (("sez", want.entropy), ("sz", want.sum_z), ("ssq", want.sum_sq)) if on))
-    # One allocation for every partial, uninitialized (each is a host-side cost while the GPU waits).
-    flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=hidden.device)
-    out = dict(zip(names, flat[:-n].view(len(names), tiles, n), strict=True))
-    out["zy"] = flat[-n:].view(1, n)
+    out, _ = tile_partials(want, tiles, n, hidden.device)
     scalars, flags = transform_args(transform)
     tma = cfg.tma and tma_ready(hidden, weight)
     store_tma = z_out is not None and cfg.store_tma and tma_ready(z_out)

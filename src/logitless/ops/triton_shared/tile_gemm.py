@@ -18,7 +18,7 @@ from ..transform import LogitTransform
 from .common import interpreting, to_logits
 
 if TYPE_CHECKING:
-    from ..contract import ChunkRows, LocalHead
+    from ..contract import ChunkRows, LocalHead, StatRequest
 
 
 class TileOperands(NamedTuple):
@@ -182,6 +182,19 @@ def tile_dz(z, rows, row_ok, cols, tgt_ptr, lse_ptr, sum_pz_ptr, coef_ptr, g_log
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
         dz += tl.where(cols[None, :] == tgt[:, None], g_logp[:, None], 0.0)
     return dz
+
+
+def tile_partials(want: StatRequest, tiles: int, n: int,
+                  device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The statistics GEMMs' outputs over ``tiles`` vocabulary tiles of ``n`` rows, in one
+    uninitialized fp32 allocation (each is host time while the GPU waits): ``({"m", "se",
+    "zy"[, "sez"][, "sz"][, "ssq"]}, the stacked [k, tiles, n] partials)``, ``zy`` ``[1, n]``."""
+    names = ("m", "se", *(k for k, on in (("sez", want.entropy), ("sz", want.sum_z), ("ssq", want.sum_sq)) if on))
+    flat = torch.empty(len(names) * tiles * n + n, dtype=torch.float32, device=device)
+    stacked = flat[:-n].view(len(names), tiles, n)
+    out = dict(zip(names, stacked, strict=True))
+    out["zy"] = flat[-n:].view(1, n)
+    return out, stacked
 
 
 def dot_precision(dtype: torch.dtype) -> str:
