@@ -14,6 +14,7 @@ from ..ops import (
     Head,
     ObjectiveSpec,
     PassOptions,
+    StartedRows,
     StatRequest,
     ValueChecks,
     ZeroRows,
@@ -24,12 +25,15 @@ from ..ops import (
     check_head_inputs,
     check_mask,
     run_objective,
+    start_pass,
     stat_dtype_for,
 )
 from . import compiled
 from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout
 from .policy_terms import LOG_1E8, LazyTokens, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
+
+_WANT = StatRequest(entropy=True)  # the policy pass's statistics (the entropy for the metrics)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class _Prepared:
     hidden: torch.Tensor
     targets: torch.Tensor
     tokens: LazyTokens
+    started: StartedRows | None  # the first rows' statistics GEMM, launched before the checks' read
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def policy_loss(
         raise ValueError("sequence_group needs packed inputs with global segment_ids")
     inputs = _PolicyInputs(targets, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
                            importance_sampling_ratio, segment_ids)
-    prep = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group)
+    prep = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group, options)
     lay = prep.layout
     if lay.distributed:  # its normalizers take collectives: every rank makes them here, in order
         prep.tokens.get()
@@ -164,10 +169,10 @@ def policy_loss(
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    spec = ObjectiveSpec(want=StatRequest(entropy=True), cuts=lay.cuts if cfg.needs_whole_sequences else None,
+    spec = ObjectiveSpec(want=_WANT, cuts=lay.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
-                         zero_rows=prep.zero_rows)
+                         zero_rows=prep.zero_rows, started=prep.started)
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
     loss, stats, _ = run_objective(prep.hidden, head, prep.targets, prep.tokens.loss_term, spec, options)
@@ -260,7 +265,7 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
 
 
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
-             sequence_group) -> _Prepared:
+             sequence_group, options: PassOptions) -> _Prepared:
     """Validate the inputs and gather the counted tokens' rows and ids."""
     targets, completion_mask, advantages = inputs.targets, inputs.completion_mask, inputs.advantages
     old_logp, ref_logp, sampling_logp = inputs.old_logp, inputs.ref_logp, inputs.sampling_logp
@@ -354,7 +359,15 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # pass of several chunks counts each chunk's on the host.
     reads = [] if count is None else [count]
     before = None if zero is None else torch.cumsum(~zero, 0)
-    read, before = checks.run_with_vector(before, *reads, *(() if ends is None else ends.unbind()))
+    pending = checks.send(before, *reads, *(() if ends is None else ends.unbind()))
+    # The first statistics GEMM runs while the host waits for the read and prepares the pass.
+    def first_rows(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return hidden.reshape(-1, hidden.shape[-1])[seen.index[:k]], targets.reshape(-1)[seen.index[:k]]
+
+    fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
+                                                                              and cfg.needs_whole_sequences))
+    started = start_pass(hidden, first_rows, seen.n, head, _WANT, options, fused)
+    read, before = pending.wait()
     lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])
 
     zero_rows = None
@@ -408,7 +421,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                             log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight,
                             zero_rows=zero_rows, config=cfg)
 
-    return _Prepared(lay, zero_rows, lay.rows(hidden), lay.gather(targets).long(), LazyTokens(tokens))
+    return _Prepared(lay, zero_rows, lay.rows(hidden), lay.gather(targets).long(), LazyTokens(tokens), started)
 
 
 def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor],

@@ -44,6 +44,7 @@ from ..ops import (
     Head,
     ObjectiveSpec,
     PassOptions,
+    StartedRows,
     StatRequest,
     ValueChecks,
     as_head,
@@ -52,6 +53,7 @@ from ..ops import (
     check_head_inputs,
     check_mask,
     run_objective,
+    start_pass,
     stat_dtype_for,
 )
 from .layout import counted_first_order
@@ -92,6 +94,7 @@ class _Units:
         size: sequences per unit.
         desirable: KTO's count of desirable sequences (a host int read with the value checks), or
             ``None``.
+        started: the pass's first rows' statistics GEMM (:func:`~logitless.ops.start_pass`).
     """
 
     order: torch.Tensor
@@ -104,6 +107,7 @@ class _Units:
     size: int
     score: torch.Tensor | None = None
     desirable: int | None = None
+    started: StartedRows | None = None  # the pass's first rows, launched before the checks' read
 
     @property
     def score_weight(self) -> torch.Tensor:
@@ -182,11 +186,18 @@ def _check_shaped(name: str, x: object, shape: tuple[int, ...], device: torch.de
     check_device(name, x, device)
 
 
+def _want(token_sums: bool = False, weighted: bool = False) -> StatRequest:
+    """The statistics of a preference pass (:func:`_run`'s flags)."""
+    return StatRequest(entropy=True, sum_z=token_sums, sum_sq=weighted)
+
+
 def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_unit: dict[str, torch.Tensor],
-             label: torch.Tensor | None = None) -> tuple[_Units, torch.Tensor, torch.Tensor]:
+             options: PassOptions, want: StatRequest, label: torch.Tensor | None = None,
+             ) -> tuple[_Units, torch.Tensor, torch.Tensor]:
     """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
     token ids [n])``. ``per_unit``: ``[S // size]`` inputs that must be finite (the reference
-    log-probs), checked in the same host synchronization as the head's values; ``label``: KTO's
+    log-probs), checked in the same host synchronization as the head's values; ``options`` and
+    ``want``: the pass's (its first rows start during that synchronization); ``label``: KTO's
     ``[S]`` bool labels (checked by the caller), whose desirable count is read with them.
 
     Raises:
@@ -232,7 +243,16 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
     counts = () if label is None else (label.sum(),)
-    host = checks.run(*ends.unbind(), *counts)  # the one synchronization of the checks
+    pending = checks.send(None, *ends.unbind(), *counts)  # the one synchronization of the checks
+
+    def first_rows(k: int) -> tuple[torch.Tensor, torch.Tensor]:  # as h_flat and t_flat below
+        first = every[:k]
+        at = order[first // max(t, 1)] * t + first % t
+        return hidden.reshape(-1, hidden.shape[-1])[at], batch.targets.reshape(-1)[at]
+
+    # The first statistics GEMM runs while the host waits for the read and prepares the pass.
+    started = start_pass(hidden, first_rows, s * t, head, want, options, options.mode != "recompute")
+    host = pending.wait()[0]
     desirable = None if label is None else int(host.pop())
     pos = every[:int(host[-1]) if units else 0]
     seq = pos // max(t, 1)
@@ -243,7 +263,7 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     return _Units(order=order, seq=seq, completion=cm.reshape(-1)[pos].to(sdt),
                   nll=None if nm is None else nm.reshape(-1)[pos].to(sdt), lengths=cm.sum(1).to(sdt),
                   nll_count=None if nm is None else nm.sum(1).to(sdt), ends=[int(e) for e in host],
-                  size=size, desirable=desirable), h_flat, t_flat
+                  size=size, desirable=desirable, started=started), h_flat, t_flat
 
 
 class TokenSums(NamedTuple):
@@ -286,7 +306,7 @@ def _run(hidden: torch.Tensor, head: Head, targets: torch.Tensor, units: _Units,
         return loss_of_units(*units.span(sl), units.part(sl, stats.logp), *extra), None
 
     cuts = sorted({e for e in units.ends if e > 0})
-    spec = ObjectiveSpec(want=StatRequest(entropy=True, sum_z=token_sums, sum_sq=weighted), cuts=cuts)
+    spec = ObjectiveSpec(want=_want(token_sums, weighted), cuts=cuts, started=units.started)
     loss, stats, collected = run_objective(hidden, head, targets, objective, spec, options)
     if not collected:  # no token, so no chunk: every unit's loss is a constant
         empty = loss.new_zeros(0)
@@ -418,7 +438,8 @@ def _dpo(hidden: torch.Tensor, head: Head, batch: _Batch, refs: tuple[torch.Tens
         chosen[: cm.shape[0] // 2] = cm[: cm.shape[0] // 2]
         batch = dataclasses.replace(batch, nll_mask=chosen)
     units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {"ref_chosen_logps": refs[0],
-                                                               "ref_rejected_logps": refs[1]})
+                                                               "ref_rejected_logps": refs[1]},
+                                     options, _want(token_sums, cfg.use_weighting))
     if ld:
         units = dataclasses.replace(units, score=_ld_dpo_score(units, cfg.ld_alpha))
     sdt = stat_dtype_for(hidden.dtype)
@@ -503,7 +524,7 @@ def cpo_fused_pass(
 
 
 def _cpo(hidden: torch.Tensor, head: Head, batch: _Batch, cfg: CPOLossConfig, options: PassOptions) -> PreferencePass:
-    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {})
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {}, options, _want())
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 
@@ -648,8 +669,9 @@ def _kto(hidden: torch.Tensor, head: Head, batch: _Batch, labelled: tuple[torch.
     label, ref_logps = labelled
     if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:  # (else _prepare names hidden)
         _check_shaped("label", label, (hidden.shape[0],), hidden.device)
-    units, h_flat, t_flat = _prepare(hidden, head, batch, 1, {"ref_logps": ref_logps, **named},
-                                     label.to(torch.bool) if isinstance(label, torch.Tensor) else None)
+    flags = label.to(torch.bool) if isinstance(label, torch.Tensor) else None
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 1, {"ref_logps": ref_logps, **named}, options,
+                                     _want(token_sums), flags)
     sdt = stat_dtype_for(hidden.dtype)
     label, ref = label.to(torch.bool), ref_logps.to(sdt)
     kl = kl_estimate() if cfg.loss_type == "kto" else None
@@ -730,7 +752,7 @@ def orpo_fused_pass(
 
 
 def _orpo(hidden: torch.Tensor, head: Head, batch: _Batch, beta: float, options: PassOptions) -> PreferencePass:
-    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {})
+    units, h_flat, t_flat = _prepare(hidden, head, batch, 2, {}, options, _want())
     pairs = hidden.shape[0] // 2
     chosen_tokens = _chosen_tokens(units)
 

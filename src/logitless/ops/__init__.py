@@ -2,9 +2,18 @@
 Knows nothing about RL; the objectives layer sits on top and talks to it through
 :mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
-from .contract import Head, StatRequest, VocabShard, as_head, resolve_backend
+from .contract import Head, StartedRows, StatRequest, VocabShard, as_head, resolve_backend
 from .distill import DistillPass, DistillStats, check_shards, run_distill
-from .engine import ChunkObjective, ChunkStats, ObjectiveSpec, PassResult, ZeroRows, compute_stats, run_objective
+from .engine import (
+    ChunkObjective,
+    ChunkStats,
+    ObjectiveSpec,
+    PassResult,
+    ZeroRows,
+    compute_stats,
+    run_objective,
+    start_pass,
+)
 from .lora import HeadLoRA
 from .plan import Impl, Mode, PassOptions, PassOutOfMemoryError, as_options, stat_dtype_for
 from .settings import LogitsPrecision
@@ -34,6 +43,7 @@ __all__ = [
     "PassOptions",
     "PassOutOfMemoryError",
     "PassResult",
+    "StartedRows",
     "StatRequest",
     "ValueChecks",
     "VocabShard",
@@ -51,5 +61,6 @@ __all__ = [
     "resolve_backend",
     "run_distill",
     "run_objective",
+    "start_pass",
     "stat_dtype_for",
 ]

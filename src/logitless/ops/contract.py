@@ -519,6 +519,10 @@ class Capabilities:
             runs the torch backend's (:func:`~logitless.ops.distill_contract.resolve_distill`).
         sum_sq: its forward computes ``Σ exp(2 (z - max))`` (:attr:`StatRequest.sum_sq`, WPO's
             ``log Σ p²``); :func:`resolve_backend` refuses a request for it on a backend without.
+        starts_early: its module has ``start_rows``, and its statistics GEMM may run on inputs
+            whose values are not checked yet: it reads the targets only by comparison and
+            writes only its own buffers, so no value can make it fault
+            (:func:`~logitless.ops.engine.start_pass`).
     """
 
     dtypes: tuple[torch.dtype, ...]
@@ -527,6 +531,28 @@ class Capabilities:
     pairs_weight_grad: bool = False
     distill: bool = False
     sum_sq: bool = False
+    starts_early: bool = False
+
+
+class StartedRows(NamedTuple):
+    """A statistics GEMM of a pass's first ``rows`` rows, launched before the caller's value
+    checks were read (:func:`~logitless.ops.engine.start_pass`); the first chunk's forward
+    launches only its other rows and joins these (a backend's ``chunk_forward(started=...)``).
+
+    Attributes:
+        rows: how many rows it covers.
+        parts: the backend's per-tile partials of those rows (``{name: [tiles, rows]}``; ``zy``
+            ``[1, rows]``).
+        z: their stored fp16 logits ``[rows, V]``, or ``None`` (launched without storing).
+        backend: the backend's ``NAME``; want, fp32_logits: what it was launched with.
+    """
+
+    rows: int
+    parts: dict[str, torch.Tensor]
+    z: torch.Tensor | None
+    backend: str
+    want: StatRequest
+    fp32_logits: bool
 
 
 class Backend(Protocol):

@@ -33,10 +33,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .contract import Accumulators, ChunkStats, Head, LocalHead, StatRequest
-from .fused import PassResult, SoftmaxPass, run_fused
+from .contract import Accumulators, ChunkRows, ChunkStats, Head, LocalHead, StartedRows, StatRequest, resolve_backend
+from .fused import PassResult, SoftmaxPass, no_autocast, run_fused
 from .lora import LowRank
-from .plan import ChunkPlan, Mode, PassOptions, ZeroRows
+from .plan import ChunkPlan, Mode, PassOptions, ZeroRows, started_rows
 from .recompute import recompute_stats
 
 # objective(token_slice, stats) -> (loss term, anything to collect)
@@ -59,6 +59,8 @@ class ObjectiveSpec:
             (:class:`ZeroRows`; a policy loss without KL or entropy bonus: the tokens of zero
             advantage), or ``None``; with :attr:`PassOptions.skip_zero_rows` the gradient GEMMs
             leave them out (their statistics are still computed).
+        started: the first rows' statistics GEMM, launched before the caller's value checks were
+            read (:func:`start_pass`), or ``None``.
     """
 
     want: StatRequest = field(default_factory=StatRequest)
@@ -66,6 +68,7 @@ class ObjectiveSpec:
     needs_all_stats: bool = False
     before_loss: Callable[[ChunkStats], None] | None = None
     zero_rows: ZeroRows | None = None
+    started: StartedRows | None = None
 
 
 def resolve_mode(mode: Mode, needs_all_stats: bool) -> Literal["fused", "recompute"]:
@@ -123,7 +126,8 @@ class PassKind(Protocol):
 
 
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
-                  options: PassOptions, zero_rows: ZeroRows | None = None) -> ChunkStats:
+                  options: PassOptions, zero_rows: ZeroRows | None = None,
+                  started: StartedRows | None = None) -> ChunkStats:
     """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
     mode; under ``torch.no_grad`` only the forward runs: one GEMM's worth of work).
 
@@ -134,12 +138,54 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
         want: statistics beyond ``logp``/``lse``/``is_top1``.
         options: :class:`PassOptions` (``mode`` is not read: this is recompute mode).
         zero_rows: rows whose gradient is known to be zero (:attr:`ObjectiveSpec.zero_rows`).
+        started: :attr:`ObjectiveSpec.started`.
 
     Returns:
         :class:`ChunkStats` of the ``n`` rows (``entropy``/``sum_z`` ``None`` unless wanted).
     """
-    p, x = SoftmaxPass.make(hidden, head, targets, ObjectiveSpec(want=want, zero_rows=zero_rows), options)
+    p, x = SoftmaxPass.make(hidden, head, targets, ObjectiveSpec(want=want, zero_rows=zero_rows, started=started),
+                            options)
     return recompute_stats(p, hidden, head.weight, head.bias, x, p.lora_b)
+
+
+def start_pass(hidden: torch.Tensor, first_rows: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
+               head: Head, want: StatRequest, options: PassOptions, fused: bool) -> StartedRows | None:
+    """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
+    read, so the GPU computes while the host waits for that read and prepares the pass
+    (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``). The pass's
+    first chunk then launches only its other rows (:attr:`ObjectiveSpec.started`).
+
+    Only on a backend whose :attr:`~logitless.ops.contract.Capabilities.starts_early` is set: its
+    GEMM cannot fault on unchecked values, and a failed check still raises its named error before
+    any result is used (the started rows are dropped). Not for a head with an adapter or split
+    over a vocabulary group, nor a pass too small to gain (:func:`~logitless.ops.plan.started_rows`).
+
+    Args:
+        hidden: the caller's hidden states (its device and dtype choose the backend).
+        first_rows: ``first_rows(k) -> (hidden [k, H], targets [k] global ids)``, the pass's
+            first ``k`` rows as they will enter it, if that many count.
+        n_tokens: how many rows the pass has at most (before the count is read).
+        head, want, options: as the pass will get them.
+        fused: the pass runs in fused mode (a started chunk then stores its logits when the
+            pass keeps them for the gradient).
+
+    Returns:
+        :class:`~logitless.ops.contract.StartedRows`, or ``None`` where nothing was launched.
+    """
+    if head.lora is not None:
+        return None
+    local = head.local()
+    backend = resolve_backend(options.impl, hidden, False, want)
+    rows = started_rows(n_tokens, hidden.shape[-1], local.weight.shape[0])
+    if not backend.CAPS.starts_early or local.parallel or not rows:
+        return None
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    store = fused and grad and ChunkPlan.make(n_tokens, local.weight.shape[0], options.budget, hidden.dtype,
+                                              backend.PLAN, options.fp32_logits).keep_logits
+    h, t = first_rows(rows)
+    t = t.long() - local.vocab_start if local.vocab_start else t.long()
+    with torch.no_grad(), no_autocast(h.device):
+        return backend.start_rows(local, ChunkRows(h.detach(), t), want, options.fp32_logits, store)
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -173,7 +219,7 @@ def run_objective(hidden: torch.Tensor, head: Head, targets: torch.Tensor, objec
     """
     mode = resolve_mode(options.mode, spec.needs_all_stats)
     if mode == "recompute":
-        stats = compute_stats(hidden, head, targets, spec.want, options, spec.zero_rows)
+        stats = compute_stats(hidden, head, targets, spec.want, options, spec.zero_rows, spec.started)
         if spec.before_loss is not None:
             spec.before_loss(stats.detached())
         loss, collected = objective(slice(0, hidden.shape[0]), stats)

@@ -26,6 +26,7 @@ from .contract import (
     LocalHead,
     RowStats,
     SavedStats,
+    StartedRows,
     StatGrads,
     StatRequest,
     resolve_backend,
@@ -69,6 +70,8 @@ class SoftmaxPass:
     zero_rows: ZeroRows | None = None
     # Whether the backward honours Accumulators.write_weight: the backend's, without an adapter.
     stores_weight_grad: bool = False
+    # The first rows' statistics, launched before the checks' read; taken by the first forward.
+    started: StartedRows | None = None
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
@@ -84,8 +87,12 @@ class SoftmaxPass:
         # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
         skip = options.skip_zero_rows and head.lora is None
         local_targets = targets - local.vocab_start if local.vocab_start else targets  # (LocalHead.local_targets)
+        started = spec.started
+        if started is not None and (started.backend != backend.NAME or started.want != spec.want
+                                    or started.fp32_logits != plan.fp32_logits or b is not None):
+            started = None
         return cls(backend, local, local_targets, plan, spec.want, b,
-                   spec.zero_rows if skip else None, backend.CAPS.stores_weight_grad and b is None), x
+                   spec.zero_rows if skip else None, backend.CAPS.stores_weight_grad and b is None, started), x
 
     def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
         """The rows ``idx`` (``[m]`` int64, ascending) of a chunk (no adapter: see :meth:`make`)."""
@@ -107,8 +114,12 @@ class SoftmaxPass:
         return ChunkRows(hidden[sl], self.targets[sl], None if low is None else low.rows(sl))
 
     def forward(self, rows: ChunkRows, plan: ChunkPlan, keep_logits: bool) -> tuple[RowStats, object | None]:
+        """A chunk's partial statistics; the first call (the first chunk's) joins :attr:`started`."""
+        started, self.started = self.started, None
         with no_autocast(rows.hidden.device):
-            return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits)
+            if started is None:
+                return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits)
+            return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits, started=started)
 
     def backward(self, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads, acc: Accumulators,
                  kept: object | None) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ import math
 import numbers
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -400,23 +401,57 @@ class ValueChecks:
         """:meth:`run`, also bringing the 1-D ``vector`` to the host in the same synchronization:
         ``(values of reads, vector)``, the vector a float64 NumPy array (exact for counts below
         2^53; ``None`` without a vector)."""
+        return self.send(vector, *reads).wait()
+
+    def send(self, vector: torch.Tensor | None, *reads: torch.Tensor) -> PendingRead:
+        """Queue the copy of :meth:`run_with_vector` and return without waiting for it: work the
+        caller queues before :meth:`PendingRead.wait` runs on the device while the host waits
+        for the copy (on a GPU; on a CPU the copy is done here)."""
         values = self._values + [r if r.dim() == 0 else r.reshape(()) for r in reads]
         then, self._values, self._then = self._then, [], []
         if not values and vector is None:
-            return [], None
+            return PendingRead(None, None, 0, 0, False, then)
         k, extra = len(values), 0 if vector is None else vector.numel()
+        device = (values[0] if values else vector).device
         # float64 holds every value exactly (int64 ids up to 2^53, any float's value).
         with torch.no_grad():
-            buf = torch.empty(k + extra, dtype=torch.float64, device=(values[0] if values else vector).device)
+            buf = torch.empty(k + extra, dtype=torch.float64, device=device)
             if k:
                 torch.stack(values, out=buf[:k])
             if extra:
                 buf[k:].copy_(vector)
-            buf = buf.cpu()
-        host = buf[:k].tolist()
-        for step in then:
+            if device.type != "cuda":
+                return PendingRead(buf.cpu(), None, k, len(reads), vector is not None, then)
+            host = torch.empty(k + extra, dtype=torch.float64, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+        return PendingRead(host, done, k, len(reads), vector is not None, then)
+
+
+@dataclass
+class PendingRead:
+    """The checks' values on their way to the host (:meth:`ValueChecks.send`)."""
+
+    host: torch.Tensor | None  # [k + vector] float64 on the host (pinned: filled once ``done`` has passed)
+    done: torch.cuda.Event | None
+    k: int  # the checks' and the reads' values; then the vector
+    reads: int
+    vector: bool  # whether a vector follows them
+    then: list[Callable[[list[float]], None]]
+
+    def wait(self) -> tuple[list[float], np.ndarray | None]:
+        """Wait for the copy, raise the first failed check's error, else return the values of the
+        reads and the vector, as :meth:`ValueChecks.run_with_vector`."""
+        if self.host is None:
+            return [], None
+        if self.done is not None:
+            self.done.synchronize()
+        host = self.host[:self.k].tolist()
+        for step in self.then:
             step(host)
-        return (host[len(host) - len(reads):] if reads else []), None if vector is None else buf[k:].numpy()
+        vector = self.host[self.k:].numpy() if self.vector else None
+        return (host[len(host) - self.reads:] if self.reads else []), vector
 
 
 class _FiniteTensors:

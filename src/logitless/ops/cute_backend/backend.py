@@ -26,26 +26,28 @@ from ..contract import (
     RowCoefficients,
     RowStats,
     SavedStats,
+    StartedRows,
     StatGrads,
     StatRequest,
 )
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
-from ..triton_shared.tile_gemm import TileOperands
+from ..triton_shared.tile_gemm import TileOperands, launch_after
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
 
 NAME = "cute"
 PLAN = "gemm"  # the same 2-byte kept tile as the GEMM-epilogue backend
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=False, sum_sq=True)
+                    pairs_weight_grad=True, distill=False, sum_sq=True, starts_early=True)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
-                  keep_logits: bool) -> tuple[RowStats, CentredTile | None]:
+                  keep_logits: bool, started: StartedRows | None = None) -> tuple[RowStats, CentredTile | None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
     the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
+    ``started``: the chunk's first rows, launched before (:func:`start_rows`).
 
     Raises:
         ValueError: adapter rows, or inputs that are not bf16/fp16.
@@ -56,10 +58,18 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         owned = (ops.targets >= 0) & (ops.targets < vocab)
         return RowStats.start(n, torch.float32, ops.hidden.device, want, owned), None
     z = z_buffer(n, vocab, ops.hidden.device) if keep_logits and plan.vocab_block >= vocab else None
-    parts = launch_forward(ops, want, plan.fp32_logits, z)
+    parts = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out), ops, z, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (ops.targets >= 0) & (ops.targets < vocab)
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)
+
+
+def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool, store: bool) -> StartedRows:
+    """Launch the statistics GEMM of a pass's first rows (storing their logits with ``store``),
+    for the first chunk's :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`)."""
+    ops = TileOperands.of_chunk(head, rows, "cute")
+    z = z_buffer(ops.hidden.shape[0], ops.weight.shape[0], ops.hidden.device) if store else None
+    return StartedRows(ops.hidden.shape[0], launch_forward(ops, want, fp32_logits, z), z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

@@ -35,13 +35,14 @@ from ..contract import (
     RowCoefficients,
     RowStats,
     SavedStats,
+    StartedRows,
     StatGrads,
     StatRequest,
 )
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
-from ..triton_shared.tile_gemm import TileOperands
+from ..triton_shared.tile_gemm import TileOperands, launch_after
 from ..triton_shared.weight_grad import block_grads
 from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
 
@@ -49,13 +50,14 @@ NAME = "gemm"
 PLAN = "gemm"
 # Its GEMM is written for 16-bit tensor-core operands and has no low-rank term.
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=True, sum_sq=True)
+                    pairs_weight_grad=True, distill=True, sum_sq=True, starts_early=True)
 
 
 def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
-                  keep_logits: bool) -> tuple[RowStats, CentredTile | None]:
+                  keep_logits: bool, started: StartedRows | None = None) -> tuple[RowStats, CentredTile | None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
     the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
+    ``started``: the chunk's first rows, launched before (:func:`start_rows`).
 
     Raises:
         ValueError: adapter rows, or inputs that are not bf16/fp16.
@@ -67,11 +69,21 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         return RowStats.start(n, torch.float32, hidden.device, want, (targets >= 0) & (targets < vocab)), None
     keep = keep_logits and plan.vocab_block >= vocab
     z = torch.empty((n, vocab), dtype=torch.float16, device=hidden.device) if keep else None
-    parts = launch_forward(ops, want, plan.fp32_logits, z, gemm_config())
+    parts = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out, gemm_config()), ops, z,
+                         started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
     kept = None if z is None else CentredTile(z, parts["m"], gemm_config().fwd.block_v)
     return RowStats.combine(parts, owned), kept
+
+
+def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool, store: bool) -> StartedRows:
+    """Launch the statistics GEMM of a pass's first rows (storing their logits with ``store``),
+    for the first chunk's :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`)."""
+    ops = TileOperands.of_chunk(head, rows, "gemm")
+    n, vocab = ops.hidden.shape[0], ops.weight.shape[0]
+    z = torch.empty((n, vocab), dtype=torch.float16, device=ops.hidden.device) if store else None
+    return StartedRows(n, launch_forward(ops, want, fp32_logits, z, gemm_config()), z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

@@ -6,6 +6,7 @@ head logits (bias and transform applied) and its ``dL/dz``."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -18,7 +19,7 @@ from ..transform import LogitTransform
 from .common import interpreting, to_logits
 
 if TYPE_CHECKING:
-    from ..contract import ChunkRows, LocalHead, StatRequest
+    from ..contract import ChunkRows, LocalHead, StartedRows, StatRequest
 
 
 class TileOperands(NamedTuple):
@@ -195,6 +196,25 @@ def tile_partials(want: StatRequest, tiles: int, n: int,
     out = dict(zip(names, stacked, strict=True))
     out["zy"] = flat[-n:].view(1, n)
     return out, stacked
+
+
+def launch_after(launch: Callable[[TileOperands, torch.Tensor | None], dict[str, torch.Tensor]], ops: TileOperands,
+                 z: torch.Tensor | None, started: StartedRows | None) -> dict[str, torch.Tensor]:
+    """``launch(ops, z)``, a chunk's statistics GEMM (``z``: where it stores the logits), for a
+    chunk whose first ``started.rows`` rows were launched before (``None``: none were): only the
+    other rows run now, their partials are joined to the started ones and the started rows'
+    logits are copied into ``z``. Started rows the chunk cannot take (more than it has, or not
+    stored where it stores) run again with the rest."""
+    n = ops.hidden.shape[0]
+    if started is None or started.rows > n or (z is not None and started.z is None):
+        return launch(ops, z)
+    s = started.rows
+    if z is not None:
+        z[:s].copy_(started.z)
+    if s == n:
+        return started.parts
+    rest = launch(ops._replace(hidden=ops.hidden[s:], targets=ops.targets[s:]), None if z is None else z[s:])
+    return {k: torch.cat((started.parts[k], v), 1) for k, v in rest.items()}
 
 
 def dot_precision(dtype: torch.dtype) -> str:
