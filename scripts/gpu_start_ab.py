@@ -4,10 +4,12 @@ same round, from a synchronization and queued in a step (GPU only).
 
     python3 scripts/gpu_start_ab.py SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_start_ab.py 8k:llama3-8b grpo dpo
+    PROFILE=1 ...   # also each one's GPU timeline, with and without
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
@@ -20,7 +22,30 @@ from logitless.bench.timing import time_in_step, time_step
 from logitless.ops import engine
 from logitless.ops.plan import started_rows
 
-ROUNDS = 3
+ROUNDS = int(os.environ.get("ROUNDS", 3))
+
+
+def _timeline(step, reset, dev, label: str) -> None:
+    """One call under torch.profiler: its kernels over 40 us and idle gaps over 40 us, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reset()
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(dev)
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    t0, last = ev[0].time_range.start, ev[0].time_range.start
+    print(f"  {label}: {len(ev)} GPU ops, {(ev[-1].time_range.end - t0) / 1e3:.2f} ms")
+    for e in ev:
+        gap = e.time_range.start - last
+        if gap > 40:
+            print(f"    {(last - t0) / 1e3:8.3f}  idle {gap / 1e3:.3f} ms")
+        if e.time_range.elapsed_us() > 40:
+            at, took = (e.time_range.start - t0) / 1e3, e.time_range.elapsed_us() / 1e3
+            print(f"    {at:8.3f}  {took:7.3f} ms  {e.name[:90]}")
+        last = max(last, e.time_range.end)
 
 
 def main() -> None:
@@ -49,8 +74,13 @@ def main() -> None:
                 got[f"{label} sync"].append(time_step(ours.step, reset, dev).median_ms / base)
                 got[f"{label} step"].append(time_in_step(ours.step, reset, dev).median_ms / base_step)
             engine.started_rows = started_rows
+        if os.environ.get("PROFILE"):
+            for label, rows_fn in (("on", started_rows), ("off", lambda *a: 0)):
+                engine.started_rows = rows_fn
+                _timeline(ours.step, reset, dev, label)
+            engine.started_rows = started_rows
         print(f"{case.model} {case.n_tokens} {objective} {name} (started rows "
-              f"{started_rows(case.n_tokens, case.hidden_size, case.vocab_size)}): "
+              f"{'on' if engine.resolve_backend('auto', x.hidden).CAPS.starts_early else 'none'}): "
               + ", ".join(f"{k} {statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in got.items()))
 
 

@@ -33,7 +33,7 @@ def launches(monkeypatch):
     starts some."""
     from logitless.ops.gemm_backend import backend as gemm_backend
 
-    monkeypatch.setattr(planning, "_START_ALIGN", 16)
+    monkeypatch.setattr(gemm_backend, "START_ALIGN", 16)
     monkeypatch.setattr(planning, "_START_FLOP", 64 * 2 * H * V)
     rows: list[int] = []
     real = gemm_backend.launch_forward
@@ -88,7 +88,7 @@ def test_started_rows_change_nothing(monkeypatch, launches, call, mode, keep):
     monkeypatch.setattr(engine, "started_rows", lambda *a: 0)
     _, without = call("gemm", mode, keep, seed)
     assert len(launches) == 1 and launches[0] == count  # one chunk, one launch of its rows
-    rows = started(n_seen, H, V)
+    rows = started(n_seen, H, V, 16)
     assert rows > 0
     if count >= rows:  # the first chunk launched only the rest
         assert first == [rows, count - rows]
@@ -123,9 +123,11 @@ def test_bad_values_still_raise_their_named_error(launches, bad):
 
 @pytest.mark.parametrize("hidden_size,vocab", [(4096, 128256), (2304, 256000), (3584, 151936)])
 def test_started_rows_cover_the_host_wait(hidden_size, vocab):
-    """About 2 ms of the dense pass's GEMM at the bench's shapes, whole 128-row tiles, at most
-    half the rows, none for a pass too short to start half of 128 rows."""
-    rows = planning.started_rows(8192, hidden_size, vocab)
-    assert rows % 128 == 0 and 0.8e12 <= 2 * rows * hidden_size * vocab <= 1.3e12
-    assert planning.started_rows(512, hidden_size, vocab) == 256
-    assert planning.started_rows(255, hidden_size, vocab) == 0
+    """About 2 ms of the dense pass's GEMM at the bench's shapes (more where the backend's rows come
+    in larger steps), whole steps, at most half the rows; none for a pass too short for one step."""
+    rows = planning.started_rows(8192, hidden_size, vocab, 128)
+    assert rows % 128 == 0 and 1.3e12 <= 2 * rows * hidden_size * vocab <= 1.3e12 + 2 * 128 * hidden_size * vocab
+    assert planning.started_rows(8192, hidden_size, vocab, 2048) == 2048
+    assert planning.started_rows(4095, hidden_size, vocab, 2048) == 0
+    assert planning.started_rows(2 * rows, hidden_size, vocab, 128) == rows
+    assert planning.started_rows(2 * rows - 1, hidden_size, vocab, 128) == 0

@@ -176,8 +176,10 @@ def start_pass(hidden: torch.Tensor, first_rows: Callable[[int], tuple[torch.Ten
         return None
     local = head.local()
     backend = resolve_backend(options.impl, hidden, False, want)
-    rows = started_rows(n_tokens, hidden.shape[-1], local.weight.shape[0])
-    if not backend.CAPS.starts_early or local.parallel or not rows:
+    if not backend.CAPS.starts_early or local.parallel:
+        return None
+    rows = started_rows(n_tokens, hidden.shape[-1], local.weight.shape[0], backend.START_ALIGN)
+    if not rows:
         return None
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     store = fused and grad and ChunkPlan.make(n_tokens, local.weight.shape[0], options.budget, hidden.dtype,

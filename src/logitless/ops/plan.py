@@ -163,16 +163,16 @@ def _even_chunk(n: int, rows: int) -> int:
 # busy while the host waits for that read and prepares the pass after it, 1-2 ms of host work on
 # the GPU hosts measured: rows whose GEMM is ~1.3 TFLOP, about 2 ms at the dense pass's pace.
 _START_FLOP = 1.3e12
-_START_ALIGN = 128  # a whole number of the statistics GEMMs' token tiles
 
 
-def started_rows(n_tokens: int, hidden_size: int, vocab: int) -> int:
+def started_rows(n_tokens: int, hidden_size: int, vocab: int, align: int) -> int:
     """How many of a pass's first rows :func:`~logitless.ops.engine.start_pass` launches: about
-    :data:`_START_FLOP` of GEMM, a multiple of 128, at most half the rows (fewer might count: the
-    rest of those rows would be computed for nothing); 0 when that is under 128 rows."""
-    rows = max(_START_ALIGN, int(_START_FLOP // (2 * max(1, hidden_size) * max(1, vocab))))
-    rows = min(rows, n_tokens // 2) // _START_ALIGN * _START_ALIGN
-    return rows if rows >= _START_ALIGN else 0
+    :data:`_START_FLOP` of GEMM, a multiple of ``align`` (the backend's ``START_ALIGN``: rows its
+    GEMM runs at full pace in), at most half the rows (fewer might count: the rest of those rows
+    would be computed for nothing); 0 when that leaves none."""
+    rows = max(align, int(_START_FLOP // (2 * max(1, hidden_size) * max(1, vocab))))
+    rows = -(-rows // align) * align
+    return rows if rows <= n_tokens // 2 else 0
 
 
 def stat_dtype_for(dtype: torch.dtype) -> torch.dtype:

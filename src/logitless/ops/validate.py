@@ -1,4 +1,8 @@
-"""Input checks shared by every entry point: named errors before any kernel runs."""
+"""Input checks shared by every entry point: named errors before any result is computed from bad
+input. Shapes, dtypes and devices are checked on the host before any kernel; values are reduced on
+the device and read once, and the only kernel that may run before that read is a statistics GEMM
+that no value can make fault, whose result is dropped when a check fails
+(:func:`~logitless.ops.engine.start_pass`)."""
 
 from __future__ import annotations
 
@@ -328,7 +332,7 @@ def _bad_targets(t: torch.Tensor, vocab: int, ignore_index: int | None) -> Value
 
 class ValueChecks:
     """Checks of tensor values (NaN/inf, ranges) gathered from several places and read in one
-    host synchronization, so a call waits for the device once before its first kernel.
+    host synchronization, so a call waits for the device once before its pass.
 
     Each check reduces its tensor to one or two scalars on the device (one kernel: the inf-norm
     for NaN/inf, ``aminmax`` for a range) and decides on the host, so a call's checks cost a
