@@ -361,18 +361,15 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     before = None if zero is None else torch.cumsum(~zero, 0)
     pending = checks.send(before, *reads, *(() if ends is None else ends.unbind()))
     # The first statistics GEMM runs while the host waits for the read and prepares the pass.
-    def first_rows(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return hidden.reshape(-1, hidden.shape[-1])[seen.index[:k]], targets.reshape(-1)[seen.index[:k]]
-
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
                                                                               and cfg.needs_whole_sequences))
-    started = start_pass(hidden, first_rows, seen.n, head, _WANT, options, fused)
+    started = start_pass(hidden, targets, seen.index, head, _WANT, options, fused)
     read, before = pending.wait()
     lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])
 
     zero_rows = None
     if zero is not None:
-        n = lay.n
+        n = lay.index.shape[0]  # (lay.n)
         zero_rows = ZeroRows(zero[:n], int(before[n - 1]) if n else 0, before[:n])
 
     def tokens() -> PolicyTokens:

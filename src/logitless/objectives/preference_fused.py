@@ -245,18 +245,15 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     counts = () if label is None else (label.sum(),)
     pending = checks.send(None, *ends.unbind(), *counts)  # the one synchronization of the checks
 
-    def first_rows(k: int) -> tuple[torch.Tensor, torch.Tensor]:  # as h_flat and t_flat below
-        first = every[:k]
-        at = order[first // max(t, 1)] * t + first % t
-        return hidden.reshape(-1, hidden.shape[-1])[at], batch.targets.reshape(-1)[at]
-
-    # The first statistics GEMM runs while the host waits for the read and prepares the pass.
-    started = start_pass(hidden, first_rows, s * t, head, want, options, options.mode != "recompute")
+    # Each of those positions in the caller's [S, T], flattened; the first statistics GEMM runs
+    # on the first of them while the host waits for the read and prepares the pass.
+    at = order[every // max(t, 1)] * t + every % t
+    started = start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute")
     host = pending.wait()[0]
     desirable = None if label is None else int(host.pop())
-    pos = every[:int(host[-1]) if units else 0]
+    n = int(host[-1]) if units else 0
+    pos, flat = every[:n], at[:n]
     seq = pos // max(t, 1)
-    flat = order[seq] * t + pos % t
     complete = pos.shape[0] == s * t and (size == 1 or units == 1)
     h_flat = hidden.reshape(-1, hidden.shape[-1]) if complete else hidden.reshape(-1, hidden.shape[-1])[flat]
     t_flat = batch.targets.reshape(-1)[flat].long()

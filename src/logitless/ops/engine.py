@@ -148,8 +148,8 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
     return recompute_stats(p, hidden, head.weight, head.bias, x, p.lora_b)
 
 
-def start_pass(hidden: torch.Tensor, first_rows: Callable[[int], tuple[torch.Tensor, torch.Tensor]], n_tokens: int,
-               head: Head, want: StatRequest, options: PassOptions, fused: bool) -> StartedRows | None:
+def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, head: Head,
+               want: StatRequest, options: PassOptions, fused: bool) -> StartedRows | None:
     """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
     read, so the GPU computes while the host waits for that read and prepares the pass
     (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``). The pass's
@@ -161,10 +161,10 @@ def start_pass(hidden: torch.Tensor, first_rows: Callable[[int], tuple[torch.Ten
     over a vocabulary group, nor a pass too small to gain (:func:`~logitless.ops.plan.started_rows`).
 
     Args:
-        hidden: the caller's hidden states (its device and dtype choose the backend).
-        first_rows: ``first_rows(k) -> (hidden [k, H], targets [k] global ids)``, the pass's
-            first ``k`` rows as they will enter it, if that many count.
-        n_tokens: how many rows the pass has at most (before the count is read).
+        hidden: the caller's hidden states ``[..., H]`` (its device and dtype choose the backend).
+        targets: the caller's token ids, shaped like ``hidden`` without ``H``.
+        positions: ``[n]`` int64, the flattened positions of the rows that may enter the pass, in
+            the pass's order (the counted ones first: the count is not read yet).
         head, want, options: as the pass will get them.
         fused: the pass runs in fused mode (a started chunk then stores its logits when the
             pass keeps them for the gradient).
@@ -172,22 +172,23 @@ def start_pass(hidden: torch.Tensor, first_rows: Callable[[int], tuple[torch.Ten
     Returns:
         :class:`~logitless.ops.contract.StartedRows`, or ``None`` where nothing was launched.
     """
-    if head.lora is not None:
+    backend = resolve_backend(options.impl, hidden, head.lora is not None, want)
+    if not backend.CAPS.starts_early or head.lora is not None:
         return None
     local = head.local()
-    backend = resolve_backend(options.impl, hidden, False, want)
-    if not backend.CAPS.starts_early or local.parallel:
-        return None
-    rows = started_rows(n_tokens, hidden.shape[-1], local.weight.shape[0], backend.START_ALIGN)
+    n, vocab = positions.shape[0], local.weight.shape[0]
+    rows = 0 if local.parallel else started_rows(n, hidden.shape[-1], vocab, backend.START_ALIGN)
     if not rows:
         return None
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-    store = fused and grad and ChunkPlan.make(n_tokens, local.weight.shape[0], options.budget, hidden.dtype,
-                                              backend.PLAN, options.fp32_logits).keep_logits
-    h, t = first_rows(rows)
-    t = t.long() - local.vocab_start if local.vocab_start else t.long()
+    store = fused and grad and ChunkPlan.make(n, vocab, options.budget, hidden.dtype, backend.PLAN,
+                                              options.fp32_logits).keep_logits
+    first = positions[:rows]
+    h = hidden.detach().reshape(-1, hidden.shape[-1])[first]
+    t = targets.reshape(-1)[first].long()
+    t = t - local.vocab_start if local.vocab_start else t
     with torch.no_grad(), no_autocast(h.device):
-        return backend.start_rows(local, ChunkRows(h.detach(), t), want, options.fp32_logits, store)
+        return backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store)
 
 
 # ----------------------------------------------------------------------------- the entry point
