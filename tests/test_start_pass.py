@@ -1,10 +1,11 @@
 """The first statistics GEMM launched before the value checks' read (``engine.start_pass``), under
 the Triton interpreter (``impl="gemm"``; the compiled kernels run in ``test_gpu.py``'s cases).
 
-The started rows must change nothing: the same loss, gradients and metrics as the pass without
-them (bit for bit: each row's statistics come from the same tiles either way), against the torch
-backend as in ``test_gemm_backend.py``, whether the first chunk joins them (enough counted rows)
-or computes them again (fewer counted rows than were started). Bad values still raise their
+In policy, fused preference, cross-entropy and rollout calls, the started rows must change
+nothing: the same loss, gradients and metrics as the pass without them (bit for bit: each row's
+statistics come from the same tiles either way), and against the torch backend as in
+``test_gemm_backend.py``, whether the first chunk joins them (enough counted rows) or computes
+them again (fewer counted rows than were started). Bad values still raise their
 named error, after the started GEMM ran on them.
 """
 
@@ -75,13 +76,36 @@ def _dpo(impl: str, mode: str, keep: float, seed: int):
     return int(mask.sum()), [loss, h.grad, w.grad, *metrics.values()]
 
 
+def _token_inputs(keep: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 4, 40
+    h = torch.randn(b, t, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, V, (b, t), generator=g).masked_fill(torch.rand(b, t, generator=g) >= keep, -100)
+    return h, w, ids
+
+
+def _cross_entropy(impl: str, mode: str, keep: float, seed: int):
+    h, w, ids = _token_inputs(keep, seed)
+    loss, metrics = logitless.cross_entropy(h, w, ids, z_loss=1e-3, options=PassOptions(mode=mode, impl=impl))
+    loss.backward()
+    return int((ids != -100).sum()), [loss, h.grad, w.grad, *metrics.values()]
+
+
+def _rollout(impl: str, mode: str, keep: float, seed: int):
+    h, w, ids = _token_inputs(keep, seed)
+    logp, entropy = logitless.token_logprobs(h, w, ids, entropy=True, options=PassOptions(mode=mode, impl=impl))
+    return int((ids != -100).sum()), [logp, entropy]
+
+
 @interpreted
-@pytest.mark.parametrize("call", [_policy, _dpo], ids=["policy", "dpo"])
+@pytest.mark.parametrize("call", [_policy, _dpo, _cross_entropy, _rollout],
+                         ids=["policy", "dpo", "cross_entropy", "rollout"])
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
 @pytest.mark.parametrize("keep", [0.8, 0.15], ids=["joined", "computed_again"])
 def test_started_rows_change_nothing(monkeypatch, launches, call, mode, keep):
     seed = int(torch.randint(0, 2**31, ()))
-    n_seen, started = (4 * 40 if call is _policy else 6 * 48), planning.started_rows
+    n_seen, started = (6 * 48 if call is _dpo else 4 * 40), planning.started_rows
     count, with_start = call("gemm", mode, keep, seed)
     first = launches[:2]
     launches.clear()

@@ -21,6 +21,7 @@ from ..ops import (
     as_options,
     check_head_inputs,
     run_objective,
+    start_pass,
     stat_dtype_for,
 )
 from .layout import counted_first_order
@@ -116,16 +117,20 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     # The counted positions' rows and ids are checked where they are, and how many count is read
     # with the checks: one host read, whether or not some rows are ignored.
     check_head_inputs(hidden, head, targets, None, checks, counted=counted)
-    count = int(checks.run(counted.sum())[0])
+    want = StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats, sum_sq="log_sum_sq_probs" in stats)
+    order = counted_first_order(counted.reshape(-1))[0]
+    read = checks.send(None, counted.sum())
+    # The first statistics GEMM runs while the host waits for the read and prepares the pass.
+    started = start_pass(hidden, targets, order, head, want, options, options.mode != "recompute")
+    count = int(read.wait()[0][0])
     vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
     h = hidden.reshape(-1, hidden.shape[-1])
     if count < flat.numel():
-        positions = counted_first_order(counted.reshape(-1))[0][:count]
+        positions = order[:count]
         h, t = h[positions], flat[positions].long()
-    else:
-        positions = torch.arange(flat.numel(), device=flat.device)
-        t = flat.long()
+    else:  # every position counts: the order is 0, 1, ..., and the rows are views
+        positions, t = order, flat.long()
     sdt = stat_dtype_for(hidden.dtype)
 
     def objective(sl: slice, st: ChunkStats):
@@ -140,8 +145,7 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
             reported.update({name: fn(ts).detach() for name, fn in (metrics or {}).items()})
         return total, reported
 
-    spec = ObjectiveSpec(want=StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats,
-                                          sum_sq="log_sum_sq_probs" in stats))
+    spec = ObjectiveSpec(want=want, started=started)
     _, _, collected = result = run_objective(h, head, t, objective, spec, options)
     values = {name: sum((c[name] for c in collected), torch.zeros((), dtype=sdt, device=hidden.device))
               for name in (*terms, *(metrics or {}))}

@@ -8,11 +8,10 @@ from typing import NamedTuple
 import torch
 
 from ..amp import autocast_head_inputs
+from ..ops import ChunkStats, PassOptions, ValueChecks, as_options, check_head_inputs, compute_stats, start_pass
 from ..ops.contract import Head, StatRequest, as_head
-from ..ops.engine import ChunkStats, compute_stats
-from ..ops.plan import PassOptions, as_options
-from ..ops.validate import check_head_inputs
 from . import compiled
+from .layout import counted_first_order
 
 
 class VocabStats(NamedTuple):
@@ -26,29 +25,32 @@ class VocabStats(NamedTuple):
     mean_logit: torch.Tensor | None = None
 
 
-def _rows(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int):
-    """Validate, then ``(hidden rows [n, H], targets [n], valid mask | None)`` of the rows whose
-    target is not ``ignore_index`` (only those enter the pass)."""
-    ignored = check_head_inputs(hidden, head, targets, ignore_index)
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    t1 = targets.reshape(-1).long()
-    if not ignored:
-        return h2, t1, None
-    valid = t1 != ignore_index
-    return h2[valid], t1[valid], valid
-
-
-def _expand(x: torch.Tensor, valid: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
-    if valid is not None:
-        # masked_scatter keeps the graph connected even when no row is valid.
-        x = x.new_zeros(valid.shape).masked_scatter(valid, x)
-    return x.reshape(shape)
-
-
-def _stats(hidden, head, targets, ignore_index, want: StatRequest, options) -> tuple[ChunkStats, object, Head]:
+def _stats(hidden, head, targets, ignore_index, want: StatRequest,
+           options) -> tuple[ChunkStats, torch.Tensor | None, Head]:
+    """Validate, then every counted row's statistics (the rows whose target is not
+    ``ignore_index``; only those enter the pass), their flattened positions (``None``: every
+    row counts) and the head. One host read: the checks' values and how many rows count, during
+    which the pass's first statistics GEMM runs (:func:`~logitless.ops.start_pass`)."""
     head, options = as_head(head), as_options(options)
-    h2, t1, valid = _rows(hidden, head, targets, ignore_index)
-    return compute_stats(h2, head, t1, want, options), valid, head
+    checks = ValueChecks()
+    counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
+    check_head_inputs(hidden, head, targets, None, checks, counted=counted)
+    order = counted_first_order(counted.reshape(-1))[0]
+    pending = checks.send(None, counted.sum())
+    started = start_pass(hidden, targets, order, head, want, options, fused=False)
+    count = int(pending.wait()[0][0])
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).long()
+    positions = None if count == t1.numel() else order[:count]
+    if positions is not None:
+        h2, t1 = h2[positions], t1[positions]
+    return compute_stats(h2, head, t1, want, options, started=started), positions, head
+
+
+def _expand(x: torch.Tensor, positions: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    if positions is not None:
+        # Out of place: keeps the graph connected even when no row counts.
+        x = x.new_zeros(shape.numel()).index_put((positions,), x)
+    return x.reshape(shape)
 
 
 def _compiled_vocab_stats(eager, args) -> VocabStats:
