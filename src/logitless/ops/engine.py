@@ -172,8 +172,8 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     Returns:
         :class:`~logitless.ops.contract.StartedRows`, or ``None`` where nothing was launched.
     """
-    backend = resolve_backend(options.impl, hidden, head.lora is not None, want)
-    if not backend.CAPS.starts_early or head.lora is not None:
+    backend = resolve_backend(options.impl, hidden, head.lora is not None, want)  # (an adapter: triton)
+    if not backend.CAPS.starts_early:
         return None
     local = head.local()
     n, vocab = positions.shape[0], local.weight.shape[0]
