@@ -155,3 +155,41 @@ def test_started_rows_cover_the_host_wait(hidden_size, vocab):
     assert planning.started_rows(4095, hidden_size, vocab, 2048) == 0
     assert planning.started_rows(2 * rows, hidden_size, vocab, 128) == rows
     assert planning.started_rows(2 * rows - 1, hidden_size, vocab, 128) == 0
+
+
+@pytest.mark.parametrize("buffer_rows", [None, 0, 5, 12, 20])
+def test_launch_after_joins_or_recomputes_the_started_rows(buffer_rows):
+    """``launch_after`` with a stand-in launch (each row's partial is its id plus a tile offset, each
+    stored logit its row id): the chunk's partials and logits are those of one launch over all its
+    rows, whether the started rows' buffer becomes the chunk's (20 or 12 rows: it holds the chunk's
+    12), their logits are copied into a new one (a buffer of 5 rows), they were launched without
+    storing (0: run again), or nothing was started (``None``)."""
+    from logitless.ops.contract import StartedRows, StatRequest
+    from logitless.ops.triton_shared.tile_gemm import TileOperands, launch_after
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, started_n, tiles, vocab = 12, 4, 3, 7
+    ids = torch.randn(n, generator=g)  # a row's identity, carried in its hidden state
+    ops = TileOperands(ids[:, None], torch.ones(vocab, 1), None, torch.zeros(n, dtype=torch.long), None)
+    launched: list[int] = []
+
+    def launch(o, z):
+        launched.append(o.hidden.shape[0])
+        if z is not None:
+            z.copy_(o.hidden.expand(-1, vocab).to(z.dtype))
+        return {"m": o.hidden[:, 0] + torch.arange(tiles)[:, None], "zy": o.hidden.t()}
+
+    started = None
+    if buffer_rows is not None:
+        z0 = torch.full((max(buffer_rows, started_n), vocab), torch.nan, dtype=torch.float16) if buffer_rows else None
+        first = ops._replace(hidden=ops.hidden[:started_n], targets=ops.targets[:started_n])
+        started = StartedRows(started_n, launch(first, None if z0 is None else z0[:started_n]), z0, "stand-in",
+                              StatRequest(), True)
+    launched.clear()
+    parts, z = launch_after(launch, ops, lambda rows: torch.empty((rows, vocab), dtype=torch.float16), started)
+    torch.testing.assert_close(parts["m"], ids + torch.arange(tiles)[:, None], rtol=0, atol=0)
+    torch.testing.assert_close(parts["zy"], ids[None, :], rtol=0, atol=0)
+    torch.testing.assert_close(z, ids[:, None].expand(-1, vocab).half(), rtol=0, atol=0)
+    assert launched == ([n] if not buffer_rows else [n - started_n])
+    assert (started is not None and started.z is not None and z.data_ptr() == started.z.data_ptr()) == \
+        (buffer_rows is not None and buffer_rows >= n)

@@ -543,7 +543,9 @@ class StartedRows(NamedTuple):
         rows: how many rows it covers.
         parts: the backend's per-tile partials of those rows (``{name: [tiles, rows]}``; ``zy``
             ``[1, rows]``).
-        z: their stored fp16 logits ``[rows, V]``, or ``None`` (launched without storing).
+        z: the first chunk's fp16 logits buffer (``[rows', V]``, ``rows' >= rows``: the most rows
+            the first chunk can have), its first ``rows`` rows written, or ``None`` (launched
+            without storing).
         backend: the backend's ``NAME``; want, fp32_logits: what it was launched with.
     """
 

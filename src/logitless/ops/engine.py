@@ -36,7 +36,7 @@ import torch
 from .contract import Accumulators, ChunkRows, ChunkStats, Head, LocalHead, StartedRows, StatRequest, resolve_backend
 from .fused import PassResult, SoftmaxPass, no_autocast, run_fused
 from .lora import LowRank
-from .plan import ChunkPlan, Mode, PassOptions, ZeroRows, started_rows
+from .plan import ChunkPlan, Mode, PassOptions, ZeroRows, started_rows, weight_grad_layout
 from .recompute import recompute_stats
 
 # objective(token_slice, stats) -> (loss term, anything to collect)
@@ -166,8 +166,8 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         positions: ``[n]`` int64, the flattened positions of the rows that may enter the pass, in
             the pass's order (the counted ones first: the count is not read yet).
         head, want, options: as the pass will get them.
-        fused: the pass runs in fused mode (a started chunk then stores its logits when the
-            pass keeps them for the gradient).
+        fused: the pass runs in fused mode (the started rows' logits then go to the first
+            chunk's logits buffer, made here, when the pass keeps them for the gradient).
 
     Returns:
         :class:`~logitless.ops.contract.StartedRows`, or ``None`` where nothing was launched.
@@ -180,15 +180,21 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     rows = 0 if local.parallel else started_rows(n, hidden.shape[-1], vocab, backend.START_ALIGN)
     if not rows:
         return None
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
-    store = fused and grad and ChunkPlan.make(n, vocab, options.budget, hidden.dtype, backend.PLAN,
-                                              options.fp32_logits).keep_logits
+    # A fused pass with a gradient keeps its first chunk's logits: the started rows' go straight
+    # into that chunk's buffer, sized as run_fused plans the chunk for all n rows.
+    store_rows = 0
+    if fused and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+        plan = ChunkPlan.make(n, vocab, options.budget, hidden.dtype, backend.PLAN, options.fp32_logits)
+        if head.weight.requires_grad:
+            plan = weight_grad_layout(plan, n, vocab, head.weight, backend.CAPS.stores_weight_grad,
+                                      backend.CAPS.pairs_weight_grad)[0]
+        store_rows = min(n, plan.token_chunk) if plan.keep_logits else 0
     first = positions[:rows]
     h = hidden.detach().reshape(-1, hidden.shape[-1])[first]
     t = targets.reshape(-1)[first].long()
     t = t - local.vocab_start if local.vocab_start else t
     with torch.no_grad(), no_autocast(h.device):
-        return backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store)
+        return backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store_rows)
 
 
 # ----------------------------------------------------------------------------- the entry point

@@ -507,7 +507,17 @@ _PAIR_BELOW_TOKENS = 4096
 
 
 def weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKind, WeightGradLayout]:
-    """How a pass over ``n`` rows holds ``d weight``, and the pass planned for it.
+    """How a pass over ``n`` rows holds ``d weight``, and the pass planned for it
+    (:func:`weight_grad_layout` of the kind's plan)."""
+    plan, layout = weight_grad_layout(p.plan, n, p.head.weight.shape[0], weight, p.stores_weight_grad,
+                                      p.pairs_weight_grad)
+    return (p if plan is p.plan else dataclasses.replace(p, plan=plan)), layout
+
+
+def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tensor, stores: bool,
+                       pairs: bool) -> tuple[ChunkPlan, WeightGradLayout]:
+    """How a pass over ``n`` rows of a head with ``rows_w`` local rows holds ``d weight``, and
+    its plan for it (``stores``/``pairs``: the kind's ``stores_weight_grad``/``pairs_weight_grad``).
 
     * ``"single"``: all rows in one chunk, when their logits fit the budget plus the fp32
       accumulator this saves; each vocabulary block's ``d weight`` rows are stored once in the
@@ -521,19 +531,18 @@ def weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKin
     * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a
       ``d weight`` buffer of its own kind).
     """
-    if n == 0 or not p.stores_weight_grad or weight.dtype not in (torch.float16, torch.bfloat16):
-        return p, "fp32"
-    if p.plan.token_chunk >= n:
-        return p, "single"
-    rows_w, hidden_size = p.head.weight.shape[0], weight.shape[1]
-    whole = p.plan.whole(n, rows_w, rows_w * hidden_size * 4)
+    if n == 0 or not stores or weight.dtype not in (torch.float16, torch.bfloat16):
+        return plan, "fp32"
+    if plan.token_chunk >= n:
+        return plan, "single"
+    hidden_size = weight.shape[1]
+    whole = plan.whole(n, rows_w, rows_w * hidden_size * 4)
     if whole is not None:
-        return dataclasses.replace(p, plan=whole), "single"
-    if p.pairs_weight_grad and weight.dtype == torch.bfloat16 and p.plan.token_chunk < _PAIR_BELOW_TOKENS:
+        return whole, "single"
+    if pairs and weight.dtype == torch.bfloat16 and plan.token_chunk < _PAIR_BELOW_TOKENS:
         # A chunk's fp32 d hidden rows grow with it: 4 H bytes a token beside its logits.
-        plan = p.plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4)
-        return dataclasses.replace(p, plan=plan), "pair"
-    return p, "fp32"
+        return plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4), "pair"
+    return plan, "fp32"
 
 
 def weight_grad_buffers(

@@ -61,19 +61,24 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     if n == 0 or vocab == 0:
         owned = (ops.targets >= 0) & (ops.targets < vocab)
         return RowStats.start(n, torch.float32, ops.hidden.device, want, owned), None
-    z = z_buffer(n, vocab, ops.hidden.device) if keep_logits and plan.vocab_block >= vocab else None
-    parts = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out), ops, z, started)
+    keep = keep_logits and plan.vocab_block >= vocab
+    parts, z = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out), ops,
+                            (lambda rows: z_buffer(rows, vocab, ops.hidden.device)) if keep else None, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (ops.targets >= 0) & (ops.targets < vocab)
     return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)
 
 
-def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool, store: bool) -> StartedRows:
-    """Launch the statistics GEMM of a pass's first rows (storing their logits with ``store``),
-    for the first chunk's :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`)."""
+def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool,
+               store_rows: int) -> StartedRows:
+    """Launch the statistics GEMM of a pass's first rows, for the first chunk's
+    :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`); ``store_rows > 0``:
+    their logits go to the first rows of a buffer of that many rows, the first chunk's."""
     ops = TileOperands.of_chunk(head, rows, "cute")
-    z = z_buffer(ops.hidden.shape[0], ops.weight.shape[0], ops.hidden.device) if store else None
-    return StartedRows(ops.hidden.shape[0], launch_forward(ops, want, fp32_logits, z), z, NAME, want, fp32_logits)
+    n = ops.hidden.shape[0]
+    z = z_buffer(max(n, store_rows), ops.weight.shape[0], ops.hidden.device) if store_rows else None
+    parts = launch_forward(ops, want, fp32_logits, None if z is None else z[:n])
+    return StartedRows(n, parts, z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

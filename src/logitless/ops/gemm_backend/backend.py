@@ -69,22 +69,28 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     if n == 0 or vocab == 0:
         return RowStats.start(n, torch.float32, hidden.device, want, (targets >= 0) & (targets < vocab)), None
     keep = keep_logits and plan.vocab_block >= vocab
-    z = torch.empty((n, vocab), dtype=torch.float16, device=hidden.device) if keep else None
-    parts = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out, gemm_config()), ops, z,
-                         started)
+    parts, z = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out, gemm_config()), ops,
+                            (lambda rows: _z_buffer(rows, vocab, hidden.device)) if keep else None, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
     kept = None if z is None else CentredTile(z, parts["m"], gemm_config().fwd.block_v)
     return RowStats.combine(parts, owned), kept
 
 
-def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool, store: bool) -> StartedRows:
-    """Launch the statistics GEMM of a pass's first rows (storing their logits with ``store``),
-    for the first chunk's :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`)."""
+def _z_buffer(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.empty((rows, vocab), dtype=torch.float16, device=device)
+
+
+def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool,
+               store_rows: int) -> StartedRows:
+    """Launch the statistics GEMM of a pass's first rows, for the first chunk's
+    :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`); ``store_rows > 0``:
+    their logits go to the first rows of a buffer of that many rows, the first chunk's."""
     ops = TileOperands.of_chunk(head, rows, "gemm")
     n, vocab = ops.hidden.shape[0], ops.weight.shape[0]
-    z = torch.empty((n, vocab), dtype=torch.float16, device=ops.hidden.device) if store else None
-    return StartedRows(n, launch_forward(ops, want, fp32_logits, z, gemm_config()), z, NAME, want, fp32_logits)
+    z = _z_buffer(max(n, store_rows), vocab, ops.hidden.device) if store_rows else None
+    parts = launch_forward(ops, want, fp32_logits, None if z is None else z[:n], gemm_config())
+    return StartedRows(n, parts, z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

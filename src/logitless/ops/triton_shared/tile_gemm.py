@@ -199,22 +199,29 @@ def tile_partials(want: StatRequest, tiles: int, n: int,
 
 
 def launch_after(launch: Callable[[TileOperands, torch.Tensor | None], dict[str, torch.Tensor]], ops: TileOperands,
-                 z: torch.Tensor | None, started: StartedRows | None) -> dict[str, torch.Tensor]:
-    """``launch(ops, z)``, a chunk's statistics GEMM (``z``: where it stores the logits), for a
-    chunk whose first ``started.rows`` rows were launched before (``None``: none were): only the
-    other rows run now, their partials are joined to the started ones and the started rows'
-    logits are copied into ``z``. Started rows the chunk cannot take (more than it has, or not
-    stored where it stores) run again with the rest."""
+                 new_z: Callable[[int], torch.Tensor] | None,
+                 started: StartedRows | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A chunk's statistics GEMM, ``launch(ops, z)`` (``z``: where it stores the logits, from
+    ``new_z(rows)``; ``None``: nothing stored), for a chunk whose first ``started.rows`` rows were
+    launched before (``None``: none were): only the other rows run now, and their partials are
+    joined to the started ones. The started logits buffer becomes the chunk's when it holds the
+    chunk's rows (else they are copied into a new one). Started rows the chunk cannot take (more
+    than it has, or not stored where it stores) run again with the rest. Returns ``(partials,
+    z)``."""
     n = ops.hidden.shape[0]
-    if started is None or started.rows > n or (z is not None and started.z is None):
-        return launch(ops, z)
-    s = started.rows
-    if z is not None:
-        z[:s].copy_(started.z)
+    if started is None or started.rows > n or (new_z is not None and started.z is None):
+        z = None if new_z is None else new_z(n)
+        return launch(ops, z), z
+    s, z = started.rows, None
+    if new_z is not None and started.z.shape[0] >= n:
+        z = started.z[:n]
+    elif new_z is not None:
+        z = new_z(n)
+        z[:s].copy_(started.z[:s])
     if s == n:
-        return started.parts
+        return started.parts, z
     rest = launch(ops._replace(hidden=ops.hidden[s:], targets=ops.targets[s:]), None if z is None else z[s:])
-    return {k: torch.cat((started.parts[k], v), 1) for k, v in rest.items()}
+    return {k: torch.cat((started.parts[k], v), 1) for k, v in rest.items()}, z
 
 
 def dot_precision(dtype: torch.dtype) -> str:
