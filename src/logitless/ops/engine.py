@@ -187,7 +187,7 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         plan = ChunkPlan.make(n, vocab, options.budget, hidden.dtype, backend.PLAN, options.fp32_logits)
         if head.weight.requires_grad:
             plan = weight_grad_layout(plan, n, vocab, head.weight, backend.CAPS.stores_weight_grad,
-                                      backend.CAPS.pairs_weight_grad)[0]
+                                      lambda: backend.CAPS.pairs_weight_grad)[0]
         store_rows = min(n, plan.token_chunk) if plan.keep_logits else 0
     first = positions[:rows]
     h = hidden.detach().reshape(-1, hidden.shape[-1])[first]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -510,14 +510,15 @@ def weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKin
     """How a pass over ``n`` rows holds ``d weight``, and the pass planned for it
     (:func:`weight_grad_layout` of the kind's plan)."""
     plan, layout = weight_grad_layout(p.plan, n, p.head.weight.shape[0], weight, p.stores_weight_grad,
-                                      p.pairs_weight_grad)
+                                      lambda: p.pairs_weight_grad)
     return (p if plan is p.plan else dataclasses.replace(p, plan=plan)), layout
 
 
 def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tensor, stores: bool,
-                       pairs: bool) -> tuple[ChunkPlan, WeightGradLayout]:
+                       pairs: Callable[[], bool]) -> tuple[ChunkPlan, WeightGradLayout]:
     """How a pass over ``n`` rows of a head with ``rows_w`` local rows holds ``d weight``, and
-    its plan for it (``stores``/``pairs``: the kind's ``stores_weight_grad``/``pairs_weight_grad``).
+    its plan for it (``stores``: the kind's ``stores_weight_grad``; ``pairs()``: its
+    ``pairs_weight_grad``, asked only of a pass whose rows need several chunks).
 
     * ``"single"``: all rows in one chunk, when their logits fit the budget plus the fp32
       accumulator this saves; each vocabulary block's ``d weight`` rows are stored once in the
@@ -539,7 +540,7 @@ def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tenso
     whole = plan.whole(n, rows_w, rows_w * hidden_size * 4)
     if whole is not None:
         return whole, "single"
-    if pairs and weight.dtype == torch.bfloat16 and plan.token_chunk < _PAIR_BELOW_TOKENS:
+    if weight.dtype == torch.bfloat16 and plan.token_chunk < _PAIR_BELOW_TOKENS and pairs():
         # A chunk's fp32 d hidden rows grow with it: 4 H bytes a token beside its logits.
         return plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4), "pair"
     return plan, "fp32"
