@@ -193,3 +193,38 @@ def test_launch_after_joins_or_recomputes_the_started_rows(buffer_rows):
     assert launched == ([n] if not buffer_rows else [n - started_n])
     assert (started is not None and started.z is not None and z.data_ptr() == started.z.data_ptr()) == \
         (buffer_rows is not None and buffer_rows >= n)
+
+
+@interpreted
+def test_the_started_buffer_lives_no_longer_than_the_first_chunk(monkeypatch, launches):
+    """A fused pass of two chunks: the first chunk's logits buffer, made with the started rows, is
+    gone (no handle keeps it) when the second chunk's statistics GEMM runs, as a buffer the chunk
+    made itself would be."""
+    import weakref
+
+    from logitless.ops.gemm_backend import backend as gemm_backend
+
+    buffers, alive = [], []
+    real_start, real_launch = gemm_backend.start_rows, gemm_backend.launch_forward
+
+    def start_rows(*a):
+        out = real_start(*a)
+        buffers.append(weakref.ref(out.z))
+        return out
+
+    def launch(ops, *a, **k):
+        alive.append([ref() is not None for ref in buffers])
+        return real_launch(ops, *a, **k)
+
+    monkeypatch.setattr(gemm_backend, "start_rows", start_rows)
+    monkeypatch.setattr(gemm_backend, "launch_forward", launch)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    b, t = 16, 128  # two chunks of 1024 tokens, the gemm backend's shortest
+    h = torch.randn(b, t, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
+    loss, _ = logitless.policy_loss(h, w, torch.randint(0, V, (b, t), generator=g), torch.ones(b, t),
+                                    torch.randn(b, generator=g), -torch.rand(b, t, generator=g),
+                                    options=PassOptions(impl="gemm", chunk_bytes=1024 * V * 2))
+    loss.backward()
+    assert launches == [64, 960, 1024]  # started rows, the first chunk's rest, the second chunk
+    assert alive[1] == [True] and alive[2] == [False]

@@ -14,7 +14,7 @@ from ..ops import (
     Head,
     ObjectiveSpec,
     PassOptions,
-    StartedRows,
+    Started,
     StatRequest,
     ValueChecks,
     ZeroRows,
@@ -47,7 +47,7 @@ class _Prepared:
     hidden: torch.Tensor
     targets: torch.Tensor
     tokens: LazyTokens
-    started: StartedRows | None  # the first rows' statistics GEMM, launched before the checks' read
+    started: Started | None  # the first rows' statistics GEMM, launched before the checks' read
 
 
 @dataclass(frozen=True)

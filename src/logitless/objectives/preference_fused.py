@@ -44,7 +44,7 @@ from ..ops import (
     Head,
     ObjectiveSpec,
     PassOptions,
-    StartedRows,
+    Started,
     StatRequest,
     ValueChecks,
     as_head,
@@ -107,7 +107,7 @@ class _Units:
     size: int
     score: torch.Tensor | None = None
     desirable: int | None = None
-    started: StartedRows | None = None  # the pass's first rows, launched before the checks' read
+    started: Started | None = None  # the pass's first rows, launched before the checks' read
 
     @property
     def score_weight(self) -> torch.Tensor:

@@ -557,6 +557,21 @@ class StartedRows(NamedTuple):
     fp32_logits: bool
 
 
+class Started:
+    """A :class:`StartedRows` on its way to the pass that joins it, handed over once:
+    :meth:`take` returns it and forgets it, so its buffers (the first chunk's logits) live no
+    longer than that chunk, whoever else holds this handle."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: StartedRows) -> None:
+        self._rows: StartedRows | None = rows
+
+    def take(self) -> StartedRows | None:
+        rows, self._rows = self._rows, None
+        return rows
+
+
 class Backend(Protocol):
     """What every backend module provides (see the module docstring)."""
 

@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from .contract import Accumulators, ChunkRows, ChunkStats, Head, LocalHead, StartedRows, StatRequest, resolve_backend
+from .contract import Accumulators, ChunkRows, ChunkStats, Head, LocalHead, Started, StatRequest, resolve_backend
 from .fused import PassResult, SoftmaxPass, no_autocast, run_fused
 from .lora import LowRank
 from .plan import ChunkPlan, Mode, PassOptions, ZeroRows, started_rows, weight_grad_layout
@@ -68,7 +68,7 @@ class ObjectiveSpec:
     needs_all_stats: bool = False
     before_loss: Callable[[ChunkStats], None] | None = None
     zero_rows: ZeroRows | None = None
-    started: StartedRows | None = None
+    started: Started | None = None
 
 
 def resolve_mode(mode: Mode, needs_all_stats: bool) -> Literal["fused", "recompute"]:
@@ -127,7 +127,7 @@ class PassKind(Protocol):
 
 def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want: StatRequest,
                   options: PassOptions, zero_rows: ZeroRows | None = None,
-                  started: StartedRows | None = None) -> ChunkStats:
+                  started: Started | None = None) -> ChunkStats:
     """Every row's statistics, differentiable w.r.t. ``hidden`` and the head's tensors (recompute
     mode; under ``torch.no_grad`` only the forward runs: one GEMM's worth of work).
 
@@ -149,7 +149,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
 
 
 def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, head: Head,
-               want: StatRequest, options: PassOptions, fused: bool) -> StartedRows | None:
+               want: StatRequest, options: PassOptions, fused: bool) -> Started | None:
     """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
     read, so the GPU computes while the host waits for that read and prepares the pass
     (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``). The pass's
@@ -170,7 +170,8 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
             chunk's logits buffer, made here, when the pass keeps them for the gradient).
 
     Returns:
-        :class:`~logitless.ops.contract.StartedRows`, or ``None`` where nothing was launched.
+        a :class:`~logitless.ops.contract.Started` handle on the launch, or ``None`` where
+        nothing was launched.
     """
     backend = resolve_backend(options.impl, hidden, head.lora is not None, want)  # (an adapter: triton)
     if not backend.CAPS.starts_early:
@@ -194,7 +195,7 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     t = targets.reshape(-1)[first].long()
     t = t - local.vocab_start if local.vocab_start else t
     with torch.no_grad(), no_autocast(h.device):
-        return backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store_rows)
+        return Started(backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store_rows))
 
 
 # ----------------------------------------------------------------------------- the entry point

@@ -26,7 +26,7 @@ from .contract import (
     LocalHead,
     RowStats,
     SavedStats,
-    StartedRows,
+    Started,
     StatGrads,
     StatRequest,
     resolve_backend,
@@ -70,8 +70,9 @@ class SoftmaxPass:
     zero_rows: ZeroRows | None = None
     # Whether the backward honours Accumulators.write_weight: the backend's, without an adapter.
     stores_weight_grad: bool = False
-    # The first rows' statistics, launched before the checks' read; taken by the first forward.
-    started: StartedRows | None = None
+    # The first rows' statistics, launched before the checks' read; taken by the first forward
+    # (a handle that copies of this pass share, so that it is taken once).
+    started: Started | None = None
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, spec: ObjectiveSpec,
@@ -87,12 +88,8 @@ class SoftmaxPass:
         # An adapter's d x rows are written in place per chunk; compacting them is not worth a path.
         skip = options.skip_zero_rows and head.lora is None
         local_targets = targets - local.vocab_start if local.vocab_start else targets  # (LocalHead.local_targets)
-        started = spec.started
-        if started is not None and (started.backend != backend.NAME or started.want != spec.want
-                                    or started.fp32_logits != plan.fp32_logits or b is not None):
-            started = None
         return cls(backend, local, local_targets, plan, spec.want, b,
-                   spec.zero_rows if skip else None, backend.CAPS.stores_weight_grad and b is None, started), x
+                   spec.zero_rows if skip else None, backend.CAPS.stores_weight_grad and b is None, spec.started), x
 
     def pick(self, rows: ChunkRows, idx: torch.Tensor) -> ChunkRows:
         """The rows ``idx`` (``[m]`` int64, ascending) of a chunk (no adapter: see :meth:`make`)."""
@@ -115,7 +112,10 @@ class SoftmaxPass:
 
     def forward(self, rows: ChunkRows, plan: ChunkPlan, keep_logits: bool) -> tuple[RowStats, object | None]:
         """A chunk's partial statistics; the first call (the first chunk's) joins :attr:`started`."""
-        started, self.started = self.started, None
+        started = None if self.started is None else self.started.take()
+        if started is not None and (started.backend != self.backend.NAME or started.want != self.want
+                                    or started.fp32_logits != plan.fp32_logits or self.lora_b is not None):
+            started = None  # launched for another pass
         with no_autocast(rows.hidden.device):
             if started is None:
                 return self.backend.chunk_forward(self.head, rows, plan, self.want, keep_logits)
