@@ -19,12 +19,10 @@ from ..ops import (
     ValueChecks,
     as_head,
     as_options,
-    check_head_inputs,
     run_objective,
-    start_pass,
     stat_dtype_for,
 )
-from .layout import counted_first_order
+from .vocab_stats import read_counted
 
 STATS = ("logp", "lse", "entropy", "mean_logit", "is_top1")
 # Statistics a term may also ask for, never by default (one more sum per logit).
@@ -113,16 +111,11 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
         raise ValueError(f"unknown statistics {sorted(unknown)}; choose from {STATS + EXTRA_STATS}")
     head, options = as_head(head), as_options(options)
     checks = ValueChecks() if pending is None else pending
-    counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
     # The counted positions' rows and ids are checked where they are, and how many count is read
     # with the checks: one host read, whether or not some rows are ignored.
-    check_head_inputs(hidden, head, targets, None, checks, counted=counted)
     want = StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats, sum_sq="log_sum_sq_probs" in stats)
-    order = counted_first_order(counted.reshape(-1))[0]
-    read = checks.send(None, counted.sum())
-    # The first statistics GEMM runs while the host waits for the read and prepares the pass.
-    started = start_pass(hidden, targets, order, head, want, options, options.mode != "recompute")
-    count = int(read.wait()[0][0])
+    order, count, started = read_counted(hidden, head, targets, ignore_index, checks, want, options,
+                                         options.mode != "recompute")
     vocab_size = head.local().vocab_size
     flat = targets.reshape(-1)
     h = hidden.reshape(-1, hidden.shape[-1])

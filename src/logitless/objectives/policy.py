@@ -365,12 +365,9 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                                                                               and cfg.needs_whole_sequences))
     started = start_pass(hidden, targets, seen.index, head, _WANT, options, fused)
     read, before = pending.wait()
-    lay = seen if count is None else seen.first(int(read[0]), None if ends is None else read[len(reads):])
-
-    zero_rows = None
-    if zero is not None:
-        n = lay.index.shape[0]  # (lay.n)
-        zero_rows = ZeroRows(zero[:n], int(before[n - 1]) if n else 0, before[:n])
+    n = seen.n if count is None else int(read[0])
+    lay = seen if count is None else seen.first(n, None if ends is None else read[len(reads):])
+    zero_rows = None if zero is None else ZeroRows(zero[:n], int(before[n - 1]) if n else 0, before[:n])
 
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first

@@ -8,7 +8,16 @@ from typing import NamedTuple
 import torch
 
 from ..amp import autocast_head_inputs
-from ..ops import ChunkStats, PassOptions, ValueChecks, as_options, check_head_inputs, compute_stats, start_pass
+from ..ops import (
+    ChunkStats,
+    PassOptions,
+    Started,
+    ValueChecks,
+    as_options,
+    check_head_inputs,
+    compute_stats,
+    start_pass,
+)
 from ..ops.contract import Head, StatRequest, as_head
 from . import compiled
 from .layout import counted_first_order
@@ -25,20 +34,29 @@ class VocabStats(NamedTuple):
     mean_logit: torch.Tensor | None = None
 
 
+def read_counted(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore_index: int,
+                 checks: ValueChecks, want: StatRequest, options: PassOptions,
+                 fused: bool) -> tuple[torch.Tensor, int, Started | None]:
+    """Check the head's inputs at the counted positions (targets other than ``ignore_index``)
+    with ``checks``, and read them with how many positions count in one host synchronization,
+    during which the pass's first statistics GEMM runs (:func:`~logitless.ops.start_pass`).
+    Returns ``(every flattened position, the counted ones first, in order; the count; the
+    started GEMM or None)``."""
+    counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
+    check_head_inputs(hidden, head, targets, None, checks, counted=counted)
+    order = counted_first_order(counted.reshape(-1))[0]
+    read = checks.send(None, counted.sum())
+    started = start_pass(hidden, targets, order, head, want, options, fused)
+    return order, int(read.wait()[0][0]), started
+
+
 def _stats(hidden, head, targets, ignore_index, want: StatRequest,
            options) -> tuple[ChunkStats, torch.Tensor | None, Head]:
     """Validate, then every counted row's statistics (the rows whose target is not
     ``ignore_index``; only those enter the pass), their flattened positions (``None``: every
-    row counts) and the head. One host read: the checks' values and how many rows count, during
-    which the pass's first statistics GEMM runs (:func:`~logitless.ops.start_pass`)."""
+    row counts) and the head, with one host read (:func:`read_counted`)."""
     head, options = as_head(head), as_options(options)
-    checks = ValueChecks()
-    counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
-    check_head_inputs(hidden, head, targets, None, checks, counted=counted)
-    order = counted_first_order(counted.reshape(-1))[0]
-    pending = checks.send(None, counted.sum())
-    started = start_pass(hidden, targets, order, head, want, options, fused=False)
-    count = int(pending.wait()[0][0])
+    order, count, started = read_counted(hidden, head, targets, ignore_index, ValueChecks(), want, options, False)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).long()
     positions = None if count == t1.numel() else order[:count]
     if positions is not None:
