@@ -50,6 +50,15 @@ def _small_row_multiple(case: dict) -> None:
             return out
 
         planning.backward_rows = counting
+        real_leading = planning.leading_rows
+
+        def leading(zero, n, started=0):
+            end = real_leading(zero, n, started)
+            if end is not None:
+                _SKIPPED.append(n - end)
+            return end
+
+        planning.leading_rows = leading
 
 
 def vocab_parallel(rank: int, world: int, case: dict) -> dict:

@@ -82,9 +82,21 @@ def small_row_multiple(monkeypatch):
 
 @pytest.fixture
 def picked_counts(monkeypatch):
-    """``(rows with a gradient, rows)`` of every decision the engine takes."""
+    """``(rows with a gradient, rows)`` of every decision the engine takes: rows picked within
+    a chunk (``planning.backward_rows``), or the pass's gradient chunks ending before its rows
+    with none (``planning.leading_rows``, whose rows must then be in that order)."""
     seen: list[tuple[int, int]] = []
-    real = planning.backward_rows
+    real, real_leading = planning.backward_rows, planning.leading_rows
+
+    def leading(zero, n, started=0):
+        end = real_leading(zero, n, started)
+        if end is not None:
+            seen.append((end, n))
+            assert not zero.mask[:zero.others].any() and zero.mask[zero.others:].all()
+            assert end % 4 == 0 or end == n
+        return end
+
+    monkeypatch.setattr(planning, "leading_rows", leading)
 
     def spy(zero, chunks):
         out = real(zero, chunks)
@@ -116,8 +128,8 @@ def test_skipping_is_exact_and_skips(seed, picked_counts, mode, loss_type, level
     chunk_bytes = 20 * 67 * 8 if chunked else None
     on = _run(batch, cfg, True, mode, chunk_bytes=chunk_bytes)
     assert picked_counts and sum(m for m, _ in picked_counts) < sum(n for _, n in picked_counts)
-    if mode == "fused" and chunked:
-        assert len(picked_counts) > 1
+    leading = mode == "fused" and not cfg.needs_whole_sequences  # gradient chunks over the rows with one
+    assert len(picked_counts) == 1 if leading else not (mode == "fused" and chunked) or len(picked_counts) > 1
     picked_counts.clear()
     off = _run(batch, cfg, False, mode, chunk_bytes=chunk_bytes)
     assert not picked_counts
@@ -300,3 +312,41 @@ def test_gemm_row_kernel_matches_the_dense_one(seed, softcap):
                                   0, transform, picked)
     assert dy.data_ptr() == tile.data_ptr() and dy.shape == (23, v)
     torch.testing.assert_close(dy.float(), dense[idx].float(), rtol=1e-2, atol=1e-6)
+
+
+def test_rows_with_a_gradient_take_the_gradient_chunks(seed, picked_counts, monkeypatch):
+    """At token level the rows with a gradient come first, and a fused pass plans its gradient
+    chunks for them alone: here every row would take two chunks and those rows take one, with
+    one backward; the others' statistics come from a pass that keeps no logits. Exact against
+    the dense pass."""
+    from logitless.ops.fused import SoftmaxPass
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = _batch(gen, groups=6, t=8)
+    counted = batch["mask"] != 0
+    n = int(counted.sum())
+    with_grad = int((counted & (batch["adv"][:, None] != 0)).sum())
+    end = -(-with_grad // 4) * 4
+    assert end < n // 2 + n // 4
+    forwards, backwards = [], []
+    real_stats, real_backward = SoftmaxPass.chunk_stats, SoftmaxPass.backward
+
+    def chunk_stats(self, rows, plan, keep_logits):
+        forwards.append((rows.hidden.shape[0], keep_logits))
+        return real_stats(self, rows, plan, keep_logits)
+
+    def backward(self, rows, *a):
+        backwards.append(rows.hidden.shape[0])
+        return real_backward(self, rows, *a)
+
+    monkeypatch.setattr(SoftmaxPass, "chunk_stats", chunk_stats)
+    monkeypatch.setattr(SoftmaxPass, "backward", backward)
+    budget = end * 67 * 32  # the torch plan's float64 block of `end` rows (planning.workspace_per_element)
+    on = _run(batch, PolicyConfig(epsilon_high=0.28), True, chunk_bytes=budget)
+    assert picked_counts == [(end, n)] and backwards == [end]
+    assert forwards[0] == (end, True) and sum(r for r, _ in forwards[1:]) == n - end
+    assert not any(keep for _, keep in forwards[1:])
+    forwards.clear()
+    off = _run(batch, PolicyConfig(epsilon_high=0.28), False, chunk_bytes=budget)
+    assert len(forwards) > 1 and sum(r for r, _ in forwards) == n
+    _assert_same(on, off)

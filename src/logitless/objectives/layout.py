@@ -42,7 +42,8 @@ class TokenLayout:
 
     Attributes:
         index: ``[n]`` positions of the counted tokens in the flattened caller tensor.
-        seg: ``[n]`` segment (sequence) index of each counted token, non-decreasing.
+        seg: ``[n]`` segment (sequence) index of each counted token, non-decreasing (except in a
+            :meth:`counted_first` layout with leading tokens).
         num_segments: ``S``, the number of sequences (empty ones included).
         weight: ``[n]`` the mask value of each counted token (1 for a binary mask).
         seg_len: ``[S]`` sum of mask values per segment (``Σ_t m``).
@@ -116,31 +117,44 @@ class TokenLayout:
         return all_reduce_sum_autograd(self.seg_sum(x, seg), self.group)
 
     @classmethod
-    def counted_first(cls, mask: torch.Tensor) -> tuple[TokenLayout, torch.Tensor]:
+    def counted_first(cls, mask: torch.Tensor, lead: torch.Tensor | None = None) -> tuple[TokenLayout, torch.Tensor]:
         """Every position of a ``[B, T]`` mask as a token, the counted ones (non-zero) first, each
         part in position order, and how many count (a 0-dim device tensor): no host
         synchronization, so a caller prepares and checks its per-token tensors while the device
         works, and reads the count with its checks. Uncounted tokens have ``weight`` 0 (``seg_len``
-        is over the counted ones), ``seg`` is non-decreasing over the counted ones only, and
-        ``first(count)`` is the layout of the counted positions, its per-token tensors their first ``count``
-        rows (views)."""
+        is over the counted ones), and ``first(count)`` is the layout of the counted positions, its
+        per-token tensors their first ``count`` rows (views).
+
+        ``lead``: ``[B, T]`` bool, counted positions to put before the other counted ones (each
+        part still in position order): a policy loss's tokens that may have a gradient, so that a
+        pass can run its gradient GEMMs on its first rows only. Without it ``seg`` is
+        non-decreasing over the counted tokens; with it, within each part."""
         if mask.dim() != 2:
             raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
         b, t = mask.shape
         flat = mask.reshape(-1)
-        index, count = counted_first_order(flat != 0)
+        counted = flat != 0
+        if lead is None:
+            index, count = counted_first_order(counted)
+        else:  # a stable sort on 2 (counted, leading), 1 (counted), 0: one op, as counted_first_order
+            index = torch.sort(counted.to(torch.uint8) + (counted & lead.reshape(-1)).to(torch.uint8),
+                               descending=True, stable=True).indices
+            count = counted.sum()
         seg = index // max(t, 1)
         weight = flat[index].to(torch.get_default_dtype() if not flat.is_floating_point() else flat.dtype)
         seg_len = weight.new_zeros(b).index_add(0, seg, weight)
         return cls(index=index, seg=seg, num_segments=b, weight=weight, seg_len=seg_len, shape=mask.shape,
                    permuted=True), count
 
-    def first(self, n: int, ends: list[float] | None = None) -> TokenLayout:
+    def first(self, n: int, ends: list[float] | None = None, in_order: bool = True) -> TokenLayout:
         """The layout of this one's first ``n`` tokens (views; the same segments and ``seg_len``).
         ``ends``: the counted tokens up to each segment's end (host numbers, e.g. read with the
-        caller's checks), which give :attr:`cuts` without a read of its own."""
-        # the first n of counted_first's order are ascending: n = all of them is every position in order
-        out = dataclasses.replace(self, index=self.index[:n], seg=self.seg[:n], weight=self.weight[:n], permuted=False)
+        caller's checks), which give :attr:`cuts` without a read of its own. ``in_order``: those
+        tokens are in position order (:meth:`counted_first` without a ``lead``, or with all or
+        none of the counted tokens leading)."""
+        # n = all positions in order is every position: gathers are then views
+        out = dataclasses.replace(self, index=self.index[:n], seg=self.seg[:n], weight=self.weight[:n],
+                                  permuted=not in_order)
         if ends is not None:  # each non-empty segment's end, as `cuts` finds them
             out.__dict__["cuts"] = [int(e) for i, e in enumerate(ends) if e > (ends[i - 1] if i else 0)]
         return out

@@ -207,6 +207,26 @@ def _zero_gradient_rows(cfg: PolicyConfig, lay: TokenLayout, advantages: torch.T
     return zero
 
 
+def _gradient_first(cfg: PolicyConfig, advantages: torch.Tensor, mask: torch.Tensor, options: PassOptions,
+                    head: Head, sdt: torch.dtype) -> torch.Tensor | None:
+    """``[B, T]`` bool, the positions that may have a gradient (non-zero advantage), for
+    :meth:`TokenLayout.counted_first` to put first, where :func:`_zero_gradient_rows` marks
+    tokens at token level and a fused pass skips rows: the pass then plans its gradient chunks
+    over those rows alone (``ZeroRows.leading``) and only computes the others' statistics.
+    ``None`` where it would not (an advantage shape the layout will refuse included).
+    The advantages are compared in the statistics dtype ``sdt``, as :func:`_zero_gradient_rows`
+    compares them: the rows it marks are then exactly those not put first."""
+    if (cfg.beta != 0.0 or cfg.entropy_coef != 0.0 or cfg.needs_whole_sequences or cfg.needs_global_entropy
+            or options.mode == "recompute" or not options.skip_zero_rows or head.lora is not None):
+        return None
+    b = mask.shape[0]
+    if advantages.dim() == 1 and advantages.shape[0] == b:
+        advantages = advantages[:, None]
+    if advantages.shape not in ((b, 1), mask.shape):
+        return None
+    return (advantages.to(sdt) != 0).expand(mask.shape)
+
+
 def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
     """How far the trainer's log-probs are from the sampler's, over the tokens the sampler scored.
 
@@ -318,10 +338,11 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     sdt = stat_dtype_for(hidden.dtype)
     if packed:  # the segment count is read first (a synchronization of its own)
         seen = TokenLayout.from_segments(mask, segment_ids, sequence_group)
-        count = counted = in_place = None
+        count = counted = in_place = leading = None
         check_head_inputs(seen.rows(hidden), head, seen.gather(targets), ignore_index=None, checks=checks)
     else:  # every position, the counted ones first; the hidden rows and ids checked in place
-        seen, count = TokenLayout.counted_first(mask)
+        leading = _gradient_first(cfg, advantages, mask, options, head, sdt)
+        seen, count = TokenLayout.counted_first(mask, leading)
         counted, in_place = seen.weight != 0, mask != 0  # (in seen's order; in the caller's)
         check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), ignore_index=None,
                           checks=checks, counted=in_place.reshape(-1))
@@ -363,11 +384,14 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # The first statistics GEMM runs while the host waits for the read and prepares the pass.
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
                                                                               and cfg.needs_whole_sequences))
-    started = start_pass(hidden, targets, seen.index, head, _WANT, options, fused)
+    started = start_pass(hidden, targets, seen.index, head, _WANT, options, fused,
+                         gradient_first=leading is not None)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
-    lay = seen if count is None else seen.first(n, None if ends is None else read[len(reads):])
-    zero_rows = None if zero is None else ZeroRows(zero[:n], int(before[n - 1]) if n else 0, before[:n])
+    with_grad = None if zero is None else (int(before[n - 1]) if n else 0)
+    lay = seen if count is None else seen.first(n, None if ends is None else read[len(reads):],
+                                                in_order=leading is None or with_grad in (0, n))
+    zero_rows = None if zero is None else ZeroRows(zero[:n], with_grad, before[:n], leading=leading is not None)
 
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first

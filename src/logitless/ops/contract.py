@@ -571,6 +571,11 @@ class Started:
         rows, self._rows = self._rows, None
         return rows
 
+    @property
+    def rows(self) -> int:
+        """How many rows it covers (0 once taken)."""
+        return 0 if self._rows is None else self._rows.rows
+
 
 class Backend(Protocol):
     """What every backend module provides (see the module docstring)."""

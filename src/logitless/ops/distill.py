@@ -102,6 +102,7 @@ class DistillPass:
 
     DIFFERENTIABLE = ("lse", "logp", "entropy", "forward_kl", "reverse_kl", "jsd")
     zero_rows = None  # every counted token of a distillation loss has a gradient
+    started = None  # nothing starts before its checks' read
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, teacher_hidden: torch.Tensor | None,

@@ -103,6 +103,7 @@ class PassKind(Protocol):
     # that sets it implements ``pick``, ``pick_kept`` and ``select``.
     zero_rows: ZeroRows | None
     stores_weight_grad: bool  # whether the backward honours Accumulators.write_weight
+    started: Started | None  # the first rows' statistics GEMM, launched before the pass (start_pass)
 
     @property
     def pairs_weight_grad(self) -> bool:
@@ -149,7 +150,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
 
 
 def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, head: Head,
-               want: StatRequest, options: PassOptions, fused: bool) -> Started | None:
+               want: StatRequest, options: PassOptions, fused: bool, gradient_first: bool = False) -> Started | None:
     """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
     read, so the GPU computes while the host waits for that read and prepares the pass
     (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``). The pass's
@@ -168,6 +169,9 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         head, want, options: as the pass will get them.
         fused: the pass runs in fused mode (the started rows' logits then go to the first
             chunk's logits buffer, made here, when the pass keeps them for the gradient).
+        gradient_first: the rows with a gradient come first (:attr:`ZeroRows.leading`): the
+            first chunk's size then depends on their count, which the read brings, so nothing
+            starts unless all rows fit that chunk's buffer.
 
     Returns:
         a :class:`~logitless.ops.contract.Started` handle on the launch, or ``None`` where
@@ -190,6 +194,8 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
             plan = weight_grad_layout(plan, n, vocab, head.weight, backend.CAPS.stores_weight_grad,
                                       lambda: backend.CAPS.pairs_weight_grad)[0]
         store_rows = min(n, plan.token_chunk) if plan.keep_logits else 0
+        if gradient_first and store_rows < n:
+            return None
     first = positions[:rows]
     h = hidden.detach().reshape(-1, hidden.shape[-1])[first]
     t = targets.reshape(-1)[first].long()

@@ -180,9 +180,10 @@ class _FusedCall:
     p: PassKind
     objective: ChunkObjective
     chunks: list[slice]
-    plans: list[ChunkPlan]  # each chunk's (ChunkPlan.fit_chunks)
-    weight_grad: planning.WeightGradLayout = "fp32"  # how d weight is held (weight_grad_plan)
+    plans: list[ChunkPlan]  # each chunk's (planning.fused_chunks)
+    weight_grad: planning.WeightGradLayout = "fp32"  # how d weight is held (planning.weight_grad_plan)
     zero_rows: ZeroRows | None = None  # rows the gradient GEMMs leave out (planning.backward_rows)
+    grad_chunks: int | None = None  # chunks from this one on take no gradient (planning.fused_chunks)
     collected: list[Any] = field(default_factory=list)
     stats: NamedTuple | None = None  # every token's, set by the pass
     _backward_rows: list[torch.Tensor | None] | None = None
@@ -251,7 +252,7 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     later_acc = None if acc is None else dataclasses.replace(acc, write_weight=False)
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
-            chunk_acc = acc if i == 0 else later_acc
+            chunk_acc = acc if i == 0 else None if call.grad_chunks is not None and i >= call.grad_chunks else later_acc
             loss, stats, gh, picked = _run_chunk(call, hidden, i, low, chunk_acc)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:
@@ -357,12 +358,11 @@ def run_fused(p: PassKind, objective: ChunkObjective, hidden: torch.Tensor, weig
     """
     tensors = (hidden, weight, bias, lora_x, lora_b)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)  # (records_graph)
-    layout: planning.WeightGradLayout = "fp32"
-    if grad and weight.requires_grad:
-        p, layout = planning.weight_grad_plan(p, hidden.shape[0], weight)
+    run = planning.fused_chunks(p, hidden.shape[0], weight, cuts, grad)
+    p = run.kind
     check_workspace_fits(p.plan, hidden.device)
-    chunks, plans = p.plan.fit_chunks(hidden.shape[0], cuts, p.head.weight.shape[0])
-    call = _FusedCall(p, objective, chunks, plans, weight_grad=layout, zero_rows=p.zero_rows if grad else None)
+    call = _FusedCall(p, objective, run.chunks, run.plans, weight_grad=run.layout,
+                      zero_rows=p.zero_rows if grad and run.grad_chunks is None else None, grad_chunks=run.grad_chunks)
     if grad:
         loss = _FusedFn.apply(*tensors, call)
         return PassResult(loss, call.stats, call.collected)

@@ -477,11 +477,15 @@ class ZeroRows(NamedTuple):
             caller has read it: a pass of several chunks then counts each chunk's rows on the host
             (``None``: it reads those counts, one host synchronization behind the first chunk's
             statistics GEMM).
+        leading: the rows not in ``mask`` are the first ``others`` rows (the caller ordered its
+            rows so): a fused pass then runs its gradient chunks over those rows only and the
+            statistics of the others alone (:func:`leading_rows`).
     """
 
     mask: torch.Tensor
     others: int | None = None
     before: np.ndarray | None = None
+    leading: bool = False
 
 
 def rows_of(value: NamedTuple, sl: slice) -> NamedTuple:
@@ -512,6 +516,33 @@ def weight_grad_plan(p: PassKind, n: int, weight: torch.Tensor) -> tuple[PassKin
     plan, layout = weight_grad_layout(p.plan, n, p.head.weight.shape[0], weight, p.stores_weight_grad,
                                       lambda: p.pairs_weight_grad)
     return (p if plan is p.plan else dataclasses.replace(p, plan=plan)), layout
+
+
+class FusedChunks(NamedTuple):
+    """How a fused pass runs (:func:`fused_chunks`)."""
+
+    kind: PassKind  # the pass, planned for its d weight layout
+    layout: WeightGradLayout
+    chunks: list[slice]
+    plans: list[ChunkPlan]  # each chunk's
+    grad_chunks: int | None  # chunks from this one on take no gradient (None: every chunk may)
+
+
+def fused_chunks(p: PassKind, n: int, weight: torch.Tensor, cuts: Sequence[int] | None, grad: bool) -> FusedChunks:
+    """The chunks of a fused pass of the kind ``p`` over ``n`` rows (ending only at ``cuts`` when
+    given), each one's plan, and how its ``d weight`` is held when it takes gradients (``grad``;
+    :func:`weight_grad_plan`). Where its rows with a gradient come first (:func:`leading_rows`),
+    the gradient chunks cover those rows and the rest follow as statistics-only chunks."""
+    stats_plan, layout = p.plan, "fp32"
+    end = leading_rows(p.zero_rows, n, 0 if p.started is None else p.started.rows) if grad and cuts is None else None
+    rows = n if end is None else end
+    if grad and weight.requires_grad:
+        p, layout = weight_grad_plan(p, rows, weight)
+    chunks, plans = p.plan.fit_chunks(rows, cuts, p.head.weight.shape[0])
+    if end is None:
+        return FusedChunks(p, layout, chunks, plans, None)
+    rest = [slice(end + sl.start, end + sl.stop) for sl in stats_plan.stats_chunks(n - end)]
+    return FusedChunks(p, layout, chunks + rest, plans + [stats_plan] * len(rest), len(chunks))
 
 
 def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tensor, stores: bool,
@@ -650,3 +681,21 @@ def backward_rows(zero: ZeroRows, chunks: Sequence[slice]) -> list[torch.Tensor 
         order = torch.argsort(mask[sl].to(torch.int8), stable=True)  # rows with a gradient first, each part ascending
         out.append(torch.sort(order[:m]).values)
     return out
+
+
+def leading_rows(zero: ZeroRows | None, n: int, started: int = 0) -> int | None:
+    """Where a fused pass over ``n`` rows whose rows with a gradient come first
+    (:attr:`ZeroRows.leading`) ends its gradient chunks; the rows after it need their statistics
+    only (one statistics-only pass, no logits kept), so the gradient chunks, their ``d weight``
+    layout and their logits buffer are planned for the rows with a gradient alone: a pass whose
+    every row would take several chunks may then fit its rows with a gradient in one.
+
+    The end is rounded up to :data:`_ROW_MULTIPLE` (rows of zero gradient add exact zeros) and
+    to at least ``started`` (the rows whose statistics GEMM was launched with their logits kept:
+    :attr:`~logitless.ops.engine.ObjectiveSpec.started`). ``None`` where every row goes through
+    the gradient chunks: no such order, no row with a gradient (the pass's ``d weight`` is then
+    zero-filled as for a chunk with none), or fewer rows left out than :data:`_MIN_SKIPPED`."""
+    if zero is None or not zero.leading or not zero.others:
+        return None
+    end = min(n, max(started, -(-zero.others // _ROW_MULTIPLE) * _ROW_MULTIPLE))
+    return None if n - end < n * _MIN_SKIPPED else end

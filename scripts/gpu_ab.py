@@ -1,9 +1,15 @@
-"""A/B of the first statistics GEMM launched before the value checks' read (``engine.start_pass``):
-a bench row with it and without it, interleaved, each as a ratio to the row's floor timed in the
-same round, from a synchronization and queued in a step (GPU only).
+"""A/B of one engine feature: a bench row with it and without it, interleaved, each as a ratio to
+the row's floor timed in the same round, from a synchronization and queued in a step, and each
+one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
 
-    python3 scripts/gpu_start_ab.py SHAPE OBJECTIVE [OBJECTIVE ...]
-    python3 scripts/gpu_start_ab.py 8k:llama3-8b grpo dpo
+* ``started``: the first statistics GEMM launched before the value checks' read
+  (``engine.start_pass``);
+* ``leading``: a policy loss's rows with a gradient first, the gradient chunks planned for them
+  alone (``planning.leading_rows``).
+
+    python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
+    python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
+    python3 scripts/gpu_ab.py leading 8k:gemma2-2b grpo-c25 grpo-c50 grpo
     PROFILE=1 ...   # also each one's GPU timeline, with and without
 """
 
@@ -19,8 +25,14 @@ from logitless.bench.batches import group_inputs, is_group_objective
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import rows_of
 from logitless.bench.timing import time_in_step, time_step
+from logitless.objectives import policy
 from logitless.ops import engine
-from logitless.ops.plan import started_rows
+
+# feature -> (module, attribute, its value with the feature off)
+SWITCHES = {
+    "started": (engine, "started_rows", lambda *a: 0),
+    "leading": (policy, "_gradient_first", lambda *a: None),
+}
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))
 
@@ -48,11 +60,24 @@ def _timeline(step, reset, dev, label: str) -> None:
         last = max(last, e.time_range.end)
 
 
+def _peak_gib(step, reset, dev) -> float:
+    """Peak memory of one call beyond what was allocated before it, in GiB."""
+    reset()
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize(dev)
+    return (torch.cuda.max_memory_allocated(dev) - before) / 2**30
+
+
 def main() -> None:
-    case = parse_shape(sys.argv[1])
+    module, attr, off = SWITCHES[sys.argv[1]]
+    on = getattr(module, attr)
+    case = parse_shape(sys.argv[2])
     dev = torch.device("cuda")
     x0 = make_inputs(case, dev, torch.bfloat16)
-    for objective in sys.argv[2:]:
+    for objective in sys.argv[3:]:
         x = group_inputs(x0, objective) if is_group_objective(objective) else x0
         rows = {r.name: r for r in rows_of(objective)}
         name = "logitless-fused" if "logitless-fused" in rows else "logitless"
@@ -69,19 +94,22 @@ def main() -> None:
         for _ in range(ROUNDS):
             base = time_step(floor.step, reset, dev).median_ms
             base_step = time_in_step(floor.step, reset, dev).median_ms
-            for label, rows_fn in (("on", started_rows), ("off", lambda *a: 0)):
-                engine.started_rows = rows_fn
+            for label, value in (("on", on), ("off", off)):
+                setattr(module, attr, value)
                 got[f"{label} sync"].append(time_step(ours.step, reset, dev).median_ms / base)
                 got[f"{label} step"].append(time_in_step(ours.step, reset, dev).median_ms / base_step)
-            engine.started_rows = started_rows
-        if os.environ.get("PROFILE"):
-            for label, rows_fn in (("on", started_rows), ("off", lambda *a: 0)):
-                engine.started_rows = rows_fn
+            setattr(module, attr, on)
+        peaks = {}
+        for label, value in (("on", on), ("off", off)):
+            setattr(module, attr, value)
+            peaks[label] = _peak_gib(ours.step, reset, dev)
+            if os.environ.get("PROFILE"):
                 _timeline(ours.step, reset, dev, label)
-            engine.started_rows = started_rows
-        print(f"{case.model} {case.n_tokens} {objective} {name} (started rows "
-              f"{'on' if engine.resolve_backend('auto', x.hidden).CAPS.starts_early else 'none'}): "
-              + ", ".join(f"{k} {statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in got.items()))
+        setattr(module, attr, on)
+        print(f"{case.model} {case.n_tokens} {objective} {name} ({sys.argv[1]}; backend "
+              f"{engine.resolve_backend('auto', x.hidden).NAME}): "
+              + ", ".join(f"{k} {statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in got.items())
+              + f"; peak GiB on {peaks['on']:.2f} off {peaks['off']:.2f}")
 
 
 if __name__ == "__main__":
