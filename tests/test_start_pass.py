@@ -224,9 +224,30 @@ def test_the_started_buffer_lives_no_longer_than_the_first_chunk(monkeypatch, la
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
     loss, _ = logitless.policy_loss(h, w, torch.randint(0, V, (b, t), generator=g), torch.ones(b, t),
                                     torch.randn(b, generator=g), -torch.rand(b, t, generator=g),
-                                    # (skipping zero rows puts the rows with a gradient first, and then
-                                    # nothing starts ahead of two chunks: test_leading_rows_*)
+                                    # (skipping puts the rows with a gradient first, and then nothing
+                                    # starts ahead of two chunks: the test below)
                                     options=PassOptions(impl="gemm", chunk_bytes=1024 * V * 2, skip_zero_rows=False))
     loss.backward()
     assert launches == [64, 960, 1024]  # started rows, the first chunk's rest, the second chunk
     assert alive[1] == [True] and alive[2] == [False]
+
+
+@interpreted
+def test_nothing_starts_ahead_of_rows_with_a_gradient_first(launches):
+    """A policy pass whose rows with a gradient come first sizes its first chunk after the read
+    (a chunk of those rows alone): where all rows would take several chunks, no rows start,
+    since their logits would need a buffer of another size; where they take one, they start.
+    With a quarter of the rows reward-constant, the rest then take statistics only."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    b, t = 16, 128
+    h = torch.randn(b, t, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
+    ids, adv = torch.randint(0, V, (b, t), generator=g), torch.randn(b, generator=g)
+    old = -torch.rand(b, t, generator=g)
+    for chunk_rows, dense, constant in ((1024, [1024, 1024], [768, 768, 512]), (2048, [64, 1984], [64, 1472, 512])):
+        for adv_now, want in ((adv, dense), (torch.where(torch.arange(b) % 4 == 0, 0.0, adv), constant)):
+            launches.clear()
+            loss, _ = logitless.policy_loss(h, w, ids, torch.ones(b, t), adv_now, old,
+                                            options=PassOptions(impl="gemm", chunk_bytes=chunk_rows * V * 2))
+            loss.backward()
+            assert launches == want, (chunk_rows, want)

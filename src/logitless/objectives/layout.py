@@ -32,7 +32,7 @@ def counted_first_order(counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     are then those ``counted.nonzero()`` would give."""
     # A stable sort keeps each part in position order; one op where a cumsum-and-scatter
     # partition takes seven, each a host-side launch before the first GEMM.
-    order = torch.sort(counted.to(torch.uint8), descending=True, stable=True).indices
+    order = torch.sort(counted.view(torch.uint8), descending=True, stable=True).indices
     return order, counted.sum()
 
 
@@ -125,20 +125,20 @@ class TokenLayout:
         is over the counted ones), and ``first(count)`` is the layout of the counted positions, its
         per-token tensors their first ``count`` rows (views).
 
-        ``lead``: ``[B, T]`` bool, counted positions to put before the other counted ones (each
-        part still in position order): a policy loss's tokens that may have a gradient, so that a
+        ``lead``: ``[B, T]`` bool (or ``[B, 1]``, the same for a whole sequence), counted
+        positions to put before the other counted ones (each part still in position order): a policy loss's tokens that may have a gradient, so that a
         pass can run its gradient GEMMs on its first rows only. Without it ``seg`` is
         non-decreasing over the counted tokens; with it, within each part."""
         if mask.dim() != 2:
             raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
         b, t = mask.shape
         flat = mask.reshape(-1)
-        counted = flat != 0
         if lead is None:
-            index, count = counted_first_order(counted)
-        else:  # a stable sort on 2 (counted, leading), 1 (counted), 0: one op, as counted_first_order
-            index = torch.sort(counted.to(torch.uint8) + (counted & lead.reshape(-1)).to(torch.uint8),
-                               descending=True, stable=True).indices
+            index, count = counted_first_order(flat != 0)
+        else:  # a stable sort on 2 (counted, leading), 1 (counted), 0, as counted_first_order's
+            counted = (mask != 0).view(torch.uint8)
+            index = torch.sort(torch.addcmul(counted, counted, lead.view(torch.uint8)).reshape(-1), descending=True,
+                               stable=True).indices
             count = counted.sum()
         seg = index // max(t, 1)
         weight = flat[index].to(torch.get_default_dtype() if not flat.is_floating_point() else flat.dtype)

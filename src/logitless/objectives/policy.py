@@ -209,7 +209,7 @@ def _zero_gradient_rows(cfg: PolicyConfig, lay: TokenLayout, advantages: torch.T
 
 def _gradient_first(cfg: PolicyConfig, advantages: torch.Tensor, mask: torch.Tensor, options: PassOptions,
                     head: Head, sdt: torch.dtype) -> torch.Tensor | None:
-    """``[B, T]`` bool, the positions that may have a gradient (non-zero advantage), for
+    """``[B, T]`` or ``[B, 1]`` bool, the positions that may have a gradient (non-zero advantage), for
     :meth:`TokenLayout.counted_first` to put first, where :func:`_zero_gradient_rows` marks
     tokens at token level and a fused pass skips rows: the pass then plans its gradient chunks
     over those rows alone (``ZeroRows.leading``) and only computes the others' statistics.
@@ -224,7 +224,7 @@ def _gradient_first(cfg: PolicyConfig, advantages: torch.Tensor, mask: torch.Ten
         advantages = advantages[:, None]
     if advantages.shape not in ((b, 1), mask.shape):
         return None
-    return (advantages.to(sdt) != 0).expand(mask.shape)
+    return advantages.to(sdt) != 0
 
 
 def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
