@@ -52,8 +52,8 @@ def _small_row_multiple(case: dict) -> None:
         planning.backward_rows = counting
         real_leading = planning.leading_rows
 
-        def leading(zero, n, started=0):
-            end = real_leading(zero, n, started)
+        def leading(zero, n, started=0, cuts=None):
+            end = real_leading(zero, n, started, cuts)
             if end is not None:
                 _SKIPPED.append(n - end)
             return end

@@ -88,12 +88,12 @@ def picked_counts(monkeypatch):
     seen: list[tuple[int, int]] = []
     real, real_leading = planning.backward_rows, planning.leading_rows
 
-    def leading(zero, n, started=0):
-        end = real_leading(zero, n, started)
+    def leading(zero, n, started=0, cuts=None):
+        end = real_leading(zero, n, started, cuts)
         if end is not None:
             seen.append((end, n))
             assert not zero.mask[:zero.others].any() and zero.mask[zero.others:].all()
-            assert end % 4 == 0 or end == n
+            assert end in cuts if cuts is not None else end % 4 == 0 or end == n
         return end
 
     monkeypatch.setattr(planning, "leading_rows", leading)
@@ -128,7 +128,8 @@ def test_skipping_is_exact_and_skips(seed, picked_counts, mode, loss_type, level
     chunk_bytes = 20 * 67 * 8 if chunked else None
     on = _run(batch, cfg, True, mode, chunk_bytes=chunk_bytes)
     assert picked_counts and sum(m for m, _ in picked_counts) < sum(n for _, n in picked_counts)
-    leading = mode == "fused" and not cfg.needs_whole_sequences  # gradient chunks over the rows with one
+    # gradient chunks over the rows with one: at token level, or of whole sequences (GSPO)
+    leading = mode == "fused" and (not cfg.needs_whole_sequences or level == "sequence")
     assert len(picked_counts) == 1 if leading else not (mode == "fused" and chunked) or len(picked_counts) > 1
     picked_counts.clear()
     off = _run(batch, cfg, False, mode, chunk_bytes=chunk_bytes)
@@ -314,11 +315,12 @@ def test_gemm_row_kernel_matches_the_dense_one(seed, softcap):
     torch.testing.assert_close(dy.float(), dense[idx].float(), rtol=1e-2, atol=1e-6)
 
 
-def test_rows_with_a_gradient_take_the_gradient_chunks(seed, picked_counts, monkeypatch):
-    """At token level the rows with a gradient come first, and a fused pass plans its gradient
-    chunks for them alone: here every row would take two chunks and those rows take one, with
-    one backward; the others' statistics come from a pass that keeps no logits. Exact against
-    the dense pass."""
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rows_with_a_gradient_take_the_gradient_chunks(seed, picked_counts, monkeypatch, level):
+    """The rows with a gradient come first (at sequence level, GSPO's, whole sequences), and a
+    fused pass plans its gradient chunks for them alone: here every row would take two chunks and
+    those rows take one, with one backward; the others' statistics come from a pass that keeps
+    no logits. Exact against the dense pass."""
     from logitless.ops.fused import SoftmaxPass
 
     gen = torch.Generator().manual_seed(seed)
@@ -326,7 +328,8 @@ def test_rows_with_a_gradient_take_the_gradient_chunks(seed, picked_counts, monk
     counted = batch["mask"] != 0
     n = int(counted.sum())
     with_grad = int((counted & (batch["adv"][:, None] != 0)).sum())
-    end = -(-with_grad // 4) * 4
+    end = -(-with_grad // 4) * 4 if level == "token" else with_grad  # (a sequence's end)
+    cfg = PolicyConfig(epsilon_high=0.28, importance_sampling_level=level)
     assert end < n // 2 + n // 4
     forwards, backwards = [], []
     real_stats, real_backward = SoftmaxPass.chunk_stats, SoftmaxPass.backward
@@ -342,11 +345,11 @@ def test_rows_with_a_gradient_take_the_gradient_chunks(seed, picked_counts, monk
     monkeypatch.setattr(SoftmaxPass, "chunk_stats", chunk_stats)
     monkeypatch.setattr(SoftmaxPass, "backward", backward)
     budget = end * 67 * 32  # the torch plan's float64 block of `end` rows (planning.workspace_per_element)
-    on = _run(batch, PolicyConfig(epsilon_high=0.28), True, chunk_bytes=budget)
+    on = _run(batch, cfg, True, chunk_bytes=budget)
     assert picked_counts == [(end, n)] and backwards == [end]
     assert forwards[0] == (end, True) and sum(r for r, _ in forwards[1:]) == n - end
     assert not any(keep for _, keep in forwards[1:])
     forwards.clear()
-    off = _run(batch, PolicyConfig(epsilon_high=0.28), False, chunk_bytes=budget)
+    off = _run(batch, cfg, False, chunk_bytes=budget)
     assert len(forwards) > 1 and sum(r for r, _ in forwards) == n
     _assert_same(on, off)

@@ -126,9 +126,10 @@ class TokenLayout:
         per-token tensors their first ``count`` rows (views).
 
         ``lead``: ``[B, T]`` bool (or ``[B, 1]``, the same for a whole sequence), counted
-        positions to put before the other counted ones (each part still in position order): a policy loss's tokens that may have a gradient, so that a
-        pass can run its gradient GEMMs on its first rows only. Without it ``seg`` is
-        non-decreasing over the counted tokens; with it, within each part."""
+        positions to put before the other counted ones, each part still in position order (a
+        policy loss's tokens that may have a gradient, so that a pass can run its gradient GEMMs
+        on its first rows only). Without it ``seg`` is non-decreasing over the counted tokens;
+        with it, within each part."""
         if mask.dim() != 2:
             raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
         b, t = mask.shape

@@ -209,22 +209,29 @@ def _zero_gradient_rows(cfg: PolicyConfig, lay: TokenLayout, advantages: torch.T
 
 def _gradient_first(cfg: PolicyConfig, advantages: torch.Tensor, mask: torch.Tensor, options: PassOptions,
                     head: Head, sdt: torch.dtype) -> torch.Tensor | None:
-    """``[B, T]`` or ``[B, 1]`` bool, the positions that may have a gradient (non-zero advantage), for
-    :meth:`TokenLayout.counted_first` to put first, where :func:`_zero_gradient_rows` marks
-    tokens at token level and a fused pass skips rows: the pass then plans its gradient chunks
-    over those rows alone (``ZeroRows.leading``) and only computes the others' statistics.
-    ``None`` where it would not (an advantage shape the layout will refuse included).
-    The advantages are compared in the statistics dtype ``sdt``, as :func:`_zero_gradient_rows`
-    compares them: the rows it marks are then exactly those not put first."""
-    if (cfg.beta != 0.0 or cfg.entropy_coef != 0.0 or cfg.needs_whole_sequences or cfg.needs_global_entropy
-            or options.mode == "recompute" or not options.skip_zero_rows or head.lora is not None):
+    """``[B, T]`` or ``[B, 1]`` bool, the positions that may have a gradient, for
+    :meth:`TokenLayout.counted_first` to put first, where a fused pass skips the rows
+    :func:`_zero_gradient_rows` marks: the pass then plans its gradient chunks over those rows
+    alone (``ZeroRows.leading``) and only computes the others' statistics. At token level the
+    tokens of non-zero advantage; at sequence level (GSPO) the sequences with one at a counted
+    token, whole (a sequence-level objective's chunks hold whole sequences). ``None`` where it
+    would not: tokens of zero advantage inside a sequence whose chunks must stay whole
+    (GSPO-token, the off-policy mask, VESPO at token level), or an advantage shape the layout will
+    refuse. The advantages are compared in the statistics dtype ``sdt``, as
+    :func:`_zero_gradient_rows` compares them: the rows it marks are then exactly those not put
+    first."""
+    per_sequence = cfg.importance_sampling_level == "sequence"
+    if (cfg.beta != 0.0 or cfg.entropy_coef != 0.0 or cfg.needs_global_entropy or options.mode == "recompute"
+            or (cfg.needs_whole_sequences and not per_sequence) or not options.skip_zero_rows
+            or head.lora is not None):
         return None
     b = mask.shape[0]
     if advantages.dim() == 1 and advantages.shape[0] == b:
         advantages = advantages[:, None]
     if advantages.shape not in ((b, 1), mask.shape):
         return None
-    return advantages.to(sdt) != 0
+    lead = advantages.to(sdt) != 0
+    return ((mask != 0) & lead).any(1, keepdim=True) if per_sequence else lead
 
 
 def sampler_mismatch(logp: torch.Tensor, sampling_logp: torch.Tensor, group=None) -> dict[str, torch.Tensor]:
@@ -375,7 +382,10 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # cuts of a sequence-level objective).
     ends = None
     if count is not None and cfg.needs_whole_sequences:
-        ends = torch.cumsum(in_place.sum(1), 0)
+        counts = in_place.sum(1)
+        if leading is not None:  # whole sequences, those with a gradient first
+            counts = counts[torch.sort(leading.view(-1).view(torch.uint8), descending=True, stable=True).indices]
+        ends = torch.cumsum(counts, 0)
     # The rows with a gradient come as a running count over the rows (a few bytes a token), so a
     # pass of several chunks counts each chunk's on the host.
     reads = [] if count is None else [count]

@@ -327,9 +327,10 @@ class ChunkPlan:
         chunks = self.chunks(n_tokens, cuts)
         return chunks, [self.fit(sl.stop - sl.start, vocab) for sl in chunks]
 
-    def stats_chunks(self, n_tokens: int) -> list[slice]:
-        """``[0, n_tokens)`` in chunks of a statistics-only pass (``stats_chunk`` tokens)."""
-        return dataclasses.replace(self, token_chunk=max(self.token_chunk, self.stats_chunk)).chunks(n_tokens)
+    def stats_chunks(self, n_tokens: int, cuts: Sequence[int] | None = None) -> list[slice]:
+        """``[0, n_tokens)`` in chunks of a statistics-only pass (``stats_chunk`` tokens; ending
+        only at ``cuts`` when given, as :meth:`chunks`)."""
+        return dataclasses.replace(self, token_chunk=max(self.token_chunk, self.stats_chunk)).chunks(n_tokens, cuts)
 
     def chunks(self, n_tokens: int, cuts: Sequence[int] | None = None) -> list[slice]:
         """Cut ``[0, n_tokens)`` into chunks of at most ``token_chunk`` tokens, ending only at
@@ -534,15 +535,17 @@ def fused_chunks(p: PassKind, n: int, weight: torch.Tensor, cuts: Sequence[int] 
     :func:`weight_grad_plan`). Where its rows with a gradient come first (:func:`leading_rows`),
     the gradient chunks cover those rows and the rest follow as statistics-only chunks."""
     stats_plan, layout = p.plan, "fp32"
-    end = leading_rows(p.zero_rows, n, 0 if p.started is None else p.started.rows) if grad and cuts is None else None
+    end = leading_rows(p.zero_rows, n, 0 if p.started is None else p.started.rows, cuts) if grad else None
     rows = n if end is None else end
     if grad and weight.requires_grad:
         p, layout = weight_grad_plan(p, rows, weight)
-    chunks, plans = p.plan.fit_chunks(rows, cuts, p.head.weight.shape[0])
+    chunks, plans = p.plan.fit_chunks(rows, None if cuts is None else [c for c in cuts if c <= rows],
+                                      p.head.weight.shape[0])
     if end is None:
         return FusedChunks(p, layout, chunks, plans, None)
-    rest = [slice(end + sl.start, end + sl.stop) for sl in stats_plan.stats_chunks(n - end)]
-    return FusedChunks(p, layout, chunks + rest, plans + [stats_plan] * len(rest), len(chunks))
+    rest = stats_plan.stats_chunks(n - end, None if cuts is None else [c - end for c in cuts if c > end])
+    return FusedChunks(p, layout, chunks + [slice(end + sl.start, end + sl.stop) for sl in rest],
+                       plans + [stats_plan] * len(rest), len(chunks))
 
 
 def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tensor, stores: bool,
@@ -683,19 +686,24 @@ def backward_rows(zero: ZeroRows, chunks: Sequence[slice]) -> list[torch.Tensor 
     return out
 
 
-def leading_rows(zero: ZeroRows | None, n: int, started: int = 0) -> int | None:
+def leading_rows(zero: ZeroRows | None, n: int, started: int = 0, cuts: Sequence[int] | None = None) -> int | None:
     """Where a fused pass over ``n`` rows whose rows with a gradient come first
     (:attr:`ZeroRows.leading`) ends its gradient chunks; the rows after it need their statistics
-    only (one statistics-only pass, no logits kept), so the gradient chunks, their ``d weight``
+    only (statistics-only chunks, no logits kept), so the gradient chunks, their ``d weight``
     layout and their logits buffer are planned for the rows with a gradient alone: a pass whose
     every row would take several chunks may then fit its rows with a gradient in one.
 
-    The end is rounded up to :data:`_ROW_MULTIPLE` (rows of zero gradient add exact zeros) and
-    to at least ``started`` (the rows whose statistics GEMM was launched with their logits kept:
-    :attr:`~logitless.ops.engine.ObjectiveSpec.started`). ``None`` where every row goes through
+    The end is at least ``started`` (the rows whose statistics GEMM was launched with their logits
+    kept: :attr:`~logitless.ops.engine.ObjectiveSpec.started`) and rounded up (rows of zero
+    gradient add exact zeros): to the next of the pass's allowed ``cuts`` when given (its chunks
+    hold whole sequences), else to :data:`_ROW_MULTIPLE`. ``None`` where every row goes through
     the gradient chunks: no such order, no row with a gradient (the pass's ``d weight`` is then
     zero-filled as for a chunk with none), or fewer rows left out than :data:`_MIN_SKIPPED`."""
     if zero is None or not zero.leading or not zero.others:
         return None
-    end = min(n, max(started, -(-zero.others // _ROW_MULTIPLE) * _ROW_MULTIPLE))
+    least = max(started, zero.others)
+    if cuts is None:
+        end = min(n, -(-least // _ROW_MULTIPLE) * _ROW_MULTIPLE)
+    else:
+        end = next((c for c in cuts if c >= least), n)
     return None if n - end < n * _MIN_SKIPPED else end
