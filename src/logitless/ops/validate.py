@@ -398,19 +398,13 @@ class ValueChecks:
         """Read every check's values and the one-element tensors ``reads`` in one
         synchronization, raise the first failed check's error, else return the values of ``reads``
         (as floats: exact for ids below 2^53 and for bools)."""
-        return self.run_with_vector(None, *reads)[0]
-
-    def run_with_vector(self, vector: torch.Tensor | None, *reads: torch.Tensor) -> tuple[list[float],
-                                                                                    np.ndarray | None]:
-        """:meth:`run`, also bringing the 1-D ``vector`` to the host in the same synchronization:
-        ``(values of reads, vector)``, the vector a float64 NumPy array (exact for counts below
-        2^53; ``None`` without a vector)."""
-        return self.send(vector, *reads).wait()
+        return self.send(None, *reads).wait()[0]
 
     def send(self, vector: torch.Tensor | None, *reads: torch.Tensor) -> PendingRead:
-        """Queue the copy of :meth:`run_with_vector` and return without waiting for it: work the
-        caller queues before :meth:`PendingRead.wait` runs on the device while the host waits
-        for the copy (on a GPU; on a CPU the copy is done here)."""
+        """Queue the copy of :meth:`run`'s values, and of the 1-D ``vector`` in the same
+        synchronization, and return without waiting for it: work the caller queues before
+        :meth:`PendingRead.wait` runs on the device while the host waits for the copy (on a GPU;
+        on a CPU the copy is done here)."""
         values = self._values + [r if r.dim() == 0 else r.reshape(()) for r in reads]
         then, self._values, self._then = self._then, [], []
         if not values and vector is None:
@@ -445,8 +439,9 @@ class PendingRead:
     then: list[Callable[[list[float]], None]]
 
     def wait(self) -> tuple[list[float], np.ndarray | None]:
-        """Wait for the copy, raise the first failed check's error, else return the values of the
-        reads and the vector, as :meth:`ValueChecks.run_with_vector`."""
+        """Wait for the copy, raise the first failed check's error, else return ``(the values of
+        the reads, the vector)``, the vector a float64 NumPy array (exact for counts below 2^53;
+        ``None`` without a vector)."""
         if self.host is None:
             return [], None
         if self.done is not None:
