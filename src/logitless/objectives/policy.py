@@ -30,7 +30,7 @@ from ..ops import (
 )
 from . import compiled
 from .config import CLIPPED, PolicyConfig
-from .layout import TokenLayout
+from .layout import TokenLayout, counted_first_order
 from .policy_terms import LOG_1E8, LazyTokens, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
 
 _WANT = StatRequest(entropy=True)  # the policy pass's statistics (the entropy for the metrics)
@@ -384,7 +384,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     if count is not None and cfg.needs_whole_sequences:
         counts = in_place.sum(1)
         if leading is not None:  # whole sequences, those with a gradient first
-            counts = counts[torch.sort(leading.view(-1).view(torch.uint8), descending=True, stable=True).indices]
+            counts = counts[counted_first_order(leading.view(-1))[0]]
         ends = torch.cumsum(counts, 0)
     # The rows with a gradient come as a running count over the rows (a few bytes a token), so a
     # pass of several chunks counts each chunk's on the host.
