@@ -5,7 +5,9 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
 * ``started``: the first statistics GEMM launched before the value checks' read
   (``engine.start_pass``);
 * ``leading``: a policy loss's rows with a gradient first, the gradient chunks planned for them
-  alone (``planning.leading_rows``).
+  alone (``planning.leading_rows``);
+* ``deferred``: a policy loss's value checks read by its pass, after its first statistics GEMM
+  (``policy._defers_checks``).
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
@@ -32,6 +34,7 @@ from logitless.ops import engine
 SWITCHES = {
     "started": (engine, "started_rows", lambda *a: 0),
     "leading": (policy, "_gradient_first", lambda *a: None),
+    "deferred": (policy, "_defers_checks", lambda *a: False),
 }
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))

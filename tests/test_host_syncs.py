@@ -234,7 +234,9 @@ def test_head_calls_read_the_host_once(seed, host_reads, call):
 @pytest.mark.parametrize("call", ["policy", "sequence_level_policy", "cross_entropy_ignored", "dpo", "kto", "distill"])
 def test_one_synchronization_on_the_gpu(call):
     """On the GPU (default backend), a whole step synchronizes the host with the device once,
-    counted by ``torch.cuda.set_sync_debug_mode("warn")`` after a warm-up call."""
+    counted by ``torch.cuda.set_sync_debug_mode("warn")`` after a warm-up call; a policy loss
+    twice: the counts its pass is planned with, while the device has little queued, then its value
+    checks, which the pass reads once its first statistics GEMM is queued (``ObjectiveSpec.checks``)."""
     torch.manual_seed(0)
     b, t, h, v = 4, 64, 256, 4096
     dev = torch.device("cuda")
@@ -274,7 +276,7 @@ def test_one_synchronization_on_the_gpu(call):
             torch.cuda.Event.synchronize = real_wait
     # (The first set_sync_debug_mode of a process also warns that the mode is a prototype: not a sync.)
     syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs + waits) == 1, syncs + waits
+    assert len(syncs + waits) == (2 if "policy" in call else 1), syncs + waits
 
 
 def test_packed_policy_reads_the_host_twice(seed, host_reads):

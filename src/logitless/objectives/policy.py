@@ -24,6 +24,7 @@ from ..ops import (
     check_devices,
     check_head_inputs,
     check_mask,
+    resolve_backend,
     run_objective,
     start_pass,
     stat_dtype_for,
@@ -47,7 +48,8 @@ class _Prepared:
     hidden: torch.Tensor
     targets: torch.Tensor
     tokens: LazyTokens
-    started: Started | None  # the first rows' statistics GEMM, launched before the checks' read
+    started: Started | None  # the first rows' statistics GEMM, launched before the counts' read
+    checks: ValueChecks | None  # the value checks read at the end of the call (deferred), or None: read with the counts
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ def policy_loss(
         metrics = _finalize_metrics(cfg, tok, sums, group)
         if tok.sampling_logp is not None:
             metrics.update(sampler_mismatch(stats.logp, tok.sampling_logp, group))
+    if prep.checks is not None:  # the value checks queued behind the pass: read once it is all queued
+        prep.checks.read()
     return loss, metrics
 
 
@@ -291,6 +295,13 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
     return entropy >= threshold
 
 
+def _defers_checks(hidden: torch.Tensor, head: Head, options: PassOptions) -> bool:
+    """Whether the pass's backend may run on values not checked yet (its
+    :attr:`~logitless.ops.contract.Capabilities.unchecked_values`): the call then reads its value
+    checks after queueing the pass (:class:`ValueChecks` ``deferred``)."""
+    return resolve_backend(options.impl, hidden, head.lora is not None, _WANT).CAPS.unchecked_values
+
+
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
              sequence_group, options: PassOptions) -> _Prepared:
     """Validate the inputs and gather the counted tokens' rows and ids."""
@@ -331,11 +342,16 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         raise ValueError("vespo needs a per-token importance_sampling_ratio (token_truncate / token_mask "
                          "modes), as TRL requires")
 
-    # One host synchronization for the masks', the head's, the per-token inputs' and the
-    # count's value checks, which also reads how many tokens count (padded inputs): the checks
-    # see every position of the caller's layout and check the counted ones, so the GPU keeps
-    # working while the host prepares them, and the counted layout needs no read of its own.
-    checks = ValueChecks()
+    # One host synchronization reads the counts the pass needs: how many tokens count (padded
+    # inputs), the rows with a gradient, and where each sequence's counted tokens end (the chunk
+    # cuts of a sequence-level objective). The value checks of the masks, the head's inputs and
+    # the per-token inputs see every position of the caller's layout and check the counted ones.
+    # Where the pass may run on unchecked values (_defers_checks), their reductions are queued
+    # behind its first statistics GEMM (at the first chunk's objective) and read when the whole
+    # call is queued, so the host prepares them while the GPU computes; elsewhere they come with
+    # the counts, in the same synchronization.
+    defer = not packed and _defers_checks(hidden, head, options)
+    checks = ValueChecks(deferred=defer)
     check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=False)
     if tool_mask is not None:
         check_mask(tool_mask, "tool_mask", checks, hidden.device, binary=False)
@@ -358,28 +374,29 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
 
     adv_seen = seen.per_token(advantages, "advantages").to(sdt)
-    checks.add_finite(adv_seen, bad_values("advantages"), where=counted)
     is_seen = None
     if importance_sampling_ratio is not None:
         is_seen = seen.per_token(importance_sampling_ratio, "importance_sampling_ratio").to(sdt)
-        checks.add_range(is_seen, 0.0, math.inf, bad_values("importance_sampling_ratio"), where=counted)
     if num_items_in_batch is not None:
         # TRL clamps the count to 1: 0 is its count of a generation batch with no counted token.
         num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device,
                                          zero_ok=seen.n == 0 if count is None else count)
-    seen_logps = {}
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp)):
-        if x is not None:
-            seen_logps[name] = seen.gather(x).to(sdt)
-            if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
-                checks.add_finite(seen_logps[name], bad_values(name), where=counted)
     if cfg.loss_type == "dr_grpo" and cfg.max_completion_length is None and packed:
         raise ValueError("dr_grpo on packed inputs needs config.max_completion_length")
-    zero = _zero_gradient_rows(cfg, seen, adv_seen, counted)
+    seen_logps = {}
 
-    # The value checks' one synchronization also reads the counts the pass needs: the counted
-    # tokens, the rows with a gradient, and where each sequence's counted tokens end (the chunk
-    # cuts of a sequence-level objective).
+    def add_values() -> None:  # (and the log-probs at seen's tokens)
+        checks.add_finite(adv_seen, bad_values("advantages"), where=counted)
+        if is_seen is not None:
+            checks.add_range(is_seen, 0.0, math.inf, bad_values("importance_sampling_ratio"), where=counted)
+        for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("sampling_logp", sampling_logp)):
+            if x is not None:
+                seen_logps[name] = seen.gather(x).to(sdt)
+                if name != "sampling_logp":  # TRL maps the sampler's NaN (unscored tokens) to zero evidence
+                    checks.add_finite(seen_logps[name], bad_values(name), where=counted)
+
+    checks.later(add_values)
+    zero = _zero_gradient_rows(cfg, seen, adv_seen, counted)
     ends = None
     if count is not None and cfg.needs_whole_sequences:
         counts = in_place.sum(1)
@@ -390,7 +407,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # pass of several chunks counts each chunk's on the host.
     reads = [] if count is None else [count]
     before = None if zero is None else torch.cumsum(~zero, 0)
-    pending = checks.send(before, *reads, *(() if ends is None else ends.unbind()))
+    pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
     # The first statistics GEMM runs while the host waits for the read and prepares the pass.
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
                                                                               and cfg.needs_whole_sequences))
@@ -406,6 +423,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first
         chunk's objective: the host prepares them while the first statistics GEMM runs."""
+        if defer:  # behind the first statistics GEMM
+            checks.queue()
         lay.weight = m = lay.weight.to(sdt)
         lay.seg_len = lay.seg_len.to(sdt)
         n_seq = lay.num_segments
@@ -449,7 +468,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                             log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight,
                             zero_rows=zero_rows, config=cfg)
 
-    return _Prepared(lay, zero_rows, lay.rows(hidden), lay.gather(targets).long(), LazyTokens(tokens), started)
+    return _Prepared(lay, zero_rows, lay.rows(hidden), lay.gather(targets).long(), LazyTokens(tokens), started,
+                     checks if defer else None)
 
 
 def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor],

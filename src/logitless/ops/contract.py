@@ -523,6 +523,10 @@ class Capabilities:
             whose values are not checked yet: it reads the targets only by comparison and
             writes only its own buffers, so no value can make it fault
             (:func:`~logitless.ops.engine.start_pass`).
+        unchecked_values: every kernel of its passes, the gradient kernels included, may run on
+            inputs whose values are not checked yet, for the same reasons (a ``d logits`` kernel
+            finds the target's column by comparison), so a caller may read its value checks
+            after the pass (:class:`~logitless.ops.validate.ValueChecks` with ``deferred=True``).
     """
 
     dtypes: tuple[torch.dtype, ...]
@@ -532,6 +536,7 @@ class Capabilities:
     distill: bool = False
     sum_sq: bool = False
     starts_early: bool = False
+    unchecked_values: bool = False
 
 
 class StartedRows(NamedTuple):

@@ -35,12 +35,13 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     Returns whether some target equals ``ignore_index``, read in the same host synchronization
     as the value checks (a second one only when ``ignore_index`` lies outside ``[0, V)`` and so
     does some target: the targets' range alone answers otherwise). With ``checks``, the value
-    checks are added to it instead (the caller runs them with its own, in one synchronization)
-    and the return value is ``False``; pass ``ignore_index=None`` then. ``pending``: checks the
-    caller has already added (e.g. :func:`check_count`'s), run here in this function's
-    synchronization. ``counted``: bool of ``targets``' shape, the positions whose hidden row
-    and target are value-checked (the others may hold anything), so a caller checks its own
-    layout before it knows which positions count; with deferred ``checks`` only.
+    checks are added to it instead (the caller runs them with its own, in one synchronization;
+    where ``checks`` defers, at its :meth:`ValueChecks.queue`) and the return value is
+    ``False``; pass ``ignore_index=None`` then. ``pending``: checks the caller has already added
+    (e.g. :func:`check_count`'s), run here in this function's synchronization. ``counted``: bool
+    of ``targets``' shape, the positions whose hidden row and target are value-checked (the
+    others may hold anything), so a caller checks its own layout before it knows which
+    positions count; with ``checks`` only.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
@@ -103,26 +104,32 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             hidden = hidden.reshape(-1, hidden.shape[-1])
     # An ignore_index outside [0, V) (TRL's -100) can only occur where the targets' range check
     # fails: one reduction answers both in the common case; the exact check runs only then.
-    span = ignored = None
+    span = None
     if t is not None and t.numel() and ignore_index is not None and not 0 <= ignore_index < vocab:
         with torch.no_grad():
             span = torch.aminmax(t)
-    elif t is not None:
-        ignored = _add_target_range(own, t, vocab, ignore_index, rows)
     if lora is not None:
         lora.check(hidden, weight)
-    norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"), where=rows)]
-    known = _FINITE_WEIGHTS.known(weight)
-    if known is None:
-        norms.append(own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
-                                    on_pass=lambda norm: _FINITE_WEIGHTS.add(weight, norm)))
-    else:
-        norms.append(known)
-    norms.append(None if bias is None else own.add_finite(bias, lambda: ValueError("bias contains NaN or inf")))
-    if lora is not None:
-        for factor in (lora.a, lora.b):
-            norms.append(own.add_finite(factor, lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")))
-    _add_logit_bound(own, head, hidden, norms)
+    ignored: list[torch.Tensor | None] = [None]
+
+    def add_values() -> None:
+        if t is not None and span is None:
+            ignored[0] = _add_target_range(own, t, vocab, ignore_index, rows)
+        norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"), where=rows)]
+        known = _FINITE_WEIGHTS.known(weight)
+        if known is None:
+            norms.append(own.add_finite(weight, lambda: ValueError("weight contains NaN or inf"),
+                                        on_pass=lambda norm: _FINITE_WEIGHTS.add(weight, norm)))
+        else:
+            norms.append(known)
+        norms.append(None if bias is None else own.add_finite(bias, lambda: ValueError("bias contains NaN or inf")))
+        if lora is not None:
+            for factor in (lora.a, lora.b):
+                norms.append(own.add_finite(factor,
+                                            lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")))
+        _add_logit_bound(own, head, hidden, norms)
+
+    own.later(add_values)
     if checks is not None:
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
@@ -131,11 +138,11 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         low, high = own.run(*span)
         if 0 <= low and high < vocab:
             return False
-        ignored = _add_target_range(own, t, vocab, ignore_index)
-    if ignored is None:
+        ignored[0] = _add_target_range(own, t, vocab, ignore_index)
+    if ignored[0] is None:
         own.run()
         return False
-    return bool(own.run(ignored.any())[0])
+    return bool(own.run(ignored[0].any())[0])
 
 
 def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int, ignore_index: int | None,
@@ -270,12 +277,15 @@ def check_mask(mask: object, name: str, checks: ValueChecks, device: torch.devic
         wrong = (flat != 0) & (flat != 1) if binary else ~torch.isfinite(flat.double()) | (flat < 0)
         return ValueError(f"{name} values must be {rule}; found {flat[wrong][:5].tolist()}")
 
-    if binary:
-        with torch.no_grad():
-            wrong = ((mask != 0) & (mask != 1)).any()
-        checks.add((wrong,), bool, error)
-    else:
-        checks.add_range(mask, 0, math.inf, error)
+    def add() -> None:
+        if binary:
+            with torch.no_grad():
+                wrong = ((mask != 0) & (mask != 1)).any()
+            checks.add((wrong,), bool, error)
+        else:
+            checks.add_range(mask, 0, math.inf, error)
+
+    checks.later(add)
 
 
 # Beyond this bound on |logits| the objectives' fp32 arithmetic (z-loss's lse², KL and
@@ -338,11 +348,51 @@ class ValueChecks:
     for NaN/inf, ``aminmax`` for a range) and decides on the host, so a call's checks cost a
     kernel each, one stack of the scalars and one copy. ``error()`` builds the exception of a
     failed check (it may read tensors); :meth:`run` raises the error of the first failed check,
-    in the order added."""
+    in the order added.
 
-    def __init__(self) -> None:
+    ``deferred=True``: the reductions a caller adds through :meth:`later` wait for :meth:`queue`,
+    and :meth:`read` reads them: a caller whose pass may run on unchecked values
+    (:attr:`~logitless.ops.contract.Capabilities.unchecked_values`) queues them once the pass's
+    first statistics GEMM is queued, so the host prepares them while the GPU computes instead of
+    before, and reads them before it returns, so a failed check still raises its error before
+    any result is used."""
+
+    def __init__(self, deferred: bool = False) -> None:
         self._values: list[torch.Tensor] = []
         self._then: list[Callable[[list[float]], None]] = []
+        self._later: list[Callable[[], object]] | None = [] if deferred else None
+        self._pending: PendingRead | None = None
+        self._read = False
+
+    @property
+    def deferred(self) -> bool:
+        """Whether reductions added through :meth:`later` wait for :meth:`queue`."""
+        return self._later is not None
+
+    def later(self, add: Callable[[], object]) -> None:
+        """Run ``add`` (which adds checks to this object) now, or at :meth:`queue` when deferred."""
+        if self._later is None:
+            add()
+        else:
+            self._later.append(add)
+
+    def queue(self) -> None:
+        """Add the deferred checks and queue their copy to the host, once."""
+        if self._pending is not None or self._read:
+            return
+        later, self._later = self._later or [], None
+        for add in later:
+            add()
+        self._pending = self.send(None)
+
+    def read(self) -> None:
+        """Read the queued checks (queued first if not yet), raising the first failed check's
+        error; once (a later call does nothing)."""
+        if self._read:
+            return
+        self.queue()
+        pending, self._pending, self._read = self._pending, None, True
+        pending.wait()
 
     def add(self, values: tuple[torch.Tensor, ...], failed: Callable[..., bool], error: Callable[[], Exception],
             on_pass: Callable[..., None] | None = None) -> None:

@@ -50,7 +50,8 @@ NAME = "gemm"
 PLAN = "gemm"
 # Its GEMM is written for 16-bit tensor-core operands and has no low-rank term.
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=True, sum_sq=True, starts_early=True)
+                    pairs_weight_grad=True, distill=True, sum_sq=True, starts_early=True,
+                    unchecked_values=True)
 START_ALIGN = 128  # rows a started GEMM (start_rows) comes in: whole groups of its token blocks
 
 
