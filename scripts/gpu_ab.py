@@ -6,8 +6,8 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
   (``engine.start_pass``);
 * ``leading``: a policy loss's rows with a gradient first, the gradient chunks planned for them
   alone (``planning.leading_rows``);
-* ``deferred``: a policy loss's value checks read by its pass, after its first statistics GEMM
-  (``policy._defers_checks``).
+* ``deferred``: a policy loss's value checks queued behind its pass's first statistics GEMM and
+  read at the end of the call (``policy._defers_checks``).
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo

@@ -236,7 +236,7 @@ def test_one_synchronization_on_the_gpu(call):
     """On the GPU (default backend), a whole step synchronizes the host with the device once,
     counted by ``torch.cuda.set_sync_debug_mode("warn")`` after a warm-up call; a policy loss
     twice: the counts its pass is planned with, while the device has little queued, then its value
-    checks, which the pass reads once its first statistics GEMM is queued (``ObjectiveSpec.checks``)."""
+    checks, queued behind the pass's first statistics GEMM and read once the call is queued."""
     torch.manual_seed(0)
     b, t, h, v = 4, 64, 256, 4096
     dev = torch.device("cuda")

@@ -385,7 +385,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         raise ValueError("dr_grpo on packed inputs needs config.max_completion_length")
     seen_logps = {}
 
-    def add_values() -> None:  # (and the log-probs at seen's tokens)
+    def add_values() -> None:  # the per-token inputs' checks; also gathers the log-probs tokens() reads
         checks.add_finite(adv_seen, bad_values("advantages"), where=counted)
         if is_seen is not None:
             checks.add_range(is_seen, 0.0, math.inf, bad_values("importance_sampling_ratio"), where=counted)

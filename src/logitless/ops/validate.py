@@ -110,11 +110,12 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             span = torch.aminmax(t)
     if lora is not None:
         lora.check(hidden, weight)
-    ignored: list[torch.Tensor | None] = [None]
+    ignored = None  # the targets equal to ignore_index (without deferred checks)
 
     def add_values() -> None:
+        nonlocal ignored
         if t is not None and span is None:
-            ignored[0] = _add_target_range(own, t, vocab, ignore_index, rows)
+            ignored = _add_target_range(own, t, vocab, ignore_index, rows)
         norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"), where=rows)]
         known = _FINITE_WEIGHTS.known(weight)
         if known is None:
@@ -138,11 +139,11 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
         low, high = own.run(*span)
         if 0 <= low and high < vocab:
             return False
-        ignored[0] = _add_target_range(own, t, vocab, ignore_index)
-    if ignored[0] is None:
+        ignored = _add_target_range(own, t, vocab, ignore_index)
+    if ignored is None:
         own.run()
         return False
-    return bool(own.run(ignored[0].any())[0])
+    return bool(own.run(ignored.any())[0])
 
 
 def _add_target_range(checks: ValueChecks, t: torch.Tensor, vocab: int, ignore_index: int | None,
@@ -363,11 +364,6 @@ class ValueChecks:
         self._later: list[Callable[[], object]] | None = [] if deferred else None
         self._pending: PendingRead | None = None
         self._read = False
-
-    @property
-    def deferred(self) -> bool:
-        """Whether reductions added through :meth:`later` wait for :meth:`queue`."""
-        return self._later is not None
 
     def later(self, add: Callable[[], object]) -> None:
         """Run ``add`` (which adds checks to this object) now, or at :meth:`queue` when deferred."""
