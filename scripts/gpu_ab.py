@@ -7,7 +7,7 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
 * ``leading``: a policy loss's rows with a gradient first, the gradient chunks planned for them
   alone (``planning.leading_rows``);
 * ``deferred``: a policy loss's value checks queued behind its pass's first statistics GEMM and
-  read at the end of the call (``policy._defers_checks``).
+  read at the end of the call (``ops.defers_checks``).
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
@@ -34,7 +34,7 @@ from logitless.ops import engine
 SWITCHES = {
     "started": (engine, "started_rows", lambda *a: 0),
     "leading": (policy, "_gradient_first", lambda *a: None),
-    "deferred": (policy, "_defers_checks", lambda *a: False),
+    "deferred": (policy, "defers_checks", lambda *a: False),
 }
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))

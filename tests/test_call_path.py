@@ -112,8 +112,8 @@ def test_policy_loss_chunks():
     assert "objectives/policy.py" in call_path.measure(case, 1).files
     for chunks in (1, 2):
         path = call_path.measure(case, chunks)
-        # (besides the one of the value checks it adds through ValueChecks.later, once a call)
-        callbacks = [c for c in path.calls if c.callback and c.caller != "ValueChecks.later"]
+        # (besides the value checks it adds through ValueChecks.later, run when they are sent)
+        callbacks = [c for c in path.calls if c.callback and c.caller != "ValueChecks.send"]
         assert len(callbacks) == chunks
         # LazyTokens.loss_term, which builds the PolicyTokens at the first chunk
         assert {c.callee_file for c in callbacks} == {"objectives/policy_terms.py"}
@@ -126,7 +126,7 @@ def test_policy_loss_chunks():
 # first statistics GEMM started before the checks' read (engine.start_pass, which resolves the
 # backend, and the read split into ValueChecks.send and PendingRead.wait around it). 47: the value
 # checks read at the end of the call where the backend may run on unchecked values (the backend
-# resolved for that, and the per-token checks added through ValueChecks.later, which calls back).
+# resolved for that, and the per-token checks added through ValueChecks.later, run by send).
 _POLICY_LOSS_PATH = {"cross_file_calls": 47, "files": 10, "per_extra_chunk": 5}
 
 

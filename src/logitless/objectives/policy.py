@@ -24,7 +24,7 @@ from ..ops import (
     check_devices,
     check_head_inputs,
     check_mask,
-    resolve_backend,
+    defers_checks,
     run_objective,
     start_pass,
     stat_dtype_for,
@@ -49,7 +49,7 @@ class _Prepared:
     targets: torch.Tensor
     tokens: LazyTokens
     started: Started | None  # the first rows' statistics GEMM, launched before the counts' read
-    checks: ValueChecks | None  # the value checks read at the end of the call (deferred), or None: read with the counts
+    checks: ValueChecks | None  # the value checks read at the end of the call, or None: read with the counts
 
 
 @dataclass(frozen=True)
@@ -295,13 +295,6 @@ def _entropy_mask(entropy: torch.Tensor, quantile: float, group, sequence_group=
     return entropy >= threshold
 
 
-def _defers_checks(hidden: torch.Tensor, head: Head, options: PassOptions) -> bool:
-    """Whether the pass's backend may run on values not checked yet (its
-    :attr:`~logitless.ops.contract.Capabilities.unchecked_values`): the call then reads its value
-    checks after queueing the pass (:class:`ValueChecks` ``deferred``)."""
-    return resolve_backend(options.impl, hidden, head.lora is not None, _WANT).CAPS.unchecked_values
-
-
 def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: PolicyConfig, num_items_in_batch,
              sequence_group, options: PassOptions) -> _Prepared:
     """Validate the inputs and gather the counted tokens' rows and ids."""
@@ -346,12 +339,12 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # inputs), the rows with a gradient, and where each sequence's counted tokens end (the chunk
     # cuts of a sequence-level objective). The value checks of the masks, the head's inputs and
     # the per-token inputs see every position of the caller's layout and check the counted ones.
-    # Where the pass may run on unchecked values (_defers_checks), their reductions are queued
+    # Where the pass may run on unchecked values (defers_checks), their reductions are queued
     # behind its first statistics GEMM (at the first chunk's objective) and read when the whole
     # call is queued, so the host prepares them while the GPU computes; elsewhere they come with
     # the counts, in the same synchronization.
-    defer = not packed and _defers_checks(hidden, head, options)
-    checks = ValueChecks(deferred=defer)
+    defer = not packed and defers_checks(options.impl, hidden, head.lora is not None, _WANT)
+    checks = ValueChecks()
     check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=False)
     if tool_mask is not None:
         check_mask(tool_mask, "tool_mask", checks, hidden.device, binary=False)

@@ -2,7 +2,7 @@
 Knows nothing about RL; the objectives layer sits on top and talks to it through
 :mod:`.engine` (``run_objective``, ``compute_stats``), :class:`Head` and :class:`PassOptions`."""
 
-from .contract import Head, Started, StatRequest, VocabShard, as_head, resolve_backend
+from .contract import Head, Started, StatRequest, VocabShard, as_head, defers_checks, resolve_backend
 from .distill import DistillPass, DistillStats, check_shards, run_distill
 from .engine import (
     ChunkObjective,
@@ -58,6 +58,7 @@ __all__ = [
     "check_shards",
     "check_target_range",
     "compute_stats",
+    "defers_checks",
     "resolve_backend",
     "run_distill",
     "run_objective",

@@ -526,7 +526,7 @@ class Capabilities:
         unchecked_values: every kernel of its passes, the gradient kernels included, may run on
             inputs whose values are not checked yet, for the same reasons (a ``d logits`` kernel
             finds the target's column by comparison), so a caller may read its value checks
-            after the pass (:class:`~logitless.ops.validate.ValueChecks` with ``deferred=True``).
+            after the pass (:func:`defers_checks`).
     """
 
     dtypes: tuple[torch.dtype, ...]
@@ -629,6 +629,14 @@ def compact_rows_(tile: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def triton_available() -> bool:
     """Whether Triton imports (it runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def defers_checks(impl: Impl, hidden: torch.Tensor, has_lora: bool, want: StatRequest) -> bool:
+    """Whether a call over ``hidden`` may read its value checks after queueing its pass
+    (:class:`~logitless.ops.validate.ValueChecks`: :meth:`~.ValueChecks.queue`, then
+    :meth:`~.ValueChecks.read`): where the backend :func:`resolve_backend` picks may run every
+    kernel of its passes on values not checked yet (:attr:`Capabilities.unchecked_values`)."""
+    return resolve_backend(impl, hidden, has_lora, want).CAPS.unchecked_values
 
 
 def resolve_backend(impl: Impl, hidden: torch.Tensor, has_lora: bool = False,

@@ -35,13 +35,13 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
     Returns whether some target equals ``ignore_index``, read in the same host synchronization
     as the value checks (a second one only when ``ignore_index`` lies outside ``[0, V)`` and so
     does some target: the targets' range alone answers otherwise). With ``checks``, the value
-    checks are added to it instead (the caller runs them with its own, in one synchronization;
-    where ``checks`` defers, at its :meth:`ValueChecks.queue`) and the return value is
-    ``False``; pass ``ignore_index=None`` then. ``pending``: checks the caller has already added
-    (e.g. :func:`check_count`'s), run here in this function's synchronization. ``counted``: bool
-    of ``targets``' shape, the positions whose hidden row and target are value-checked (the
-    others may hold anything), so a caller checks its own layout before it knows which
-    positions count; with ``checks`` only.
+    checks are added to it instead, when it sends them (:meth:`ValueChecks.later`; the caller
+    reads them with its own, in one synchronization) and the return value is ``False``; pass
+    ``ignore_index=None`` then. ``pending``: checks the caller has already added (e.g.
+    :func:`check_count`'s), run here in this function's synchronization. ``counted``: bool of
+    ``targets``' shape, the positions whose hidden row and target are value-checked (the others
+    may hold anything), so a caller checks its own layout before it knows which positions
+    count; with ``checks`` only.
 
     Raises:
         TypeError: non-tensor arguments, non-floating hidden/weight, non-integer targets,
@@ -110,7 +110,7 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             span = torch.aminmax(t)
     if lora is not None:
         lora.check(hidden, weight)
-    ignored = None  # the targets equal to ignore_index (without deferred checks)
+    ignored = None  # the targets equal to ignore_index (without the caller's checks)
 
     def add_values() -> None:
         nonlocal ignored
@@ -130,7 +130,10 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
                                             lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")))
         _add_logit_bound(own, head, hidden, norms)
 
-    own.later(add_values)
+    if checks is None:
+        add_values()
+    else:
+        checks.later(add_values)
     if checks is not None:
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
@@ -351,35 +354,28 @@ class ValueChecks:
     failed check (it may read tensors); :meth:`run` raises the error of the first failed check,
     in the order added.
 
-    ``deferred=True``: the reductions a caller adds through :meth:`later` wait for :meth:`queue`,
-    and :meth:`read` reads them: a caller whose pass may run on unchecked values
-    (:attr:`~logitless.ops.contract.Capabilities.unchecked_values`) queues them once the pass's
-    first statistics GEMM is queued, so the host prepares them while the GPU computes instead of
-    before, and reads them before it returns, so a failed check still raises its error before
-    any result is used."""
+    Reductions added through :meth:`later` run when the checks are sent (:meth:`send`,
+    :meth:`run`, :meth:`queue`). A caller whose pass may run on unchecked values
+    (:func:`~logitless.ops.contract.defers_checks`) reads the counts its pass is planned with
+    apart, queues its checks (:meth:`queue`) once the pass's first statistics GEMM is queued (the
+    host prepares them while the GPU computes instead of before) and reads them (:meth:`read`)
+    before it returns, so a failed check still raises its error before any result is used."""
 
-    def __init__(self, deferred: bool = False) -> None:
+    def __init__(self) -> None:
         self._values: list[torch.Tensor] = []
         self._then: list[Callable[[list[float]], None]] = []
-        self._later: list[Callable[[], object]] | None = [] if deferred else None
+        self._later: list[Callable[[], object]] = []
         self._pending: PendingRead | None = None
         self._read = False
 
     def later(self, add: Callable[[], object]) -> None:
-        """Run ``add`` (which adds checks to this object) now, or at :meth:`queue` when deferred."""
-        if self._later is None:
-            add()
-        else:
-            self._later.append(add)
+        """Run ``add`` (which adds checks to this object) when the checks are next sent."""
+        self._later.append(add)
 
     def queue(self) -> None:
-        """Add the deferred checks and queue their copy to the host, once."""
-        if self._pending is not None or self._read:
-            return
-        later, self._later = self._later or [], None
-        for add in later:
-            add()
-        self._pending = self.send(None)
+        """Send the checks (their copy to the host queued, :meth:`send`) for :meth:`read`, once."""
+        if self._pending is None and not self._read:
+            self._pending = self.send(None)
 
     def read(self) -> None:
         """Read the queued checks (queued first if not yet), raising the first failed check's
@@ -451,6 +447,9 @@ class ValueChecks:
         synchronization, and return without waiting for it: work the caller queues before
         :meth:`PendingRead.wait` runs on the device while the host waits for the copy (on a GPU;
         on a CPU the copy is done here)."""
+        later, self._later = self._later, []
+        for add in later:
+            add()
         values = self._values + [r if r.dim() == 0 else r.reshape(()) for r in reads]
         then, self._values, self._then = self._then, [], []
         if not values and vector is None:
