@@ -76,11 +76,13 @@ def _call(inputs, cfg, mode: str):
 
 @interpreted
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
-@pytest.mark.parametrize("kind", ["kl_and_entropy", "rows_with_a_gradient_first"])
+@pytest.mark.parametrize("kind", ["kl_and_entropy", "rows_with_a_gradient_first", "sequence_level"])
 def test_deferred_checks_change_nothing(monkeypatch, events, mode, kind):
     inputs = _inputs(int(torch.randint(0, 2**31, ())), constant_groups=kind != "kl_and_entropy")
-    cfg = (logitless.PolicyConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01) if kind == "kl_and_entropy"
-           else logitless.PolicyConfig(loss_type="grpo"))
+    cfg = {"kl_and_entropy": logitless.PolicyConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01),
+           "rows_with_a_gradient_first": logitless.PolicyConfig(loss_type="grpo"),
+           # GSPO: the sequence ends come with the counts' read
+           "sequence_level": logitless.PolicyConfig(loss_type="grpo", importance_sampling_level="sequence")}[kind]
     deferred = _call(inputs, cfg, mode)
     order = list(events)
     assert order.count("queue") >= 1 and order.count("read") == 1
