@@ -1,11 +1,13 @@
-"""Value checks read at the end of a call (``ValueChecks(deferred=True)``), under the Triton
-interpreter (``impl="gemm"``: a backend whose kernels may run on unchecked values,
-``Capabilities.unchecked_values``; the compiled kernels run in ``test_gpu.py``'s cases).
+"""Value checks read at the end of a call (``ValueChecks.queue`` / ``read``, where
+``ops.defers_checks``), under the Triton interpreter (``impl="gemm"``: a backend whose kernels
+may run on unchecked values, ``Capabilities.unchecked_values``; the compiled kernels run in
+``test_gpu.py``'s cases).
 
 A policy call then queues its value checks behind its pass's first statistics GEMM and reads them
 once the whole call is queued. It must give the same loss, gradients and metrics as a call that
-reads them before the pass (bit for bit), in fused and recompute mode, and every bad value must
-still raise its named error, with no gradient reaching the caller's tensors.
+reads them before the pass (bit for bit) and as the torch backend's materialized logits give
+them, in fused and recompute mode, and every bad value must still raise its named error, with no
+gradient reaching the caller's tensors.
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ def _inputs(seed: int, constant_groups: bool):
     return h, w, ids, mask, adv, old, ref
 
 
-def _call(inputs, cfg, mode: str):
+def _call(inputs, cfg, mode: str, impl: str = "gemm"):
     h, w, ids, mask, adv, old, ref = inputs
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss, metrics = logitless.policy_loss(h, w, ids, mask, adv, old, ref, config=cfg,
-                                          options=PassOptions(mode=mode, impl="gemm"))
+                                          options=PassOptions(mode=mode, impl=impl))
     loss.backward()
     return [loss, h.grad, w.grad, *metrics.values()]
 
@@ -95,6 +97,8 @@ def test_deferred_checks_change_nothing(monkeypatch, events, mode, kind):
     assert "queue" not in events and "read" not in events
     for a, b in zip(deferred, at_once, strict=True):
         assert torch.equal(a, b)
+    for a, b in zip(deferred, _call(inputs, cfg, mode, "torch"), strict=True):  # bf16 dy in the gemm backend's
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.detach().abs().max()) + 1e-5)
 
 
 @interpreted
