@@ -110,10 +110,10 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
             span = torch.aminmax(t)
     if lora is not None:
         lora.check(hidden, weight)
-    ignored = None  # the targets equal to ignore_index (without the caller's checks)
 
-    def add_values() -> None:
-        nonlocal ignored
+    def add_values() -> torch.Tensor | None:
+        """Add the value checks to ``own``; returns the targets equal to ``ignore_index`` (or ``None``)."""
+        ignored = None
         if t is not None and span is None:
             ignored = _add_target_range(own, t, vocab, ignore_index, rows)
         norms = [own.add_finite(hidden, lambda: ValueError("hidden contains NaN or inf"), where=rows)]
@@ -129,15 +129,14 @@ def check_head_inputs(hidden: torch.Tensor, head: Head, targets: torch.Tensor | 
                 norms.append(own.add_finite(factor,
                                             lambda: ValueError("HeadLoRA.a or HeadLoRA.b contains NaN or inf")))
         _add_logit_bound(own, head, hidden, norms)
+        return ignored
 
-    if checks is None:
-        add_values()
-    else:
-        checks.later(add_values)
-    if checks is not None:
+    if checks is not None:  # added when the caller sends its checks
         if ignore_index is not None:
             raise ValueError("check_head_inputs: deferred checks read no ignore_index; pass ignore_index=None")
+        checks.later(add_values)
         return False
+    ignored = add_values()
     if span is not None:
         low, high = own.run(*span)
         if 0 <= low and high < vocab:
