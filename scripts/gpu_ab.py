@@ -7,7 +7,9 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
 * ``leading``: a policy loss's rows with a gradient first, the gradient chunks planned for them
   alone (``planning.leading_rows``);
 * ``deferred``: a policy loss's value checks queued behind its pass's first statistics GEMM and
-  read at the end of the call (``ops.defers_checks``).
+  read at the end of the call (``ops.defers_checks``);
+* ``fold``: a policy loss without an entropy bonus keeps its fused chunks' logits as scaled
+  probabilities, which its gradient GEMMs read with no ``dy`` pass (``StatRequest.logp_grad_only``).
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
@@ -28,13 +30,14 @@ from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import rows_of
 from logitless.bench.timing import time_in_step, time_step
 from logitless.objectives import policy
-from logitless.ops import engine
+from logitless.ops import StatRequest, engine
 
 # feature -> (module, attribute, its value with the feature off)
 SWITCHES = {
     "started": (engine, "started_rows", lambda *a: 0),
     "leading": (policy, "_gradient_first", lambda *a: None),
     "deferred": (policy, "defers_checks", lambda *a: False),
+    "fold": (policy, "_want", lambda cfg: StatRequest(entropy=True)),
 }
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))

@@ -113,7 +113,8 @@ def _head_loss(hidden: torch.Tensor, head: Head | torch.Tensor, targets: torch.T
     checks = ValueChecks() if pending is None else pending
     # The counted positions' rows and ids are checked where they are, and how many count is read
     # with the checks: one host read, whether or not some rows are ignored.
-    want = StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats, sum_sq="log_sum_sq_probs" in stats)
+    want = StatRequest(entropy="entropy" in stats, sum_z="mean_logit" in stats, sum_sq="log_sum_sq_probs" in stats,
+                       logp_grad_only=not {"lse", "entropy", "mean_logit"} & set(stats))
     order, count, started = read_counted(hidden, head, targets, ignore_index, checks, want, options,
                                          options.mode != "recompute")
     vocab_size = head.local().vocab_size

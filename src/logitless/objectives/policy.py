@@ -34,7 +34,11 @@ from .config import CLIPPED, PolicyConfig
 from .layout import TokenLayout, counted_first_order
 from .policy_terms import LOG_1E8, LazyTokens, PolicyTokens, chunk_terms, sequence_metrics, vespo_phi
 
-_WANT = StatRequest(entropy=True)  # the policy pass's statistics (the entropy for the metrics)
+
+def _want(cfg: PolicyConfig) -> StatRequest:
+    """The policy pass's statistics (the entropy for the metrics); without an entropy bonus the
+    loss reaches the logits through ``logp`` alone."""
+    return StatRequest(entropy=True, logp_grad_only=cfg.entropy_coef == 0.0)
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def policy_loss(
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    spec = ObjectiveSpec(want=_WANT, cuts=lay.cuts if cfg.needs_whole_sequences else None,
+    spec = ObjectiveSpec(want=_want(cfg), cuts=lay.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences,
                          before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
                          zero_rows=prep.zero_rows, started=prep.started)
@@ -343,7 +347,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # behind its first statistics GEMM (at the first chunk's objective) and read when the whole
     # call is queued, so the host prepares them while the GPU computes; elsewhere they come with
     # the counts, in the same synchronization.
-    defer = not packed and defers_checks(options.impl, hidden, head.lora is not None, _WANT)
+    defer = not packed and defers_checks(options.impl, hidden, head.lora is not None, _want(cfg))
     checks = ValueChecks()
     check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=False)
     if tool_mask is not None:
@@ -404,7 +408,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # The first statistics GEMM runs while the host waits for the read and prepares the pass.
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
                                                                               and cfg.needs_whole_sequences))
-    started = start_pass(hidden, targets, seen.index, head, _WANT, options, fused,
+    started = start_pass(hidden, targets, seen.index, head, _want(cfg), options, fused,
                          gradient_first=leading is not None)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])

@@ -246,11 +246,18 @@ class LocalHead:
 class StatRequest(NamedTuple):
     """Statistics a pass accumulates beyond ``lse``/``logp``/top-1: ``entropy`` (``Σ p z``),
     ``sum_z`` (``Σ_v z_v``, the mean logit times ``V``) and ``sum_sq`` (``log Σ_v p_v²``, WPO's
-    weight; only backends whose :attr:`Capabilities.sum_sq` is set compute it)."""
+    weight; only backends whose :attr:`Capabilities.sum_sq` is set compute it).
+
+    ``logp_grad_only``: the objective's gradient reaches the logits through ``logp`` alone (no
+    gradient of ``lse``, ``entropy`` or ``sum_z``; every policy-gradient loss without an entropy
+    bonus). A backend may then keep a fused chunk's logits in a form only that gradient can use
+    (:mod:`logitless.ops.triton_shared.prob_tile`), and raises ``RuntimeError`` if another
+    gradient comes."""
 
     entropy: bool = True
     sum_z: bool = False
     sum_sq: bool = False
+    logp_grad_only: bool = False
 
 
 class ChunkRows(NamedTuple):

@@ -2,7 +2,8 @@
 warp-specialized WGMMA kernel written in CUTLASS's CuTe DSL (:mod:`.kernels`); the backward is the
 GEMM-epilogue design's: a row kernel turns the kept fp16-centred tile into ``dy`` in place
 (:mod:`logitless.ops.triton_shared.centred`), then ``d hidden``/``d weight`` run in cuBLAS
-(:func:`~logitless.ops.triton_shared.weight_grad.block_grads`).
+(:func:`~logitless.ops.triton_shared.weight_grad.block_grads`); where the gradient comes through
+``logp`` alone the GEMMs read the kept tile as it is (:mod:`logitless.ops.triton_shared.prob_tile`).
 
 The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backend` on the GPU
 (``tests/test_cute_backend.py``); the torch backend is its specification on CPUs, where CuTe
@@ -33,6 +34,7 @@ from ..contract import (
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
+from ..triton_shared.prob_tile import ProbTile, folds, prob_tile_grads
 from ..triton_shared.tile_gemm import TileOperands, launch_after
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
@@ -48,10 +50,11 @@ CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_w
 START_ALIGN = 2048
 
 
-def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
-                  keep_logits: bool, started: StartedRows | None = None) -> tuple[RowStats, CentredTile | None]:
+def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest, keep_logits: bool,
+                  started: StartedRows | None = None) -> tuple[RowStats, CentredTile | ProbTile | None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
-    the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
+    the chunk's logits when ``keep_logits`` and the plan keeps whole rows: centred fp16, or as
+    scaled probabilities where the gradient comes through ``logp`` alone (:func:`folds`).
     ``started``: the chunk's first rows, launched before (:func:`start_rows`).
 
     Raises:
@@ -63,11 +66,18 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
         owned = (ops.targets >= 0) & (ops.targets < vocab)
         return RowStats.start(n, torch.float32, ops.hidden.device, want, owned), None
     keep = keep_logits and plan.vocab_block >= vocab
+    fold = keep and folds(ops, want, head.parallel)
     parts, z = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out), ops,
-                            (lambda rows: z_buffer(rows, vocab, ops.hidden.device)) if keep else None, started)
+                            (lambda rows: z_buffer(rows, vocab, ops.hidden.device, fold)) if keep else None, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (ops.targets >= 0) & (ops.targets < vocab)
-    return RowStats.combine(parts, owned), None if z is None else CentredTile(z, parts["m"], TILE_V)
+    if z is None:
+        kept = None
+    elif fold:
+        kept = ProbTile(z, parts["ref"][0], parts["zy"][0])
+    else:
+        kept = CentredTile(z, parts["m"], TILE_V)
+    return RowStats.combine(parts, owned), kept
 
 
 def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool,
@@ -77,21 +87,24 @@ def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits:
     their logits go to the first rows of a buffer of that many rows, the first chunk's."""
     ops = TileOperands.of_chunk(head, rows, "cute")
     n = ops.hidden.shape[0]
-    z = z_buffer(max(n, store_rows), ops.weight.shape[0], ops.hidden.device) if store_rows else None
+    fold = folds(ops, want, head.parallel)
+    z = z_buffer(max(n, store_rows), ops.weight.shape[0], ops.hidden.device, fold) if store_rows else None
     parts = launch_forward(ops, want, fp32_logits, None if z is None else z[:n])
     return StartedRows(n, parts, z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
-                   acc: Accumulators, kept: CentredTile | None) -> torch.Tensor | None:
+                   acc: Accumulators, kept: CentredTile | ProbTile | None) -> torch.Tensor | None:
     """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
-    **overwritten** with ``dy``.
+    **overwritten** (a centred tile with ``dy``).
 
     Raises:
         ValueError: an entropy gradient without ``saved.sum_pz``; adapter rows; inputs that
             are not bf16/fp16.
     """
     ops = TileOperands.of_chunk(head, rows, "cute")
+    if isinstance(kept, ProbTile):
+        return prob_tile_grads(kept, ops, saved.lse, grads, acc, round_y=not plan.fp32_logits)
     hidden, weight, targets = ops.hidden, ops.weight, ops.targets
     rc = RowCoefficients.make(saved, grads)
     grad_hidden = None

@@ -1,6 +1,7 @@
 """The CuTe DSL statistics GEMM (Hopper, sm90): ``y = hidden @ weight.T`` in a persistent,
 warp-specialized WGMMA kernel whose epilogue reduces each tile's rows to their softmax partials
-over its 256 vocabulary entries and, optionally, stores the tile in fp16 centred on its row maxima.
+over its 256 vocabulary entries and, optionally, stores the tile in fp16 centred on its row maxima
+or (a :class:`~logitless.ops.triton_shared.prob_tile.ProbTile`) as ``exp(z - ref)`` in bf16.
 
 The outputs are those of the Triton GEMM of :mod:`logitless.ops.gemm_backend` (``[tiles, n]``
 partials ``m``, ``se``, ``sez``, ``sz``, ``ssq`` and the target logit ``zy``), so the backward's row kernels
@@ -19,9 +20,9 @@ read them unchanged. The statistics come from the fp32 accumulator.
     loop and at the epilogue, so one's epilogue runs under the other's main loop.
 * Epilogue: the WGMMA accumulator gives each thread 2 rows x 64 columns of the tile; each row's
   maximum and sums are reduced over the thread's columns, then across the 4 threads that share the
-  row (two butterfly shuffles). The targets are read before the main loop, so their latency hides.
-* The tile store (``z - m`` in fp16) goes through shared memory and TMA bulk stores, as the
-  example's epilogue does.
+  row (two butterfly shuffles). The targets (and references) are read before the main loop, so their latency hides.
+* The tile store (``z - m`` in fp16, or ``exp(z - ref)`` in bf16) goes through shared memory and
+  TMA bulk stores, as the example's epilogue does.
 
 Adapted from the Hopper persistent dense GEMM of CUTLASS's CuTe DSL examples
 (``examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm_persistent.py``,
@@ -49,6 +50,7 @@ from cutlass.cute.runtime import from_dlpack
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ..triton_shared.prob_tile import EXP_CLAMP, reference
 from ..triton_shared.tile_gemm import TileOperands, tile_partials
 
 if TYPE_CHECKING:
@@ -69,6 +71,7 @@ class KernelKey(NamedTuple):
     want_sum_z: bool
     want_sum_sq: bool
     store_z: bool
+    fold: bool  # the stored tile is bf16 exp(z - ref) (a ProbTile), not fp16 z - m
     has_bias: bool
     has_scale: bool
     has_softcap: bool
@@ -107,7 +110,7 @@ class StatsGemm:
         self.threads_per_cta = (1 + self.num_mma_wg) * 128
         self.num_epi_threads = 128 if self.pingpong else self.num_mma_wg * 128
         self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_epi_threads)
-        self.z_dtype = cutlass.Float16
+        self.z_dtype = cutlass.BFloat16 if key.fold else cutlass.Float16
         self.epi_tile = (self.tile_n, 32)
         self.epi_stage = 4 if key.store_z else 0
 
@@ -138,6 +141,7 @@ class StatsGemm:
     @cute.jit
     def __call__(self, hidden: cute.Tensor, weight: cute.Tensor, z_out: cute.Tensor | None,
                  bias: cute.Tensor | None, targets: cute.Tensor, parts: cute.Tensor, target_logit: cute.Tensor,
+                 ref: cute.Tensor | None,
                  scalars: tuple[cutlass.Float32, cutlass.Float32, cutlass.Float32],
                  max_active_clusters: cutlass.Constexpr, stream: cuda.CUstream):
         self.a_dtype = hidden.element_type
@@ -172,7 +176,7 @@ class StatsGemm:
             sZ: cute.struct.Align[cute.struct.MemRange[self.z_dtype, z_cosize], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, g_a, tma_b, g_b, tma_z, g_z, bias, targets, parts, target_logit, n, vocab, scalars,
+        self.kernel(tma_a, g_a, tma_b, g_b, tma_z, g_z, bias, targets, parts, target_logit, ref, n, vocab, scalars,
                     self.tiled_mma, self.cta_layout_mnk, self.a_smem, self.b_smem, self.z_smem, sched).launch(
             grid=grid, block=[self.threads_per_cta, 1, 1], cluster=(*self.cluster_mn, 1), min_blocks_per_mp=1,
             stream=stream)
@@ -196,7 +200,7 @@ class StatsGemm:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_z: cute.CopyAtom | None, mZ: cute.Tensor | None, mBias: cute.Tensor | None, mT: cute.Tensor,
-               mP: cute.Tensor, mZY: cute.Tensor, n: cutlass.Int32, vocab: cutlass.Int32,
+               mP: cute.Tensor, mZY: cute.Tensor, mRef: cute.Tensor | None, n: cutlass.Int32, vocab: cutlass.Int32,
                scalars: tuple[cutlass.Float32, cutlass.Float32, cutlass.Float32], tiled_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                z_smem: cute.ComposedLayout | None, sched_params: utils.PersistentTileSchedulerParams):
@@ -326,9 +330,12 @@ class StatsGemm:
                 tile_ok = n0 < vocab
                 target = []
                 t_col = []
+                refs = []
                 for r in cutlass.range_constexpr(rows):
                     target.append(mT[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)])
                     t_col.append(cutlass.Int32(target[r] - cutlass.Int64(n0)))
+                    if cutlass.const_expr(key.fold):
+                        refs.append(mRef[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)])
 
                 read.reset_count()
                 release.reset_count()
@@ -370,6 +377,11 @@ class StatsGemm:
                     mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
                     mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
                     mx_log2 = mx * LOG2_E
+                    if cutlass.const_expr(key.fold):  # q = e^(z - mx) e^(mx - ref) (ops.triton_shared.prob_tile)
+                        shift = mx - refs[r]
+                        if shift > EXP_CLAMP:
+                            shift = cutlass.Float32(EXP_CLAMP)
+                        scale = cute.math.exp2(shift * LOG2_E, fastmath=True)
                     se = cutlass.Float32(0.0)
                     sez = cutlass.Float32(0.0)
                     sz = cutlass.Float32(0.0)
@@ -390,7 +402,10 @@ class StatsGemm:
                         if crd_mn[r, c][1] == t_col[r]:
                             zy = z
                         if cutlass.const_expr(key.store_z):
-                            acc_mn[r, c] = z - mx
+                            if cutlass.const_expr(key.fold):
+                                acc_mn[r, c] = e * scale
+                            else:
+                                acc_mn[r, c] = z - mx
                     for off in cutlass.range_constexpr(1, 3):
                         se = se + cute.arch.shuffle_sync_bfly(se, offset=off)
                         zy = zy + cute.arch.shuffle_sync_bfly(zy, offset=off)
@@ -492,10 +507,11 @@ def _cute(t: torch.Tensor, align: int = 16):
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic()
 
 
-def z_buffer(n: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """An ``[n, V]`` fp16 view whose rows start 16-byte aligned (``V`` padded to a multiple of 8),
-    as :func:`launch_forward` stores into."""
-    return torch.empty((n, -(-vocab // 8) * 8), dtype=torch.float16, device=device)[:, :vocab]
+def z_buffer(n: int, vocab: int, device: torch.device, fold: bool = False) -> torch.Tensor:
+    """An ``[n, V]`` fp16 (``fold``: bf16) view whose rows start 16-byte aligned (``V`` padded to a
+    multiple of 8), as :func:`launch_forward` stores into."""
+    dtype = torch.bfloat16 if fold else torch.float16
+    return torch.empty((n, -(-vocab // 8) * 8), dtype=dtype, device=device)[:, :vocab]
 
 
 # The schedule of each kernel (``scripts/gpu_cute_schedules.py`` compares them through the bench):
@@ -515,29 +531,34 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
         ops: :class:`~logitless.ops.triton_shared.tile_gemm.TileOperands` (``targets`` int64).
         want: :class:`~logitless.ops.contract.StatRequest`: whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input dtype first).
-        z_out: ``[n, V]`` fp16 from :func:`z_buffer`, overwritten with ``z - m`` of each tile; ``None``:
-            nothing stored.
+        z_out: ``[n, V]`` from :func:`z_buffer`: fp16, overwritten with ``z - m`` of each tile, or bf16,
+            with ``exp(z - ref)`` (:mod:`logitless.ops.triton_shared.prob_tile`); ``None``: nothing stored.
         pingpong: the ping-pong schedule (else the cooperative one); ``None``: :data:`PINGPONG_STORING`
             or :data:`PINGPONG_STATS`.
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``;
-        ``ssq = Σ exp(2 (z - m))``).
+        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"][, "ref"]}``: fp32 ``[tiles, n]`` buffers (``zy``,
+        ``ref``: ``[1, n]``; ``ssq = Σ exp(2 (z - m))``; ``ref`` with a bf16 ``z_out``).
     """
     hidden, weight, bias, targets, transform = ops
     n, vocab = hidden.shape[0], weight.shape[0]
     assert hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
-    assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1
-                             and (z_out.stride(0) * 2) % 16 == 0 and z_out.data_ptr() % 16 == 0)
+    assert z_out is None or (z_out.dtype in (torch.float16, torch.bfloat16) and z_out.shape == (n, vocab)
+                             and z_out.stride(1) == 1 and (z_out.stride(0) * 2) % 16 == 0
+                             and z_out.data_ptr() % 16 == 0)
     if pingpong is None:
         pingpong = PINGPONG_STORING if z_out is not None else PINGPONG_STATS
     tiles = -(-vocab // TILE_V)
-    entropy, sum_z, sum_sq = want
+    entropy, sum_z, sum_sq = want.entropy, want.sum_z, want.sum_sq
     out, stacked = tile_partials(want, tiles, n, hidden.device)
+    fold = z_out is not None and z_out.dtype == torch.bfloat16
+    if fold:
+        out["ref"] = reference(ops)[None]
     if n == 0 or vocab == 0:
         return out
     hidden, weight = _aligned(hidden), _aligned(weight)
-    key = KernelKey(hidden.get_device(), hidden.dtype, entropy, sum_z, sum_sq, z_out is not None, bias is not None,
+    key = KernelKey(hidden.get_device(), hidden.dtype, entropy, sum_z, sum_sq, z_out is not None, fold,
+                    bias is not None,
                     transform.logit_scale != 1.0, transform.softcap is not None, transform.temperature != 1.0,
                     not fp32_logits,
                     # raster_along_m, measured on one H200 (8192 tokens): along the vocabulary for
@@ -547,7 +568,7 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
     args = (_cute(hidden.unsqueeze(-1)), _cute(weight.unsqueeze(-1)),
             None if z_out is None else _cute(z_out.unsqueeze(-1)),
             None if bias is None else _cute(bias.float().contiguous(), 4), _cute(targets.contiguous(), 8),
-            _cute(stacked), _cute(out["zy"].view(n), 4),
+            _cute(stacked), _cute(out["zy"].view(n), 4), _cute(out["ref"].view(n), 4) if fold else None,
             (cutlass.Float32(transform.logit_scale), cutlass.Float32(transform.softcap or 1.0),
              cutlass.Float32(1.0 / transform.temperature)))
     stream = cuda.CUstream(torch.cuda.current_stream(hidden.device).cuda_stream)

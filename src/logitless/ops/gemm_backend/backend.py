@@ -8,7 +8,9 @@ The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backe
   ``keep_logits`` it also stores the chunk's logits as fp16 centred on each tile's maximum
   (:mod:`logitless.ops.gemm_backend.kernels` says why that keeps ~2e-3 nats where it matters). No fp32
   logits are written, and no separate statistics kernel reads them back.
-* :func:`chunk_backward`: a row kernel turns the kept tile into ``dy`` in place; without kept
+* :func:`chunk_backward`: a row kernel turns the kept tile into ``dy`` in place (where the gradient
+  comes through ``logp`` alone, the GEMMs read the kept tile as it is:
+  :mod:`logitless.ops.triton_shared.prob_tile`); without kept
   logits the same GEMM recomputes them block by block and writes ``dy`` from its epilogue. Then
   ``d hidden``/``d weight`` run in cuBLAS as in :mod:`.triton_backend` (fp32 accumulation of
   ``d weight`` across chunks), except that a pass of several short chunks adds ``d weight`` into
@@ -42,6 +44,7 @@ from ..contract import (
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
+from ..triton_shared.prob_tile import ProbTile, folds, prob_tile_grads
 from ..triton_shared.tile_gemm import TileOperands, launch_after
 from ..triton_shared.weight_grad import block_grads
 from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
@@ -55,10 +58,11 @@ CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_w
 START_ALIGN = 128  # rows a started GEMM (start_rows) comes in: whole groups of its token blocks
 
 
-def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest,
-                  keep_logits: bool, started: StartedRows | None = None) -> tuple[RowStats, CentredTile | None]:
+def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatRequest, keep_logits: bool,
+                  started: StartedRows | None = None) -> tuple[RowStats, CentredTile | ProbTile | None]:
     """Partial statistics (fp32) of one token chunk over the head's local rows; ``kept`` holds
-    the chunk's centred fp16 logits when ``keep_logits`` and the plan keeps whole rows.
+    the chunk's logits when ``keep_logits`` and the plan keeps whole rows: centred fp16, or as
+    scaled probabilities where the gradient comes through ``logp`` alone (:func:`folds`).
     ``started``: the chunk's first rows, launched before (:func:`start_rows`).
 
     Raises:
@@ -70,16 +74,23 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
     if n == 0 or vocab == 0:
         return RowStats.start(n, torch.float32, hidden.device, want, (targets >= 0) & (targets < vocab)), None
     keep = keep_logits and plan.vocab_block >= vocab
+    fold = keep and folds(ops, want, head.parallel)
     parts, z = launch_after(lambda o, out: launch_forward(o, want, plan.fp32_logits, out, gemm_config()), ops,
-                            (lambda rows: _z_buffer(rows, vocab, hidden.device)) if keep else None, started)
+                            (lambda rows: _z_buffer(rows, vocab, hidden.device, fold)) if keep else None, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
-    kept = None if z is None else CentredTile(z, parts["m"], gemm_config().fwd.block_v)
+    if z is None:
+        kept = None
+    elif fold:
+        kept = ProbTile(z, parts["ref"][0], parts["zy"][0])
+    else:
+        kept = CentredTile(z, parts["m"], gemm_config().fwd.block_v)
     return RowStats.combine(parts, owned), kept
 
 
-def _z_buffer(rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    return torch.empty((rows, vocab), dtype=torch.float16, device=device)
+def _z_buffer(rows: int, vocab: int, device: torch.device, fold: bool) -> torch.Tensor:
+    """The kept tile's buffer: bf16 for a :class:`ProbTile`, else fp16 (a :class:`CentredTile`)."""
+    return torch.empty((rows, vocab), dtype=torch.bfloat16 if fold else torch.float16, device=device)
 
 
 def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool,
@@ -89,21 +100,23 @@ def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits:
     their logits go to the first rows of a buffer of that many rows, the first chunk's."""
     ops = TileOperands.of_chunk(head, rows, "gemm")
     n, vocab = ops.hidden.shape[0], ops.weight.shape[0]
-    z = _z_buffer(max(n, store_rows), vocab, ops.hidden.device) if store_rows else None
+    z = _z_buffer(max(n, store_rows), vocab, ops.hidden.device, folds(ops, want, head.parallel)) if store_rows else None
     parts = launch_forward(ops, want, fp32_logits, None if z is None else z[:n], gemm_config())
     return StartedRows(n, parts, z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,
-                   acc: Accumulators, kept: CentredTile | None) -> torch.Tensor | None:
+                   acc: Accumulators, kept: CentredTile | ProbTile | None) -> torch.Tensor | None:
     """``d hidden`` (fp32) of one chunk and, in place, the accumulators; ``kept`` is
-    **overwritten** with ``dy``.
+    **overwritten** (a centred tile with ``dy``).
 
     Raises:
         ValueError: an entropy gradient without ``saved.sum_pz``; adapter rows; inputs that
             are not bf16/fp16.
     """
     ops = TileOperands.of_chunk(head, rows, "gemm")
+    if isinstance(kept, ProbTile):
+        return prob_tile_grads(kept, ops, saved.lse, grads, acc, round_y=not plan.fp32_logits)
     hidden, weight, targets = ops.hidden, ops.weight, ops.targets
     rc = RowCoefficients.make(saved, grads)
     cfg = gemm_config()

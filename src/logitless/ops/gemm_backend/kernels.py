@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..triton_shared.common import interpreting, raw_grad, transform_args
+from ..triton_shared.prob_tile import EXP_CLAMP, reference
 from ..triton_shared.tile_gemm import (
     TileOperands,
     Tiles,
@@ -125,12 +126,15 @@ def _epilogue_kernel(
     bias_ptr, tgt_ptr,  # [V] or dummy; [n] int64 targets (outside [0, V): not in this range)
     m_ptr, se_ptr, sez_ptr, sz_ptr, ssq_ptr,  # [tiles, n] fp32 partials (row stride n)
     zy_ptr,  # [n] fp32: the target's logit, stored by the tile that holds it (0 by the first tile: none does)
-    z_dst, stride_zn,  # [n, V] fp16 centred logits (descriptor of [BLOCK_N, BLOCK_V] blocks, or pointer) or dummy
+    z_dst, stride_zn,  # [n, V] fp16 centred logits or (FOLD) bf16 exp(z - ref) (descriptor of [BLOCK_N, BLOCK_V]
+    # blocks, or pointer) or dummy
+    ref_ptr,  # [n] fp32 per-row references (FOLD) or dummy
     n, vocab, hidden_size,
     logit_scale, softcap, temperature,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr, WANT_SUM_SQ: tl.constexpr,
-    STORE_Z: tl.constexpr, STORE_TMA: tl.constexpr, ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    STORE_Z: tl.constexpr, FOLD: tl.constexpr, EXP_CLAMP: tl.constexpr, STORE_TMA: tl.constexpr,
+    ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
@@ -153,12 +157,8 @@ def _epilogue_kernel(
         z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
         m = tl.max(z_or_ninf, axis=1)
         centred = z_or_ninf - m[:, None]
-        if STORE_Z:
-            if STORE_TMA:  # the copy engine clips the block at the tensor's edges
-                z_dst.store([row0, col0], centred.to(tl.float16))
-            else:
-                ptrs = z_dst + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :]  # int64: n * V exceeds 2**31
-                tl.store(ptrs, centred.to(tl.float16), mask=row_ok[:, None] & col_ok[None, :])
+        if STORE_Z and not FOLD:
+            _store_tile(z_dst, stride_zn, centred.to(tl.float16), rows, cols, row_ok, col_ok, row0, col0, STORE_TMA)
         finite = tl.where(col_ok[None, :], centred, 0.0)
         e = tl.exp(centred)
         se = tl.sum(e, axis=1)
@@ -180,6 +180,19 @@ def _epilogue_kernel(
         absent = ((tgt < 0) | (tgt >= vocab)) & (tl.zeros_like(rows) + col0 == 0)
         zy = tl.sum(tl.where(cols[None, :] == tgt[:, None], finite, 0.0), axis=1) + m
         tl.store(zy_ptr + rows, tl.where(here, zy, 0.0), mask=row_ok & (here | absent))
+        if STORE_Z and FOLD:  # exp(z - ref) = e^c e^(m - ref) (ops.triton_shared.prob_tile), once e alone is live
+            ref = tl.load(ref_ptr + rows, mask=row_ok, other=0.0)
+            kept = (e * tl.exp(tl.minimum(m - ref, EXP_CLAMP))[:, None]).to(tl.bfloat16)
+            _store_tile(z_dst, stride_zn, kept, rows, cols, row_ok, col_ok, row0, col0, STORE_TMA)
+
+
+@triton.jit
+def _store_tile(dst, stride, tile, rows, cols, row_ok, col_ok, row0, col0, STORE_TMA: tl.constexpr):
+    if STORE_TMA:  # the copy engine clips the block at the tensor's edges
+        dst.store([row0, col0], tile)
+    else:
+        ptrs = dst + rows.to(tl.int64)[:, None] * stride + cols[None, :]  # int64: n * V exceeds 2**31
+        tl.store(ptrs, tile, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -231,11 +244,13 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool, z_ou
         want: :class:`~logitless.ops.contract.StatRequest`: whether ``sez``/``sz``/``ssq`` are computed.
         fp32_logits: statistics from the fp32 accumulator (else from it rounded to the input
             dtype first, as the plain path's; :class:`~logitless.ops.plan.ChunkPlan`).
-        z_out: ``[n, V]`` fp16 with unit column stride, overwritten with ``z - m`` of each tile;
-            ``None``: nothing stored.
+        z_out: ``[n, V]`` with unit column stride: fp16, overwritten with ``z - m`` of each tile,
+            or bf16, overwritten with ``exp(z - ref)`` (a :class:`~logitless.ops.triton_shared.prob_tile.ProbTile`;
+            ``ref`` from :func:`~logitless.ops.triton_shared.prob_tile.reference`); ``None``: nothing stored.
 
     Returns:
-        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"]}``: fp32 ``[tiles, n]`` buffers (``zy``: ``[1, n]``);
+        ``{"m", "se", "zy"[, "sez"][, "sz"][, "ssq"][, "ref"]}``: fp32 ``[tiles, n]`` buffers (``zy``,
+        ``ref``: ``[1, n]``; ``ref`` with a bf16 ``z_out``);
         for tile ``s`` (``cfg.fwd.block_v`` vocabulary entries), ``m`` is its maximum logit,
         ``se = Σ exp(z - m)``, ``sez = Σ exp(z - m) z``, ``sz = Σ z``, ``ssq = Σ exp(2 (z - m))``; ``zy`` the target's
         logit (0 for a target outside ``[0, V)``).
@@ -244,10 +259,14 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool, z_ou
     check_operands(hidden, weight)
     n, hidden_size = hidden.shape
     vocab = weight.shape[0]
-    assert z_out is None or (z_out.dtype == torch.float16 and z_out.shape == (n, vocab) and z_out.stride(1) == 1)
+    assert z_out is None or (z_out.dtype in (torch.float16, torch.bfloat16) and z_out.shape == (n, vocab)
+                             and z_out.stride(1) == 1)
     t = cfg.fwd
     tiles = triton.cdiv(vocab, t.block_v)
     out, _ = tile_partials(want, tiles, n, hidden.device)
+    fold = z_out is not None and z_out.dtype == torch.bfloat16
+    if fold:
+        out["ref"] = reference(ops)[None]
     scalars, flags = transform_args(transform)
     tma = cfg.tma and tma_ready(hidden, weight)
     store_tma = z_out is not None and cfg.store_tma and tma_ready(z_out)
@@ -261,10 +280,10 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool, z_ou
         operand_src(hidden, t.block_n, t, tma), hidden.stride(0), operand_src(weight, t.block_v, t, tma),
         weight.stride(0), hidden if bias is None else bias, targets,
         out["m"], out["se"], out.get("sez", out["se"]), out.get("sz", out["se"]), out.get("ssq", out["se"]), out["zy"],
-        z_dst, 0 if z_out is None else z_out.stride(0),
+        z_dst, 0 if z_out is None else z_out.stride(0), out["ref"] if fold else out["m"],
         n, vocab, hidden_size, *scalars,
         HAS_BIAS=bias is not None, WANT_ENTROPY=want.entropy, WANT_SUM_Z=want.sum_z, WANT_SUM_SQ=want.sum_sq,
-        STORE_Z=z_out is not None,
+        STORE_Z=z_out is not None, FOLD=fold, EXP_CLAMP=EXP_CLAMP,
         STORE_TMA=store_tma,
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
         USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),

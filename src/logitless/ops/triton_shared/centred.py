@@ -204,10 +204,10 @@ def launch_centred_grad_rows(tile: CentredTile, dtype: torch.dtype, targets: tor
     return dy
 
 
-def kept_rows(kept: CentredTile, idx: torch.Tensor) -> CentredTile:
-    """The kept tile restricted to its rows ``idx`` (a backend's ``kept_rows``): the backward's
-    ``dy`` kernel reads those rows and writes their ``dy`` compacted into the tile's first rows (no
-    separate copy)."""
+def kept_rows(kept, idx: torch.Tensor):
+    """The kept tile restricted to its rows ``idx`` (a backend's ``kept_rows``; a
+    :class:`CentredTile` or a :class:`~.prob_tile.ProbTile`): the backward's ``dy`` kernel reads
+    a centred tile's rows and writes their ``dy`` compacted into its first rows (no separate copy)."""
     return kept._replace(rows=idx)
 
 
