@@ -13,7 +13,7 @@ import pytest
 import torch
 from backend_calls import local_head
 
-from logitless import PassOptions, PolicyConfig, policy_loss
+from logitless import PassOptions, PolicyConfig, head_loss, policy_loss
 from logitless.ops import contract
 from logitless.ops.contract import Accumulators, ChunkRows, SavedStats, StatGrads, StatRequest
 from logitless.ops.plan import ChunkPlan
@@ -167,3 +167,33 @@ def test_policy_loss_against_materialized_logits(monkeypatch, level):
         assert err <= max(2 * err_centred, 1e-3), (name, float(err), float(err_centred))
     for k, v in oracle_metrics.items():
         torch.testing.assert_close(metrics[k].double(), v.double(), rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_head_loss_terms_on_logp_alone():
+    """A ``head_loss`` whose statistics leave out ``lse``, the entropy and the mean logit runs on
+    the probability tile (gemm backend), with the torch backend's float64 loss and gradients."""
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(50, 40, generator=g)).bfloat16().to(DEVICE)
+    w = (torch.randn(300, 40, generator=g) * 2 / 40**0.5).bfloat16().to(DEVICE)
+    t = torch.randint(0, 300, (50,), generator=g).to(DEVICE)
+    weights = torch.rand(50, generator=g).to(DEVICE)
+    kinds = []
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    real = gemm_backend.prob_tile_grads
+
+    def spy(*a, **k):
+        kinds.append("prob")
+        return real(*a, **k)
+
+    out = []
+    for impl, dtype in (("torch", torch.float64), ("gemm", torch.bfloat16)):
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gemm_backend, "prob_tile_grads", spy)
+            loss, _ = head_loss(hh, ww, t, {"nll": lambda s: -(weights[s.positions] * s.logp).sum()},
+                                stats=("logp",), options=PassOptions(impl=impl))
+        loss.backward()
+        out.append([loss.double(), hh.grad.double(), ww.grad.double()])
+    assert kinds == ["prob"]
+    for name, a, r in zip(("loss", "d hidden", "d weight"), out[1], out[0], strict=True):
+        assert (a - r).norm() <= 5e-3 * r.norm(), name

@@ -20,7 +20,8 @@ read them unchanged. The statistics come from the fp32 accumulator.
     loop and at the epilogue, so one's epilogue runs under the other's main loop.
 * Epilogue: the WGMMA accumulator gives each thread 2 rows x 64 columns of the tile; each row's
   maximum and sums are reduced over the thread's columns, then across the 4 threads that share the
-  row (two butterfly shuffles). The targets (and references) are read before the main loop, so their latency hides.
+  row (two butterfly shuffles). The targets (and references) are read before the main loop, so
+  their latency hides.
 * The tile store (``z - m`` in fp16, or ``exp(z - ref)`` in bf16) goes through shared memory and
   TMA bulk stores, as the example's epilogue does.
 

@@ -62,8 +62,8 @@ class ProbTile(NamedTuple):
 def folds(ops: TileOperands, want: StatRequest, parallel: bool) -> bool:
     """Whether a chunk's kept tile is a :class:`ProbTile`: the objective asks for the ``logp``
     gradient alone, ``dz/dy`` is one constant (no soft-cap), there is no bias (whose gradient
-    would need ``Σ_n dy``) and the whole vocabulary is on this rank (``parallel``: a target on
-    another rank gives no reference here)."""
+    would need ``Σ_n dy``), the inputs are bf16 (``s ⊙ hidden`` needs bf16's range) and the whole
+    vocabulary is on this rank (``parallel``: a target on another rank gives no reference here)."""
     return (want.logp_grad_only and ops.bias is None and ops.transform.softcap is None and not parallel
             and ops.hidden.dtype == torch.bfloat16)
 
@@ -176,8 +176,8 @@ def prob_tile_grads(tile: ProbTile, ops: TileOperands, saved_lse: torch.Tensor, 
     at = torch.arange(n, device=q.device) if rows is None else rows
     ref, zy = tile.ref[at], tile.target_logit[at]
     s = -grads.logp.to(torch.float32) * torch.exp(ref - lse) * _factor(ops.transform)  # coef = -g_logp
-    # q'_y = (p_y - 1) e^(lse - r) from the exact target logit; a row without a target here keeps
-    # its entry (nothing reaches it: its coefficient is 0).
+    # q'_y = (p_y - 1) e^(lse - r) from the exact target logit; a row whose target is outside the
+    # head has no one-hot term (dz = coef p): its entry at the clamped column stays as it is.
     col = ops.targets
     owned = (col >= 0) & (col < vocab)
     col = col.clamp(0, max(vocab - 1, 0))
