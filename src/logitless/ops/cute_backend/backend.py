@@ -34,7 +34,7 @@ from ..contract import (
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
-from ..triton_shared.prob_tile import ProbTile, folds, prob_tile_grads
+from ..triton_shared.prob_tile import ProbTile, folds, kept_tile, prob_tile_grads
 from ..triton_shared.tile_gemm import TileOperands, launch_after
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
@@ -71,13 +71,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
                             (lambda rows: z_buffer(rows, vocab, ops.hidden.device, fold)) if keep else None, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (ops.targets >= 0) & (ops.targets < vocab)
-    if z is None:
-        kept = None
-    elif fold:
-        kept = ProbTile(z, parts["ref"][0], parts["zy"][0])
-    else:
-        kept = CentredTile(z, parts["m"], TILE_V)
-    return RowStats.combine(parts, owned), kept
+    return RowStats.combine(parts, owned), kept_tile(z, parts, fold, TILE_V)
 
 
 def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool,

@@ -44,7 +44,7 @@ from ..contract import (
 from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
-from ..triton_shared.prob_tile import ProbTile, folds, prob_tile_grads
+from ..triton_shared.prob_tile import ProbTile, folds, kept_tile, prob_tile_grads
 from ..triton_shared.tile_gemm import TileOperands, launch_after
 from ..triton_shared.weight_grad import block_grads
 from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
@@ -79,13 +79,7 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
                             (lambda rows: _z_buffer(rows, vocab, hidden.device, fold)) if keep else None, started)
     # Built after the launch: the host prepares it while the GEMM runs.
     owned = (targets >= 0) & (targets < vocab)
-    if z is None:
-        kept = None
-    elif fold:
-        kept = ProbTile(z, parts["ref"][0], parts["zy"][0])
-    else:
-        kept = CentredTile(z, parts["m"], gemm_config().fwd.block_v)
-    return RowStats.combine(parts, owned), kept
+    return RowStats.combine(parts, owned), kept_tile(z, parts, fold, gemm_config().fwd.block_v)
 
 
 def _z_buffer(rows: int, vocab: int, device: torch.device, fold: bool) -> torch.Tensor:

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ..contract import Accumulators, StatGrads, StatRequest
 from ..transform import LogitTransform
+from .centred import CentredTile
 from .common import interpreting
 from .tile_gemm import TileOperands
 from .weight_grad import block_grads
@@ -57,6 +58,18 @@ class ProbTile(NamedTuple):
     ref: torch.Tensor
     target_logit: torch.Tensor
     rows: torch.Tensor | None = None
+
+
+def kept_tile(z: torch.Tensor | None, parts: dict[str, torch.Tensor], fold: bool,
+              tile_v: int) -> CentredTile | ProbTile | None:
+    """A statistics GEMM's stored logits ``z`` (``None``: none stored) and its partials as the
+    backward's kept tile: a :class:`ProbTile` where it stored probabilities (``fold``), else a
+    :class:`~.centred.CentredTile` of ``tile_v``-wide tiles."""
+    if z is None:
+        return None
+    if fold:
+        return ProbTile(z, parts["ref"][0], parts["zy"][0])
+    return CentredTile(z, parts["m"], tile_v)
 
 
 def folds(ops: TileOperands, want: StatRequest, parallel: bool) -> bool:
