@@ -9,7 +9,8 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
 * ``deferred``: a policy loss's value checks queued behind its pass's first statistics GEMM and
   read at the end of the call (``ops.defers_checks``);
 * ``fold``: a policy loss without an entropy bonus keeps its fused chunks' logits as scaled
-  probabilities, which its gradient GEMMs read with no ``dy`` pass (``StatRequest.logp_grad_only``).
+  probabilities, which its gradient GEMMs read with no ``dy`` pass (``StatRequest.logp_grad_only``);
+* ``fold-pref``: the same for the fused preference losses.
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
@@ -29,7 +30,7 @@ from logitless.bench.batches import group_inputs, is_group_objective
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import rows_of
 from logitless.bench.timing import time_in_step, time_step
-from logitless.objectives import policy
+from logitless.objectives import policy, preference_fused
 from logitless.ops import StatRequest, engine
 
 # feature -> (module, attribute, its value with the feature off)
@@ -38,6 +39,9 @@ SWITCHES = {
     "leading": (policy, "_gradient_first", lambda *a: None),
     "deferred": (policy, "defers_checks", lambda *a: False),
     "fold": (policy, "_want", lambda cfg: StatRequest(entropy=True)),
+    "fold-pref": (preference_fused, "_want",
+                  lambda token_sums=False, weighted=False: StatRequest(entropy=True, sum_z=token_sums,
+                                                                       sum_sq=weighted)),
 }
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))

@@ -8,10 +8,12 @@ and entropies' max / mean absolute error (nats), and for the bench's GRPO object
 beta 0.04) the loss's relative error and the gradients' relative L2 error. Then every cross-entropy
 row of the bench (logitless and the other libraries: Liger's Triton and CuTe DSL kernels, Cut
 Cross-Entropy, ``torch.compile``), as the bench runs it: the loss's and the gradients' relative errors.
+Then the bench's fused DPO, KTO and SimPO on each GPU backend, the same errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -20,7 +22,7 @@ import torch
 import logitless
 from logitless import PassOptions
 from logitless.bench.cases import make_inputs, parse_shape
-from logitless.bench.competitors import Unavailable, rows_of
+from logitless.bench.competitors import Unavailable, dpo_logitless, kto_logitless, rows_of, simpo_logitless
 from logitless.bench.plain import GRPO_CONFIG
 from logitless.ops.contract import cute_runs_on
 
@@ -67,6 +69,27 @@ def _ce_rows(x) -> list[dict]:
     return out
 
 
+def _preference_rows(x) -> list[dict]:
+    """The bench's fused DPO, KTO and SimPO on each GPU backend against the torch backend in float64."""
+    out = []
+    for name, make in (("dpo", dpo_logitless), ("kto", kto_logitless), ("simpo", simpo_logitless)):
+        x64 = dataclasses.replace(x, hidden=x.hidden.detach().double().requires_grad_(),
+                                  weight=x.weight.detach().double().requires_grad_())
+        ref = make(x64, "torch").step()["loss"]
+        ref_h, ref_w = x64.hidden.grad, x64.weight.grad
+        del x64
+        for impl in [r[0] for r in ROWS if r[1:] == ("fp32", "fused")]:
+            x.hidden.grad = x.weight.grad = None
+            loss = make(x, impl).step()["loss"].double()
+            out.append({"objective": name, "impl": impl, "loss_rel": ((loss - ref).abs() / ref.abs()).item(),
+                        "grad_hidden_rel": ((x.hidden.grad.double() - ref_h).norm() / ref_h.norm()).item(),
+                        "grad_weight_rel": ((x.weight.grad.double() - ref_w).norm() / ref_w.norm()).item()})
+        x.hidden.grad = x.weight.grad = None
+        del ref_h, ref_w
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     case = parse_shape(sys.argv[1] if len(sys.argv) > 1 else "8k:llama3-8b")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: TRITON_INTERPRET=1
@@ -86,7 +109,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     record = {"device": name, "shape": case.label, "true_entropy": x.true_entropy,
-              "rows": rows, "ce_rows": _ce_rows(x)}
+              "rows": rows, "ce_rows": _ce_rows(x), "preference_rows": _preference_rows(x)}
     print(f"{record['device']}  {case.label}  mean entropy {x.true_entropy:.2f} nats; errors vs float64")
     print(f"{'backend':8s} {'logits':6s} {'mode':9s} {'logp max':>9s} {'logp mean':>9s} {'ent max':>9s} "
           f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
@@ -98,6 +121,10 @@ def main() -> None:
     for r in record["ce_rows"]:
         print(f"  {r['row']:22s} " + (f"{r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} {r['grad_weight_rel']:9.2e}"
                                       if "loss_rel" in r else f"skipped: {r['skipped']}"))
+    print(f"fused preference losses: {'objective':9s} {'backend':8s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
+    for r in record["preference_rows"]:
+        print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
+              f"{r['grad_weight_rel']:9.2e}")
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:
             json.dump(record, f, indent=1)

@@ -187,8 +187,10 @@ def _check_shaped(name: str, x: object, shape: tuple[int, ...], device: torch.de
 
 
 def _want(token_sums: bool = False, weighted: bool = False) -> StatRequest:
-    """The statistics of a preference pass (:func:`_run`'s flags)."""
-    return StatRequest(entropy=True, sum_z=token_sums, sum_sq=weighted)
+    """The statistics of a preference pass (:func:`_run`'s flags); every loss reaches the logits
+    through the tokens' log-probs alone (the entropy and logit sums are logged, WPO's weights
+    detached)."""
+    return StatRequest(entropy=True, sum_z=token_sums, sum_sq=weighted, logp_grad_only=True)
 
 
 def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_unit: dict[str, torch.Tensor],
