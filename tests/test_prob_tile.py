@@ -197,3 +197,47 @@ def test_head_loss_terms_on_logp_alone():
     assert kinds == ["prob"]
     for name, a, r in zip(("loss", "d hidden", "d weight"), out[1], out[0], strict=True):
         assert (a - r).norm() <= 5e-3 * r.norm(), name
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto", "simpo", "orpo"])
+def test_fused_preference_losses_on_the_probability_tile(objective):
+    """The fused preference losses take the tokens' log-probs alone (their entropy and logit sums
+    are logged), so the gemm backend keeps the probability tile: the torch backend's float64 loss,
+    gradients and metrics."""
+    import logitless
+    from logitless.ops.gemm_backend import backend as gemm_backend
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    b, t, hidden_size, vocab = 2, 12, 40, 300
+    h = torch.randn(2 * b, t, hidden_size, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(vocab, hidden_size, generator=g) * 2 / hidden_size**0.5).bfloat16().to(DEVICE)
+    ids = torch.randint(0, vocab, (2 * b, t), generator=g).to(DEVICE)
+    mask = (torch.rand(2 * b, t, generator=g) > 0.2).float().to(DEVICE)
+    ref = (-30 * torch.rand(2 * b, generator=g, dtype=torch.float64)).to(DEVICE)
+    label = (torch.arange(2 * b) % 2 == 0).to(DEVICE)
+    calls = {
+        "dpo": lambda hh, ww, o: logitless.dpo_loss_fused(hh, ww, ids, mask, ref[:b], ref[b:], options=o),
+        "kto": lambda hh, ww, o: logitless.kto_loss_fused(hh, ww, ids, mask, label, ref, (ref - 1, ref - 2),
+                                                          config=logitless.KTOLossConfig(loss_type="kto"), options=o),
+        "simpo": lambda hh, ww, o: logitless.simpo_loss_fused(hh, ww, ids, mask, options=o),
+        "orpo": lambda hh, ww, o: logitless.orpo_loss_fused(hh, ww, ids, mask, options=o),
+    }
+    kinds = []
+    real = gemm_backend.prob_tile_grads
+
+    def spy(*a, **k):
+        kinds.append("prob")
+        return real(*a, **k)
+
+    out = []
+    for impl, dtype in (("torch", torch.float64), ("gemm", torch.bfloat16)):
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gemm_backend, "prob_tile_grads", spy)
+            loss, metrics = calls[objective](hh, ww, PassOptions(impl=impl))
+        loss.backward()
+        out.append([loss.double(), hh.grad.double(), ww.grad.double()])
+        out[-1] += [v.double() for v in metrics.values()]
+    assert kinds and set(kinds) == {"prob"}
+    for a, r in zip(out[1], out[0], strict=True):
+        assert (a - r).norm() <= 5e-3 * r.norm() + 1e-6

@@ -160,6 +160,12 @@ def _epilogue_kernel(
         if STORE_Z and not FOLD:
             _store_tile(z_dst, stride_zn, centred.to(tl.float16), rows, cols, row_ok, col_ok, row0, col0, STORE_TMA)
         finite = tl.where(col_ok[None, :], centred, 0.0)
+        # The target's logit (from the same tile as the maximum: exactly m when it is the largest,
+        # so is_top1 is exact) where it costs least: before e is formed where a probability tile
+        # is stored last (e beside the centred tile through this sum made that GEMM 4% slower),
+        # after the sums where the centred tile was stored first (there, before e: 7% slower).
+        if FOLD:
+            _target_logit(tgt_ptr, zy_ptr, rows, cols, row_ok, col0, vocab, finite, m, BLOCK_V)
         e = tl.exp(centred)
         se = tl.sum(e, axis=1)
         out = (col0 // BLOCK_V) * n + rows  # this tile's row of the [tiles, n] partials
@@ -171,19 +177,24 @@ def _epilogue_kernel(
             tl.store(sz_ptr + out, tl.sum(finite, axis=1) + m * tl.sum(col_ok.to(tl.float32), axis=0), mask=row_ok)
         if WANT_SUM_SQ:
             tl.store(ssq_ptr + out, tl.sum(e * e, axis=1), mask=row_ok)
-        # The target's logit from the same tile as the maximum: exactly m when it is the largest,
-        # so is_top1 is exact.
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-        here = (tgt >= col0) & (tgt < col0 + BLOCK_V) & (tgt < vocab)
-        # A target outside [0, vocab) gets 0 from the first tile, so the buffer needs no zero-fill.
-        # (col0 broadcast first: the interpreter mishandles a scalar term in a mask.)
-        absent = ((tgt < 0) | (tgt >= vocab)) & (tl.zeros_like(rows) + col0 == 0)
-        zy = tl.sum(tl.where(cols[None, :] == tgt[:, None], finite, 0.0), axis=1) + m
-        tl.store(zy_ptr + rows, tl.where(here, zy, 0.0), mask=row_ok & (here | absent))
+        if not FOLD:
+            _target_logit(tgt_ptr, zy_ptr, rows, cols, row_ok, col0, vocab, finite, m, BLOCK_V)
         if STORE_Z and FOLD:  # exp(z - ref) = e^c e^(m - ref) (ops.triton_shared.prob_tile), once e alone is live
             ref = tl.load(ref_ptr + rows, mask=row_ok, other=0.0)
             kept = (e * tl.exp(tl.minimum(m - ref, EXP_CLAMP))[:, None]).to(tl.bfloat16)
             _store_tile(z_dst, stride_zn, kept, rows, cols, row_ok, col_ok, row0, col0, STORE_TMA)
+
+
+@triton.jit
+def _target_logit(tgt_ptr, zy_ptr, rows, cols, row_ok, col0, vocab, finite, m, BLOCK_V: tl.constexpr):
+    """Store each row's target logit ``c_y + m`` where this tile holds the target."""
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    here = (tgt >= col0) & (tgt < col0 + BLOCK_V) & (tgt < vocab)
+    # A target outside [0, vocab) gets 0 from the first tile, so the buffer needs no zero-fill.
+    # (col0 broadcast first: the interpreter mishandles a scalar term in a mask.)
+    absent = ((tgt < 0) | (tgt >= vocab)) & (tl.zeros_like(rows) + col0 == 0)
+    zy = tl.sum(tl.where(cols[None, :] == tgt[:, None], finite, 0.0), axis=1) + m
+    tl.store(zy_ptr + rows, tl.where(here, zy, 0.0), mask=row_ok & (here | absent))
 
 
 @triton.jit
