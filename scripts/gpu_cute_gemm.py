@@ -15,7 +15,6 @@ import torch
 
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.ops.contract import RowStats, StatRequest
-from logitless.ops.cute_backend import kernels as cute_kernels
 from logitless.ops.gemm_backend.kernels import gemm_config, launch_forward
 from logitless.ops.transform import LogitTransform
 from logitless.ops.triton_shared.tile_gemm import TileOperands
@@ -47,6 +46,8 @@ def lse(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def case_line(text: str, dev: torch.device) -> str:
+    from logitless.ops.cute_backend import kernels as cute_kernels  # (bench() is importable without the DSL)
+
     case = parse_shape(text)
     x = make_inputs(case, dev, torch.bfloat16)
     hidden = x.hidden.detach().reshape(-1, case.hidden_size).contiguous()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -19,22 +18,8 @@ from logitless.ops.contract import StatRequest
 from logitless.ops.transform import LogitTransform
 from logitless.ops.triton_shared.tile_gemm import TileOperands
 
-
-def bench(fns: dict, rounds: int) -> dict[str, float]:
-    """Median ms of each of ``fns``, timed round-robin (clock drift falls on each alike)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
-    return {name: statistics.median(t) for name, t in times.items()}
-
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from gpu_cute_gemm import bench
 
 SRC = pathlib.Path(__file__).parents[1] / "src/logitless/ops/gemm_backend/kernels.py"
 FIRST = "        if FOLD:\n            _target_logit("

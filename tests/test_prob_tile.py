@@ -169,6 +169,29 @@ def test_policy_loss_against_materialized_logits(monkeypatch, level):
         torch.testing.assert_close(metrics[k].double(), v.double(), rtol=1e-4, atol=1e-5, msg=k)
 
 
+def _gemm_against_float64(call, h: torch.Tensor, w: torch.Tensor) -> tuple[int, list, list]:
+    """``call(hidden, weight, options) -> (loss, [more tensors])`` on the torch backend in float64
+    and on the gemm backend in bf16: how many backward chunks ran on the probability tile, and
+    each run's ``[loss, d hidden, d weight, *more]`` in float64 (gemm, then torch)."""
+    from logitless.ops.gemm_backend import backend as gemm_backend
+
+    real, calls = gemm_backend.prob_tile_grads, []
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    out = []
+    for impl, dtype in (("gemm", torch.bfloat16), ("torch", torch.float64)):
+        hh, ww = h.detach().to(dtype).requires_grad_(), w.detach().to(dtype).requires_grad_()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gemm_backend, "prob_tile_grads", spy)
+            loss, more = call(hh, ww, PassOptions(impl=impl))
+        loss.backward()
+        out.append([t.double() for t in (loss, hh.grad, ww.grad, *more)])
+    return len(calls), out[0], out[1]
+
+
 def test_head_loss_terms_on_logp_alone():
     """A ``head_loss`` whose statistics leave out ``lse``, the entropy and the mean logit runs on
     the probability tile (gemm backend), with the torch backend's float64 loss and gradients."""
@@ -177,25 +200,15 @@ def test_head_loss_terms_on_logp_alone():
     w = (torch.randn(300, 40, generator=g) * 2 / 40**0.5).bfloat16().to(DEVICE)
     t = torch.randint(0, 300, (50,), generator=g).to(DEVICE)
     weights = torch.rand(50, generator=g).to(DEVICE)
-    kinds = []
-    from logitless.ops.gemm_backend import backend as gemm_backend
-    real = gemm_backend.prob_tile_grads
 
-    def spy(*a, **k):
-        kinds.append("prob")
-        return real(*a, **k)
+    def call(hh, ww, options):
+        loss, _ = head_loss(hh, ww, t, {"nll": lambda s: -(weights[s.positions] * s.logp).sum()},
+                            stats=("logp",), options=options)
+        return loss, []
 
-    out = []
-    for impl, dtype in (("torch", torch.float64), ("gemm", torch.bfloat16)):
-        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(gemm_backend, "prob_tile_grads", spy)
-            loss, _ = head_loss(hh, ww, t, {"nll": lambda s: -(weights[s.positions] * s.logp).sum()},
-                                stats=("logp",), options=PassOptions(impl=impl))
-        loss.backward()
-        out.append([loss.double(), hh.grad.double(), ww.grad.double()])
-    assert kinds == ["prob"]
-    for name, a, r in zip(("loss", "d hidden", "d weight"), out[1], out[0], strict=True):
+    on_prob_tile, got, ref = _gemm_against_float64(call, h, w)
+    assert on_prob_tile == 1
+    for name, a, r in zip(("loss", "d hidden", "d weight"), got, ref, strict=True):
         assert (a - r).norm() <= 5e-3 * r.norm(), name
 
 
@@ -205,7 +218,6 @@ def test_fused_preference_losses_on_the_probability_tile(objective):
     are logged), so the gemm backend keeps the probability tile: the torch backend's float64 loss,
     gradients and metrics."""
     import logitless
-    from logitless.ops.gemm_backend import backend as gemm_backend
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     b, t, hidden_size, vocab = 2, 12, 40, 300
@@ -215,29 +227,19 @@ def test_fused_preference_losses_on_the_probability_tile(objective):
     mask = (torch.rand(2 * b, t, generator=g) > 0.2).float().to(DEVICE)
     ref = (-30 * torch.rand(2 * b, generator=g, dtype=torch.float64)).to(DEVICE)
     label = (torch.arange(2 * b) % 2 == 0).to(DEVICE)
-    calls = {
+    losses = {
         "dpo": lambda hh, ww, o: logitless.dpo_loss_fused(hh, ww, ids, mask, ref[:b], ref[b:], options=o),
         "kto": lambda hh, ww, o: logitless.kto_loss_fused(hh, ww, ids, mask, label, ref, (ref - 1, ref - 2),
                                                           config=logitless.KTOLossConfig(loss_type="kto"), options=o),
         "simpo": lambda hh, ww, o: logitless.simpo_loss_fused(hh, ww, ids, mask, options=o),
         "orpo": lambda hh, ww, o: logitless.orpo_loss_fused(hh, ww, ids, mask, options=o),
     }
-    kinds = []
-    real = gemm_backend.prob_tile_grads
 
-    def spy(*a, **k):
-        kinds.append("prob")
-        return real(*a, **k)
+    def call(hh, ww, options):
+        loss, metrics = losses[objective](hh, ww, options)
+        return loss, list(metrics.values())
 
-    out = []
-    for impl, dtype in (("torch", torch.float64), ("gemm", torch.bfloat16)):
-        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(gemm_backend, "prob_tile_grads", spy)
-            loss, metrics = calls[objective](hh, ww, PassOptions(impl=impl))
-        loss.backward()
-        out.append([loss.double(), hh.grad.double(), ww.grad.double()])
-        out[-1] += [v.double() for v in metrics.values()]
-    assert kinds and set(kinds) == {"prob"}
-    for a, r in zip(out[1], out[0], strict=True):
+    on_prob_tile, got, ref_out = _gemm_against_float64(call, h, w)
+    assert on_prob_tile > 0
+    for a, r in zip(got, ref_out, strict=True):
         assert (a - r).norm() <= 5e-3 * r.norm() + 1e-6

@@ -162,8 +162,8 @@ def _epilogue_kernel(
         finite = tl.where(col_ok[None, :], centred, 0.0)
         # The target's logit (from the same tile as the maximum: exactly m when it is the largest,
         # so is_top1 is exact) where it costs least: before e is formed where a probability tile
-        # is stored last (e beside the centred tile through this sum made that GEMM 4% slower),
-        # after the sums where the centred tile was stored first (there, before e: 7% slower).
+        # is stored last (e live beside the centred tile through this sum costs that GEMM ~4%),
+        # after the sums where the centred tile is stored first (before e it costs ~7%).
         if FOLD:
             _target_logit(tgt_ptr, zy_ptr, rows, cols, row_ok, col0, vocab, finite, m, BLOCK_V)
         e = tl.exp(centred)
