@@ -10,7 +10,10 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
   read at the end of the call (``ops.defers_checks``);
 * ``fold``: a policy loss without an entropy bonus keeps its fused chunks' logits as scaled
   probabilities, which its gradient GEMMs read with no ``dy`` pass (``StatRequest.logp_grad_only``);
-* ``fold-pref``: the same for the fused preference losses.
+* ``fold-pref``: the same for the fused preference losses;
+* ``two-part``: the fused preference, cross-entropy and rollout calls start a first part of their
+  statistics GEMM before they build their value checks and a second after the send (off: one
+  part, after the send).
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
@@ -30,18 +33,25 @@ from logitless.bench.batches import group_inputs, is_group_objective
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import rows_of
 from logitless.bench.timing import time_in_step, time_step
-from logitless.objectives import policy, preference_fused
+from logitless.objectives import policy, preference_fused, vocab_stats
 from logitless.ops import StatRequest, engine
 
-# feature -> (module, attribute, its value with the feature off)
+
+def _second_part_only(*args, **kwargs):
+    """``start_pass`` as a one-part caller had it: nothing before the send, then the first rows."""
+    return engine.start_pass(*args, **kwargs) if "after" in kwargs else None
+
+
+# feature -> [(module, attribute, its value with the feature off), ...]
 SWITCHES = {
-    "started": (engine, "started_rows", lambda *a: 0),
-    "leading": (policy, "_gradient_first", lambda *a: None),
-    "deferred": (policy, "defers_checks", lambda *a: False),
-    "fold": (policy, "_want", lambda cfg: StatRequest(entropy=True)),
-    "fold-pref": (preference_fused, "_want",
-                  lambda token_sums=False, weighted=False: StatRequest(entropy=True, sum_z=token_sums,
-                                                                       sum_sq=weighted)),
+    "started": [(engine, "started_rows", lambda *a: 0)],
+    "leading": [(policy, "_gradient_first", lambda *a: None)],
+    "deferred": [(policy, "defers_checks", lambda *a: False)],
+    "fold": [(policy, "_want", lambda cfg: StatRequest(entropy=True))],
+    "fold-pref": [(preference_fused, "_want",
+                   lambda token_sums=False, weighted=False: StatRequest(entropy=True, sum_z=token_sums,
+                                                                        sum_sq=weighted))],
+    "two-part": [(preference_fused, "start_pass", _second_part_only), (vocab_stats, "start_pass", _second_part_only)],
 }
 
 ROUNDS = int(os.environ.get("ROUNDS", 3))
@@ -82,8 +92,11 @@ def _peak_gib(step, reset, dev) -> float:
 
 
 def main() -> None:
-    module, attr, off = SWITCHES[sys.argv[1]]
-    on = getattr(module, attr)
+    patches = [(module, attr, getattr(module, attr), off) for module, attr, off in SWITCHES[sys.argv[1]]]
+
+    def switch(feature_on: bool) -> None:
+        for module, attr, on, off in patches:
+            setattr(module, attr, on if feature_on else off)
     case = parse_shape(sys.argv[2])
     dev = torch.device("cuda")
     x0 = make_inputs(case, dev, torch.bfloat16)
@@ -104,18 +117,18 @@ def main() -> None:
         for _ in range(ROUNDS):
             base = time_step(floor.step, reset, dev).median_ms
             base_step = time_in_step(floor.step, reset, dev).median_ms
-            for label, value in (("on", on), ("off", off)):
-                setattr(module, attr, value)
+            for label in ("on", "off"):
+                switch(label == "on")
                 got[f"{label} sync"].append(time_step(ours.step, reset, dev).median_ms / base)
                 got[f"{label} step"].append(time_in_step(ours.step, reset, dev).median_ms / base_step)
-            setattr(module, attr, on)
+            switch(True)
         peaks = {}
-        for label, value in (("on", on), ("off", off)):
-            setattr(module, attr, value)
+        for label in ("on", "off"):
+            switch(label == "on")
             peaks[label] = _peak_gib(ours.step, reset, dev)
             if os.environ.get("PROFILE"):
                 _timeline(ours.step, reset, dev, label)
-        setattr(module, attr, on)
+        switch(True)
         print(f"{case.model} {case.n_tokens} {objective} {name} ({sys.argv[1]}; backend "
               f"{engine.resolve_backend('auto', x.hidden).NAME}): "
               + ", ".join(f"{k} {statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in got.items())

@@ -107,17 +107,23 @@ def test_started_rows_change_nothing(monkeypatch, launches, call, mode, keep):
     seed = int(torch.randint(0, 2**31, ()))
     n_seen, started = (6 * 48 if call is _dpo else 4 * 40), planning.started_rows
     count, with_start = call("gemm", mode, keep, seed)
-    first = launches[:2]
+    rows = started(n_seen, H, V, 16)
+    assert rows > 0
+    # The preference, cross-entropy and rollout calls start a second part after their send, within
+    # the first half of the rows.
+    parts = [rows] if call is _policy else [rows, min(rows, (n_seen // 2 - rows) // 16 * 16)]
+    first = launches[:len(parts) + 1]
     launches.clear()
     monkeypatch.setattr(engine, "started_rows", lambda *a: 0)
     _, without = call("gemm", mode, keep, seed)
     assert len(launches) == 1 and launches[0] == count  # one chunk, one launch of its rows
-    rows = started(n_seen, H, V, 16)
-    assert rows > 0
-    if count >= rows:  # the first chunk launched only the rest
-        assert first == [rows, count - rows]
-    else:  # too few rows counted: the chunk computed them all again
-        assert first == [rows, count]
+    total = sum(parts)
+    if count > total:  # the first chunk launched only the rest
+        assert first == [*parts, count - total]
+    elif count < total:  # too few rows counted: the chunk computed them all again
+        assert first == [*parts, count]
+    else:
+        assert first == parts
     for a, b in zip(with_start, without, strict=True):
         assert torch.equal(a, b)
     _, oracle = call("torch", mode, keep, seed)
@@ -193,6 +199,54 @@ def test_launch_after_joins_or_recomputes_the_started_rows(buffer_rows):
     assert launched == ([n] if not buffer_rows else [n - started_n])
     assert (started is not None and started.z is not None and z.data_ptr() == started.z.data_ptr()) == \
         (buffer_rows is not None and buffer_rows >= n)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_a_second_started_part_continues_the_first(store):
+    """``launch_started`` with a stand-in launch (as above): a first part of 4 rows, then the next
+    5 after it, cover 9 rows whose partials and stored logits are those of one launch over them,
+    in the first part's buffer (or none stored, without one)."""
+    from logitless.ops.contract import StartedRows, StatRequest
+    from logitless.ops.triton_shared.tile_gemm import TileOperands, launch_started
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, tiles, vocab = 9, 3, 7
+    ids = torch.randn(n, generator=g)
+    ops = TileOperands(ids[:, None], torch.ones(vocab, 1), None, torch.zeros(n, dtype=torch.long), None)
+
+    def launch(o, z):
+        if z is not None:
+            z.copy_(o.hidden.expand(-1, vocab).to(z.dtype))
+        return {"m": o.hidden[:, 0] + torch.arange(tiles)[:, None], "zy": o.hidden.t()}
+
+    new_z = (lambda: torch.full((12, vocab), torch.nan, dtype=torch.float16)) if store else None
+    rows, parts, z = launch_started(launch, ops._replace(hidden=ops.hidden[:4]), new_z, None)
+    first = StartedRows(rows, parts, z, "stand-in", StatRequest(), True)
+    rows, parts, z = launch_started(launch, ops._replace(hidden=ops.hidden[4:]), new_z, first)
+    assert rows == n and (z is None) == (not store) and (z is None or z.data_ptr() == first.z.data_ptr())
+    torch.testing.assert_close(parts["m"], ids + torch.arange(tiles)[:, None], rtol=0, atol=0)
+    torch.testing.assert_close(parts["zy"], ids[None, :], rtol=0, atol=0)
+    if store:
+        torch.testing.assert_close(z[:n], ids[:, None].expand(-1, vocab).half(), rtol=0, atol=0)
+        assert z[n:].isnan().all()
+
+
+@interpreted
+def test_a_second_part_needs_a_first(launches):
+    """``start_pass(after=...)``: nothing starts after a handle already taken (its rows would not
+    be the pass's first), and a second part with no room left (half the rows started) keeps the
+    first part's rows as they are."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n = 128
+    h = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16)
+    ids, order = torch.randint(0, V, (n,), generator=g), torch.arange(n)
+    args = (h, ids, order, logitless.Head(w), engine.StatRequest(), PassOptions(impl="gemm"), False)
+    first = engine.start_pass(*args)
+    assert first is not None and first.rows == 64 and launches == [64]  # half the rows: no room for more
+    second = engine.start_pass(*args, after=first)
+    assert second is not None and second.rows == 64 and first.rows == 0 and launches == [64]
+    assert engine.start_pass(*args, after=first) is None and launches == [64]
 
 
 @interpreted

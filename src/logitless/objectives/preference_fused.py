@@ -235,22 +235,24 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     # Every position, the used ones first (a stable partition, in pass order):
     # how many are used comes with the checks' one read, so nothing before it waits for the device.
     every, _ = counted_first_order(used.reshape(-1))
-    ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
-    # The hidden rows and ids are checked in the caller's layout, at the positions that count.
+    # Each of those positions in the caller's [S, T], flattened. The first statistics GEMM runs on
+    # the first of them while the host builds the checks, and a second on the next ones while it
+    # waits for the read (which waits for the first) and prepares the pass.
+    at = order[every // max(t, 1)] * t + every % t
+    # The hidden rows and ids are checked in the caller's layout, at the positions that count
+    # (their shapes here, their values' reductions at the send).
     caller_used = batch.completion_mask != 0
     if batch.nll_mask is not None:
         caller_used = caller_used | (batch.nll_mask != 0)
     check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, batch.targets.reshape(-1), ignore_index=None,
                       checks=checks, counted=caller_used.reshape(-1))
+    first = start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute")
+    ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
     for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
     counts = () if label is None else (label.sum(),)
     pending = checks.send(None, *ends.unbind(), *counts)  # the one synchronization of the checks
-
-    # Each of those positions in the caller's [S, T], flattened; the first statistics GEMM runs
-    # on the first of them while the host waits for the read and prepares the pass.
-    at = order[every // max(t, 1)] * t + every % t
-    started = start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute")
+    started = start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute", after=first)
     host = pending.wait()[0]
     desirable = None if label is None else int(host.pop())
     n = int(host[-1]) if units else 0

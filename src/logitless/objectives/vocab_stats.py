@@ -38,15 +38,16 @@ def read_counted(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore
                  checks: ValueChecks, want: StatRequest, options: PassOptions,
                  fused: bool) -> tuple[torch.Tensor, int, Started | None]:
     """Check the head's inputs at the counted positions (targets other than ``ignore_index``)
-    with ``checks``, and read them with how many positions count in one host synchronization,
-    during which the pass's first statistics GEMM runs (:func:`~logitless.ops.start_pass`).
-    Returns ``(every flattened position, the counted ones first, in order; the count; the
-    started GEMM or None)``."""
+    with ``checks``, and read them with how many positions count in one host synchronization;
+    the pass's first statistics GEMMs run while the host builds the checks and while it waits
+    (:func:`~logitless.ops.start_pass`, in two parts). Returns ``(every flattened position, the
+    counted ones first, in order; the count; the started GEMM or None)``."""
     counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
-    check_head_inputs(hidden, head, targets, None, checks, counted=counted)
+    check_head_inputs(hidden, head, targets, None, checks, counted=counted)  # (its values' reductions: at the send)
     order = counted_first_order(counted.reshape(-1))[0]
+    first = start_pass(hidden, targets, order, head, want, options, fused)
     read = checks.send(None, counted.sum())
-    started = start_pass(hidden, targets, order, head, want, options, fused)
+    started = start_pass(hidden, targets, order, head, want, options, fused, after=first)
     return order, int(read.wait()[0][0]), started
 
 

@@ -526,7 +526,8 @@ class Capabilities:
             runs the torch backend's (:func:`~logitless.ops.distill_contract.resolve_distill`).
         sum_sq: its forward computes ``Σ exp(2 (z - max))`` (:attr:`StatRequest.sum_sq`, WPO's
             ``log Σ p²``); :func:`resolve_backend` refuses a request for it on a backend without.
-        starts_early: its module has ``start_rows`` and ``START_ALIGN``, and its statistics GEMM may run on inputs
+        starts_early: its module has ``start_rows`` (which may continue an earlier launch's rows,
+            ``after``) and ``START_ALIGN``, and its statistics GEMM may run on inputs
             whose values are not checked yet: it reads the targets only by comparison and
             writes only its own buffers, so no value can make it fault
             (:func:`~logitless.ops.engine.start_pass`).

@@ -150,11 +150,17 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
 
 
 def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, head: Head,
-               want: StatRequest, options: PassOptions, fused: bool, gradient_first: bool = False) -> Started | None:
+               want: StatRequest, options: PassOptions, fused: bool, gradient_first: bool = False,
+               after: Started | None = None) -> Started | None:
     """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
     read, so the GPU computes while the host waits for that read and prepares the pass
     (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``). The pass's
     first chunk then launches only its other rows (:attr:`ObjectiveSpec.started`).
+
+    A caller may start in two parts: one launch as soon as the pass's order is known, before it
+    builds its checks (the GPU computes while the host does), then after the send one with
+    ``after``, the rows that follow (the GPU computes while the host waits for the read, which
+    waits for the first part, and prepares the pass).
 
     Only on a backend whose :attr:`~logitless.ops.contract.Capabilities.starts_early` is set: its
     GEMM cannot fault on unchecked values, and a failed check still raises its named error before
@@ -172,23 +178,32 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         gradient_first: the rows with a gradient come first (:attr:`ZeroRows.leading`): the
             first chunk's size then depends on their count, which the read brings, so nothing
             starts unless all rows fit that chunk's buffer.
+        after: a first part's handle (taken here), or ``None``: these are the pass's first rows.
 
     Returns:
-        a :class:`~logitless.ops.contract.Started` handle on the launch, or ``None`` where
-        nothing was launched.
+        a :class:`~logitless.ops.contract.Started` handle on the launch (with ``after``: on both
+        parts' rows), or ``None`` where nothing was launched.
     """
+    prior = None if after is None else after.take()
+    if after is not None and prior is None:
+        return None  # no first part: these would not be the pass's first rows
     backend = resolve_backend(options.impl, hidden, head.lora is not None, want)  # (an adapter: triton)
     if not backend.CAPS.starts_early:
         return None
     local = head.local()
     n, vocab = positions.shape[0], local.weight.shape[0]
     rows = 0 if local.parallel else started_rows(n, hidden.shape[-1], vocab, backend.START_ALIGN)
+    if prior is not None:  # as many rows again, within the first half of the rows and the buffer
+        room = n // 2 if prior.z is None else min(n // 2, prior.z.shape[0])
+        rows = min(rows, (room - prior.rows) // backend.START_ALIGN * backend.START_ALIGN)
+        if rows <= 0 or prior.backend != backend.NAME or prior.want != want:
+            return Started(prior)
     if not rows:
         return None
     # A fused pass with a gradient keeps its first chunk's logits: the started rows' go straight
     # into that chunk's buffer, sized as run_fused plans the chunk for all n rows.
     store_rows = 0
-    if fused and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+    if prior is None and fused and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
         plan = ChunkPlan.make(n, vocab, options.budget, hidden.dtype, backend.PLAN, options.fp32_logits)
         if head.weight.requires_grad:
             plan = weight_grad_layout(plan, n, vocab, head.weight, backend.CAPS.stores_weight_grad,
@@ -196,12 +211,13 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         store_rows = min(n, plan.token_chunk) if plan.keep_logits else 0
         if gradient_first and store_rows < n:
             return None
-    first = positions[:rows]
+    skip = 0 if prior is None else prior.rows
+    first = positions[skip:skip + rows]
     h = hidden.detach().reshape(-1, hidden.shape[-1])[first]
     t = targets.reshape(-1)[first].long()
     t = t - local.vocab_start if local.vocab_start else t
     with torch.no_grad(), no_autocast(h.device):
-        return Started(backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store_rows))
+        return Started(backend.start_rows(local, ChunkRows(h, t), want, options.fp32_logits, store_rows, prior))
 
 
 # ----------------------------------------------------------------------------- the entry point

@@ -35,7 +35,7 @@ from ..plan import ChunkPlan
 from ..triton_shared.centred import CentredTile, tile_dy
 from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kept_rows, shared
 from ..triton_shared.prob_tile import ProbTile, folds, kept_tile, prob_tile_grads
-from ..triton_shared.tile_gemm import TileOperands, launch_after
+from ..triton_shared.tile_gemm import TileOperands, launch_after, launch_started
 from ..triton_shared.weight_grad import block_grads
 from .kernels import TILE_V, launch_forward, z_buffer
 
@@ -75,16 +75,19 @@ def chunk_forward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, want: StatR
 
 
 def start_rows(head: LocalHead, rows: ChunkRows, want: StatRequest, fp32_logits: bool,
-               store_rows: int) -> StartedRows:
+               store_rows: int, after: StartedRows | None = None) -> StartedRows:
     """Launch the statistics GEMM of a pass's first rows, for the first chunk's
     :func:`chunk_forward` to join (:func:`~logitless.ops.engine.start_pass`); ``store_rows > 0``:
-    their logits go to the first rows of a buffer of that many rows, the first chunk's."""
+    their logits go to the first rows of a buffer of that many rows, the first chunk's.
+    ``after``: these rows follow the rows it covers (the same buffer; the result covers both)."""
     ops = TileOperands.of_chunk(head, rows, "cute")
     n = ops.hidden.shape[0]
     fold = folds(ops, want, head.parallel)
-    z = z_buffer(max(n, store_rows), ops.weight.shape[0], ops.hidden.device, fold) if store_rows else None
-    parts = launch_forward(ops, want, fp32_logits, None if z is None else z[:n])
-    return StartedRows(n, parts, z, NAME, want, fp32_logits)
+    covered, parts, z = launch_started(
+        lambda o, out: launch_forward(o, want, fp32_logits, out), ops,
+        (lambda: z_buffer(max(n, store_rows), ops.weight.shape[0], ops.hidden.device, fold)) if store_rows else None,
+        after)
+    return StartedRows(covered, parts, z, NAME, want, fp32_logits)
 
 
 def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: SavedStats, grads: StatGrads,

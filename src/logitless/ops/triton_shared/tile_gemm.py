@@ -198,6 +198,22 @@ def tile_partials(want: StatRequest, tiles: int, n: int,
     return out, stacked
 
 
+def launch_started(launch: Callable[[TileOperands, torch.Tensor | None], dict[str, torch.Tensor]], ops: TileOperands,
+                   new_z: Callable[[], torch.Tensor] | None,
+                   after: StartedRows | None) -> tuple[int, dict[str, torch.Tensor], torch.Tensor | None]:
+    """The statistics GEMM of started rows ``ops`` (a backend's ``start_rows``): a pass's first rows
+    (``after`` ``None``; their logits into the first rows of ``new_z()``, or nowhere without it), or
+    the rows that follow those ``after`` covers (their logits into the next rows of its buffer, the
+    partials joined to its). Returns ``(rows covered, partials, logits buffer)``."""
+    n = ops.hidden.shape[0]
+    if after is None:
+        z = None if new_z is None else new_z()
+        return n, launch(ops, None if z is None else z[:n]), z
+    s, z = after.rows, after.z
+    parts = launch(ops, None if z is None else z[s:s + n])
+    return s + n, {k: torch.cat((after.parts[k], v), 1) for k, v in parts.items()}, z
+
+
 def launch_after(launch: Callable[[TileOperands, torch.Tensor | None], dict[str, torch.Tensor]], ops: TileOperands,
                  new_z: Callable[[int], torch.Tensor] | None,
                  started: StartedRows | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
