@@ -132,10 +132,12 @@ def test_started_rows_change_nothing(monkeypatch, launches, call, mode, keep):
 
 
 @interpreted
+@pytest.mark.parametrize("call", ["policy", "dpo", "cross_entropy"])
 @pytest.mark.parametrize("bad", ["nan_hidden", "target_out_of_range"])
-def test_bad_values_still_raise_their_named_error(launches, bad):
+def test_bad_values_still_raise_their_named_error(launches, call, bad):
     """The started GEMM ran on the unchecked values (a NaN, a token id past the vocabulary), and
-    the call still raises the check's error, not a fault or a NaN loss."""
+    the call still raises the check's error, not a fault or a NaN loss (the preference and
+    cross-entropy calls launch their first part before they even build the checks)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     b, t = 4, 40
     h = torch.randn(b, t, H, generator=g).to(torch.bfloat16)
@@ -145,9 +147,16 @@ def test_bad_values_still_raise_their_named_error(launches, bad):
     else:
         ids[0, 3] = V + 7
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16)
+    options = PassOptions(impl="gemm")
     with pytest.raises(ValueError, match="NaN or inf" if bad == "nan_hidden" else "targets must lie in"):
-        logitless.policy_loss(h, w, ids, torch.ones(b, t, dtype=torch.long), torch.randn(b, generator=g),
-                              -torch.rand(b, t, generator=g), options=PassOptions(impl="gemm"))
+        if call == "policy":
+            logitless.policy_loss(h, w, ids, torch.ones(b, t, dtype=torch.long), torch.randn(b, generator=g),
+                                  -torch.rand(b, t, generator=g), options=options)
+        elif call == "dpo":
+            ref = -30 * torch.rand(b, generator=g, dtype=torch.float64)
+            logitless.dpo_loss_fused(h, w, ids, torch.ones(b, t), ref[:b // 2], ref[b // 2:], options=options)
+        else:
+            logitless.cross_entropy(h, w, ids, options=options)
     assert launches, "the started GEMM did not run before the read"
 
 

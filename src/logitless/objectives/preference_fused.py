@@ -199,8 +199,9 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
     """Validate the inputs, gather the counted tokens unit by unit: ``(units, hidden rows [n, H],
     token ids [n])``. ``per_unit``: ``[S // size]`` inputs that must be finite (the reference
     log-probs), checked in the same host synchronization as the head's values; ``options`` and
-    ``want``: the pass's (its first rows start during that synchronization); ``label``: KTO's
-    ``[S]`` bool labels (checked by the caller), whose desirable count is read with them.
+    ``want``: the pass's (its first rows start before and during that synchronization);
+    ``label``: KTO's ``[S]`` bool labels (checked by the caller), whose desirable count is read
+    with them.
 
     Raises:
         TypeError, ValueError: as :func:`sequence_logps` (masks of another shape or device, or
