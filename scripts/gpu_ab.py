@@ -11,9 +11,9 @@ one's peak memory beyond the inputs (GPU only). The features (``SWITCHES``):
 * ``fold``: a policy loss without an entropy bonus keeps its fused chunks' logits as scaled
   probabilities, which its gradient GEMMs read with no ``dy`` pass (``StatRequest.logp_grad_only``);
 * ``fold-pref``: the same for the fused preference losses;
-* ``two-part``: the fused preference, cross-entropy and rollout calls start a first part of their
-  statistics GEMM before they build their value checks and a second after the send (off: one
-  part, after the send).
+* ``two-part``: the policy, fused preference, cross-entropy and rollout calls start a first part
+  of their statistics GEMM before they build their value checks and a second after the send (off:
+  one part, after the send).
 
     python3 scripts/gpu_ab.py FEATURE SHAPE OBJECTIVE [OBJECTIVE ...]
     python3 scripts/gpu_ab.py started 8k:llama3-8b grpo dpo
@@ -52,7 +52,7 @@ SWITCHES = {
     "fold-pref": [(preference_fused, "_want",
                    lambda token_sums=False, weighted=False: StatRequest(entropy=True, sum_z=token_sums,
                                                                         sum_sq=weighted))],
-    "two-part": [(preference_fused, "start_pass", _second_part_only),
+    "two-part": [(policy, "start_pass", _second_part_only), (preference_fused, "start_pass", _second_part_only),
                  (importlib.import_module("logitless.objectives.vocab_stats"), "start_pass", _second_part_only)],
 }
 

@@ -109,9 +109,8 @@ def test_started_rows_change_nothing(monkeypatch, launches, call, mode, keep):
     count, with_start = call("gemm", mode, keep, seed)
     rows = started(n_seen, H, V, 16)
     assert rows > 0
-    # The preference, cross-entropy and rollout calls start a second part after their send, within
-    # the first half of the rows.
-    parts = [rows] if call is _policy else [rows, min(rows, (n_seen // 2 - rows) // 16 * 16)]
+    # A second part after the send, within the first half of the rows.
+    parts = [rows, min(rows, (n_seen // 2 - rows) // 16 * 16)]
     first = launches[:len(parts) + 1]
     launches.clear()
     monkeypatch.setattr(engine, "started_rows", lambda *a: 0)
@@ -136,8 +135,8 @@ def test_started_rows_change_nothing(monkeypatch, launches, call, mode, keep):
 @pytest.mark.parametrize("bad", ["nan_hidden", "target_out_of_range"])
 def test_bad_values_still_raise_their_named_error(launches, call, bad):
     """The started GEMM ran on the unchecked values (a NaN, a token id past the vocabulary), and
-    the call still raises the check's error, not a fault or a NaN loss (the preference and
-    cross-entropy calls launch their first part before they even build the checks)."""
+    the call still raises the check's error, not a fault or a NaN loss (the first part launches
+    before the checks are even built)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     b, t = 4, 40
     h = torch.randn(b, t, H, generator=g).to(torch.bfloat16)
@@ -291,8 +290,9 @@ def test_the_started_buffer_lives_no_longer_than_the_first_chunk(monkeypatch, la
                                     # starts ahead of two chunks: the test below)
                                     options=PassOptions(impl="gemm", chunk_bytes=1024 * V * 2, skip_zero_rows=False))
     loss.backward()
-    assert launches == [64, 960, 1024]  # started rows, the first chunk's rest, the second chunk
-    assert alive[1] == [True] and alive[2] == [False]
+    # the started rows' two parts, the first chunk's rest, the second chunk
+    assert launches == [64, 64, 896, 1024]
+    assert alive[2] == [True, True] and alive[3] == [False, False]
 
 
 @interpreted
@@ -307,7 +307,7 @@ def test_nothing_starts_ahead_of_rows_with_a_gradient_first(launches):
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
     ids, adv = torch.randint(0, V, (b, t), generator=g), torch.randn(b, generator=g)
     old = -torch.rand(b, t, generator=g)
-    for chunk_rows, dense, constant in ((1024, [1024, 1024], [768, 768, 512]), (2048, [64, 1984], [64, 1472, 512])):
+    for chunk_rows, dense, constant in ((1024, [1024, 1024], [768, 768, 512]), (2048, [64, 64, 1920], [64, 64, 1408, 512])):
         for adv_now, want in ((adv, dense), (torch.where(torch.arange(b) % 4 == 0, 0.0, adv), constant)):
             launches.clear()
             loss, _ = logitless.policy_loss(h, w, ids, torch.ones(b, t), adv_now, old,

@@ -366,6 +366,12 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         counted, in_place = seen.weight != 0, mask != 0  # (in seen's order; in the caller's)
         check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), ignore_index=None,
                           checks=checks, counted=in_place.reshape(-1))
+    # The first statistics GEMM runs while the host gathers the per-token inputs and sends the
+    # counts, a second while it waits for their read and prepares the pass (start_pass).
+    fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
+                                                                              and cfg.needs_whole_sequences))
+    first = start_pass(hidden, targets, seen.index, head, _want(cfg), options, fused,
+                       gradient_first=leading is not None)
 
     def bad_values(name: str):
         return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
@@ -405,11 +411,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     reads = [] if count is None else [count]
     before = None if zero is None else torch.cumsum(~zero, 0)
     pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
-    # The first statistics GEMM runs while the host waits for the read and prepares the pass.
-    fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
-                                                                              and cfg.needs_whole_sequences))
     started = start_pass(hidden, targets, seen.index, head, _want(cfg), options, fused,
-                         gradient_first=leading is not None)
+                         gradient_first=leading is not None, after=first)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
     with_grad = None if zero is None else (int(before[n - 1]) if n else 0)
