@@ -347,7 +347,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # behind its first statistics GEMM (at the first chunk's objective) and read when the whole
     # call is queued, so the host prepares them while the GPU computes; elsewhere they come with
     # the counts, in the same synchronization.
-    defer = not packed and defers_checks(options.impl, hidden, head.lora is not None, _want(cfg))
+    request = _want(cfg)
+    defer = not packed and defers_checks(options.impl, hidden, head.lora is not None, request)
     checks = ValueChecks()
     check_mask(completion_mask, "completion_mask", checks, hidden.device, binary=False)
     if tool_mask is not None:
@@ -370,7 +371,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # counts, a second while it waits for their read and prepares the pass (start_pass).
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
                                                                               and cfg.needs_whole_sequences))
-    first = start_pass(hidden, targets, seen.index, head, _want(cfg), options, fused,
+    first = start_pass(hidden, targets, seen.index, head, request, options, fused,
                        gradient_first=leading is not None)
 
     def bad_values(name: str):
@@ -411,7 +412,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     reads = [] if count is None else [count]
     before = None if zero is None else torch.cumsum(~zero, 0)
     pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
-    started = start_pass(hidden, targets, seen.index, head, _want(cfg), options, fused,
+    started = start_pass(hidden, targets, seen.index, head, request, options, fused,
                          gradient_first=leading is not None, after=first)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
