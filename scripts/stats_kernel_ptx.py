@@ -56,7 +56,7 @@ def triton_kernels(want_sum_sq: bool):
            dict(FLAGS, **TILE_FLAGS, BLOCK_N=128, BLOCK_V=128, BLOCK_K=64), dict(num_warps=8, num_stages=3))
     for store in (False, True):
         yield (f"gemm._epilogue_kernel[store_z={store}]", gemm._epilogue_kernel, dict(operands, z_dst="*fp16"),
-               dict(FLAGS, **TILE_FLAGS, STORE_Z=store, STORE_TMA=False, BLOCK_N=128, BLOCK_V=256, BLOCK_K=64,
+               dict(FLAGS, **TILE_FLAGS, EVEN_V=True, FOLD=False, EXP_CLAMP=88.0, STORE_Z=store, STORE_TMA=False, BLOCK_N=128, BLOCK_V=256, BLOCK_K=64,
                     PERSISTENT=True, WARP_SPECIALIZE=False), dict(num_warps=8, num_stages=3))
 
 
@@ -67,6 +67,7 @@ def compile_triton(want_sum_sq: bool) -> None:
 
     for name, fn, pointers, constexprs, options in triton_kernels(want_sum_sq):
         names = fn.arg_names
+        constexprs = {a: v for a, v in constexprs.items() if a in names}  # a flag a revision lacks
         if "WANT_SUM_SQ" in names:  # a revision without the flag compiles as it is
             constexprs = dict(constexprs, WANT_SUM_SQ=want_sum_sq)
         elif want_sum_sq:
@@ -90,17 +91,23 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
     fields = K.KernelKey._fields
     if "want_sum_sq" not in fields and want_sum_sq:
         return
-    for store_z, pingpong in itertools.product((False, True), (False, True) if "pingpong" in fields else (None,)):
-        key = dict(device=0, dtype=torch.bfloat16, want_entropy=True, want_sum_z=False, store_z=store_z,
+    folds = (False, True) if "fold" in fields else (None,)
+    for store_z, pingpong, fold in itertools.product((False, True), (False, True) if "pingpong" in fields else (None,),
+                                                     folds):
+        if fold and not store_z:
+            continue
+        key = dict(device=0, dtype=torch.bfloat16, want_entropy=not fold, want_sum_z=False, store_z=store_z,
                    has_bias=False, has_scale=False, has_softcap=False, has_temperature=False, round_y=False,
                    raster_along_m=False)
         if "want_sum_sq" in fields:
             key["want_sum_sq"] = want_sum_sq
         if pingpong is not None:
             key["pingpong"] = pingpong
+        if fold is not None:
+            key["fold"] = fold
         n, h, v, tiles = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
         row = cute.sym_int(divisibility=8)
-        parts = 3 + want_sum_sq
+        parts = 2 + (not fold) + want_sum_sq
 
         def fake(dtype, shape, stride, align=16):
             return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
@@ -109,13 +116,15 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
             old.unlink()
         cute.compile(K.StatsGemm(K.KernelKey(**key)), fake(cutlass.BFloat16, (n, h, 1), (row, 1, 0)),
                          fake(cutlass.BFloat16, (v, h, 1), (row, 1, 0)),
-                     fake(cutlass.Float16, (n, v, 1), (cute.sym_int(divisibility=8), 1, 0)) if store_z else None,
+                     fake(cutlass.BFloat16 if fold else cutlass.Float16, (n, v, 1),
+                          (cute.sym_int(divisibility=8), 1, 0)) if store_z else None,
                      None, fake(cutlass.Int64, (n,), (1,), 8),
                      fake(cutlass.Float32, (parts, tiles, n), (cute.sym_int(), n, 1), 4),
                      fake(cutlass.Float32, (n,), (1,), 4),
+                     *([fake(cutlass.Float32, (n,), (1,), 4) if fold else None] if fold is not None else []),
                      (cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0)), 132, make_fake_stream())
         (ptx,) = dump.glob("*.ptx")
-        named = [] if pingpong is None else [f"pingpong={pingpong}"]
+        named = ([] if pingpong is None else [f"pingpong={pingpong}"]) + ([] if fold is None else [f"fold={fold}"])
         print(f"cute.StatsGemm[store_z={store_z}]", f"sum_sq={want_sum_sq}", *named, *digest(ptx.read_text()))
 
 

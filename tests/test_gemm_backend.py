@@ -107,6 +107,38 @@ def test_chunk_forward(monkeypatch, dtype, transform_key, optional, loads):
 
 
 @interpreted
+@pytest.mark.parametrize("transform_key", ["plain", "full"])
+def test_whole_tiles_forward(transform_key):
+    """A vocabulary of whole tiles (192 = 6 x 32: the kernel drops its column masks) gives the
+    statistics and kept tile of the float64 logits, as bounded as the torch backend's; rows whose
+    target is in no tile (another shard's ids) get 0."""
+    from logitless.ops.gemm_backend import backend as gemm_backend
+    from logitless.ops.plan import ChunkPlan
+    from logitless.ops.torch_backend import backend as torch_backend
+
+    h, w, b, t, tr = _inputs(torch.bfloat16, transform_key, seed=5)
+    vocab = 192
+    w, b = w[:vocab].contiguous(), None if b is None else b[:vocab].contiguous()
+    t = torch.where(t < vocab, t, t % vocab)
+    t[3], t[5], t[36] = vocab + 2, -1, vocab
+    plan = ChunkPlan(token_chunk=N, vocab_block=vocab, keep_logits=True)
+    ours, kept = forward(gemm_backend, h, w, b, t, tr, plan, True, keep_logits=True, want_sum_z=True)
+    ref, _ = forward(torch_backend, h, w, b, t, tr, plan, True, keep_logits=False, want_sum_z=True)
+    assert torch.equal(ours.owned, ref.owned) and torch.all(ours.target_logit[~ours.owned] == 0)
+    z64 = tr.apply(h.double() @ w.double().t() + (0 if b is None else b.double()))
+    lse = torch.logsumexp(z64, 1)
+    logp = torch.where(ours.owned, z64.gather(1, t.clamp(0, vocab - 1)[:, None])[:, 0], 0.0) - lse
+    oracle = (lse, logp, (torch.softmax(z64, 1) * z64).sum(1), z64.sum(1))
+    for i, name in enumerate(("lse", "logp", "sum_pz")):
+        _assert_bounded(lse_logp_sum_pz(ours)[i], lse_logp_sum_pz(ref)[i], oracle[i], 1e-5, name)
+    _assert_bounded(ours.sum_logit, ref.sum_logit, oracle[3], 1e-5, "sum_z")
+    m64 = z64.view(N, vocab // 32, 32).amax(2)
+    torch.testing.assert_close(kept.tile_max.double().t(), m64, rtol=0, atol=1e-4)
+    centred = z64 - m64.repeat_interleave(32, 1)
+    assert torch.all((kept.z.double() - centred).abs() <= centred.abs() * 2**-10 + 1e-4)
+
+
+@interpreted
 def test_forward_needs_no_zeroed_buffers(monkeypatch):
     """Every buffer of the statistics GEMM is allocated uninitialized: with ``torch.empty``
     poisoned (NaN / -7), the partials and the target logits (0 for targets of another shard) are

@@ -303,7 +303,10 @@ class StatsGemm:
             acc_mn = cute.make_tensor(acc.iterator, _acc_rows_cols(acc.layout))
             crd_mn = cute.make_tensor(tCcC.iterator, _acc_rows_cols(tCcC.layout))
             rows = cute.size(acc_mn, mode=[0])
-            cols = cute.size(acc_mn, mode=[1])
+            # Each row's target, its column in the tile and (folding) its reference, read before the main loop.
+            target = cute.make_rmem_tensor((rows,), cutlass.Int64)
+            t_col = cute.make_rmem_tensor((rows,), cutlass.Int32)
+            refs = cute.make_rmem_tensor((rows,), cutlass.Float32) if cutlass.const_expr(key.fold) else None
 
             if cutlass.const_expr(key.store_z):
                 sZ = storage.sZ.get_tensor(z_smem.outer, swizzle=z_smem.inner)
@@ -329,14 +332,11 @@ class StatsGemm:
                 n0 = coord[1] * TILE_V
                 # The tile scheduler rounds the tile grid up to whole bands: such tiles write nothing.
                 tile_ok = n0 < vocab
-                target = []
-                t_col = []
-                refs = []
                 for r in cutlass.range_constexpr(rows):
-                    target.append(mT[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)])
-                    t_col.append(cutlass.Int32(target[r] - cutlass.Int64(n0)))
+                    target[r] = mT[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)]
+                    t_col[r] = cutlass.Int32(target[r] - cutlass.Int64(n0))
                     if cutlass.const_expr(key.fold):
-                        refs.append(mRef[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)])
+                        refs[r] = mRef[cutlass.min(m0 + crd_mn[r, 0][0], n - 1)]
 
                 read.reset_count()
                 release.reset_count()
@@ -365,71 +365,15 @@ class StatsGemm:
                 if cutlass.const_expr(self.pingpong):
                     self._turn_wait(mma_wg, "epi")
 
-                for r in cutlass.range_constexpr(rows):
-                    row = m0 + crd_mn[r, 0][0]
-                    mx = cutlass.Float32(-math.inf)
-                    for c in cutlass.range_constexpr(cols):
-                        col = n0 + crd_mn[r, c][1]
-                        z = self._logit(acc_mn[r, c], col, mBias, vocab, scalars)
-                        if col >= vocab:
-                            z = cutlass.Float32(-math.inf)
-                        acc_mn[r, c] = z
-                        mx = cute.arch.fmax(mx, z)
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                    mx_log2 = mx * LOG2_E
-                    if cutlass.const_expr(key.fold):  # q = e^(z - mx) e^(mx - ref) (ops.triton_shared.prob_tile)
-                        shift = mx - refs[r]
-                        if shift > EXP_CLAMP:
-                            shift = cutlass.Float32(EXP_CLAMP)
-                        scale = cute.math.exp2(shift * LOG2_E, fastmath=True)
-                    se = cutlass.Float32(0.0)
-                    sez = cutlass.Float32(0.0)
-                    sz = cutlass.Float32(0.0)
-                    ssq = cutlass.Float32(0.0)
-                    zy = cutlass.Float32(0.0)
-                    for c in cutlass.range_constexpr(cols):
-                        z = acc_mn[r, c]
-                        e = cute.math.exp2(z * LOG2_E - mx_log2, fastmath=True)
-                        se = se + e
-                        if cutlass.const_expr(key.want_sum_sq):  # padding: e = 0, so e² adds nothing
-                            ssq = ssq + e * e
-                        if cutlass.const_expr(key.want_entropy or key.want_sum_z):
-                            if n0 + crd_mn[r, c][1] < vocab:  # -inf padding: e = 0 but e * z is nan
-                                if cutlass.const_expr(key.want_entropy):
-                                    sez = sez + e * z
-                                if cutlass.const_expr(key.want_sum_z):
-                                    sz = sz + z
-                        if crd_mn[r, c][1] == t_col[r]:
-                            zy = z
-                        if cutlass.const_expr(key.store_z):
-                            if cutlass.const_expr(key.fold):
-                                acc_mn[r, c] = e * scale
-                            else:
-                                acc_mn[r, c] = z - mx
-                    for off in cutlass.range_constexpr(1, 3):
-                        se = se + cute.arch.shuffle_sync_bfly(se, offset=off)
-                        zy = zy + cute.arch.shuffle_sync_bfly(zy, offset=off)
-                        if cutlass.const_expr(key.want_entropy):
-                            sez = sez + cute.arch.shuffle_sync_bfly(sez, offset=off)
-                        if cutlass.const_expr(key.want_sum_z):
-                            sz = sz + cute.arch.shuffle_sync_bfly(sz, offset=off)
-                        if cutlass.const_expr(key.want_sum_sq):
-                            ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=off)
-                    if lane % 4 == 0 and row < n and tile_ok:
-                        mP[0, coord[1], row] = mx
-                        mP[1, coord[1], row] = se
-                        if cutlass.const_expr(key.want_entropy):
-                            mP[2, coord[1], row] = sez
-                        if cutlass.const_expr(key.want_sum_z):
-                            mP[2 + int(key.want_entropy), coord[1], row] = sz
-                        if cutlass.const_expr(key.want_sum_sq):
-                            mP[2 + int(key.want_entropy) + int(key.want_sum_z), coord[1], row] = ssq
-                        if t_col[r] >= 0 and t_col[r] < TILE_V and target[r] < cutlass.Int64(vocab):
-                            mZY[row] = zy
-                        # A target outside [0, V) gets 0 from the first tile: no zero-filled buffer.
-                        if coord[1] == 0 and (target[r] < 0 or target[r] >= cutlass.Int64(vocab)):
-                            mZY[row] = cutlass.Float32(0.0)
+                # The tile's partials; only the vocabulary's last tile masks its columns. A mask
+                # on every tile held each element's column in a register (spills, and two compares
+                # an element in an epilogue the tensor cores wait for).
+                if n0 + TILE_V <= vocab:
+                    self._row_partials(acc_mn, crd_mn, coord, n, vocab, target, t_col, refs, mBias, mP, mZY,
+                                       scalars, lane, tile_ok, False)
+                else:
+                    self._row_partials(acc_mn, crd_mn, coord, n, vocab, target, t_col, refs, mBias, mP, mZY,
+                                       scalars, lane, tile_ok, True)
 
                 if cutlass.const_expr(key.store_z):
                     tiles_z = cute.zipped_divide(gZ[(None, None, *coord)], self.epi_tile)
@@ -467,6 +411,95 @@ class StatsGemm:
             if cutlass.const_expr(key.store_z):
                 if stores:
                     store_pipe.producer_tail()
+
+    @cute.jit
+    def _row_partials(self, acc_mn: cute.Tensor, crd_mn: cute.Tensor, coord, n: cutlass.Int32,
+                      vocab: cutlass.Int32, target: cute.Tensor, t_col: cute.Tensor, refs: cute.Tensor | None,
+                      mBias: cute.Tensor | None, mP: cute.Tensor, mZY: cute.Tensor,
+                      scalars: tuple[cutlass.Float32, cutlass.Float32, cutlass.Float32], lane: cutlass.Int32,
+                      tile_ok: cutlass.Boolean, masked: cutlass.Constexpr):
+        """One tile's epilogue over this thread's rows: the logits (transformed; ``-inf`` past the
+        vocabulary where ``masked``), each row's partials written to ``mP``/``mZY``, and the
+        accumulator overwritten with the tile to store (``z - m``, or ``exp(z - ref)`` folding)."""
+        key = self.key
+        m0 = coord[0] * self.tile_n
+        n0 = coord[1] * TILE_V
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = m0 + crd_mn[r, 0][0]
+            cols = cute.size(acc_mn, mode=[1])
+            mx = cutlass.Float32(-math.inf)
+            for c in cutlass.range_constexpr(cols):
+                col = n0 + crd_mn[r, c][1] if cutlass.const_expr(masked or key.has_bias) else n0
+                z = self._logit(acc_mn[r, c], col, mBias, vocab, scalars)
+                if cutlass.const_expr(masked):
+                    if col >= vocab:
+                        z = cutlass.Float32(-math.inf)
+                acc_mn[r, c] = z
+                mx = cute.arch.fmax(mx, z)
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            # The target's logit, read only by the threads whose columns hold it (rarely a whole warp).
+            zy = cutlass.Float32(0.0)
+            if t_col[r] >= 0 and t_col[r] < TILE_V:
+                for c in cutlass.range_constexpr(cols):
+                    if crd_mn[r, c][1] == t_col[r]:
+                        zy = acc_mn[r, c]
+            mx_log2 = mx * LOG2_E
+            scale = cutlass.Float32(1.0)
+            if cutlass.const_expr(key.fold):  # q = e^(z - mx) e^(mx - ref) (ops.triton_shared.prob_tile)
+                shift = mx - refs[r]
+                if shift > EXP_CLAMP:
+                    shift = cutlass.Float32(EXP_CLAMP)
+                scale = cute.math.exp2(shift * LOG2_E, fastmath=True)
+            se = cutlass.Float32(0.0)
+            sez = cutlass.Float32(0.0)
+            sz = cutlass.Float32(0.0)
+            ssq = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(cols):
+                z = acc_mn[r, c]
+                e = cute.math.exp2(z * LOG2_E - mx_log2, fastmath=True)
+                se = se + e
+                if cutlass.const_expr(key.want_sum_sq):  # padding: e = 0, so e² adds nothing
+                    ssq = ssq + e * e
+                if cutlass.const_expr(masked):  # -inf padding: e = 0 but e * z is nan
+                    if n0 + crd_mn[r, c][1] < vocab:
+                        if cutlass.const_expr(key.want_entropy):
+                            sez = sez + e * z
+                        if cutlass.const_expr(key.want_sum_z):
+                            sz = sz + z
+                else:
+                    if cutlass.const_expr(key.want_entropy):
+                        sez = sez + e * z
+                    if cutlass.const_expr(key.want_sum_z):
+                        sz = sz + z
+                if cutlass.const_expr(key.store_z):
+                    if cutlass.const_expr(key.fold):
+                        acc_mn[r, c] = e * scale
+                    else:
+                        acc_mn[r, c] = z - mx
+            for off in cutlass.range_constexpr(1, 3):
+                se = se + cute.arch.shuffle_sync_bfly(se, offset=off)
+                zy = zy + cute.arch.shuffle_sync_bfly(zy, offset=off)
+                if cutlass.const_expr(key.want_entropy):
+                    sez = sez + cute.arch.shuffle_sync_bfly(sez, offset=off)
+                if cutlass.const_expr(key.want_sum_z):
+                    sz = sz + cute.arch.shuffle_sync_bfly(sz, offset=off)
+                if cutlass.const_expr(key.want_sum_sq):
+                    ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=off)
+            if lane % 4 == 0 and row < n and tile_ok:
+                mP[0, coord[1], row] = mx
+                mP[1, coord[1], row] = se
+                if cutlass.const_expr(key.want_entropy):
+                    mP[2, coord[1], row] = sez
+                if cutlass.const_expr(key.want_sum_z):
+                    mP[2 + int(key.want_entropy), coord[1], row] = sz
+                if cutlass.const_expr(key.want_sum_sq):
+                    mP[2 + int(key.want_entropy) + int(key.want_sum_z), coord[1], row] = ssq
+                if t_col[r] >= 0 and t_col[r] < TILE_V and target[r] < cutlass.Int64(vocab):
+                    mZY[row] = zy
+                # A target outside [0, V) gets 0 from the first tile: no zero-filled buffer.
+                if coord[1] == 0 and (target[r] < 0 or target[r] >= cutlass.Int64(vocab)):
+                    mZY[row] = cutlass.Float32(0.0)
 
     # Ping-pong turns: named barriers 2, 3 (main loop) and 4, 5 (epilogue) of both warpgroups'
     # 256 threads; a warpgroup waits on its own and arrives on the other's (as CUTLASS's

@@ -134,7 +134,7 @@ def _epilogue_kernel(
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr, WANT_ENTROPY: tl.constexpr, WANT_SUM_Z: tl.constexpr, WANT_SUM_SQ: tl.constexpr,
     STORE_Z: tl.constexpr, FOLD: tl.constexpr, EXP_CLAMP: tl.constexpr, STORE_TMA: tl.constexpr,
-    ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
+    ROUND_Y: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
@@ -152,14 +152,14 @@ def _epilogue_kernel(
         # Every sum comes from the centred tile c = z - m alone (Σ e z = Σ e c + m Σ e, z_y = c_y + m):
         # z is dead once c is formed, so one [BLOCK_N, BLOCK_V] fp32 tensor is live, not two
         # (measured: no register spills, against 26 for the statistics and 74 with the store).
-        # Masked columns: -inf for the max and exp (e = 0), 0 in the sums of c. Every tile has a
-        # valid column, so m is finite.
-        z_or_ninf = tl.where(col_ok[None, :], z, -float("inf"))
+        # Masked columns (none where EVEN_V: a select an element saved): -inf for the max and exp
+        # (e = 0), 0 in the sums of c. Every tile has a valid column, so m is finite.
+        z_or_ninf = z if EVEN_V else tl.where(col_ok[None, :], z, -float("inf"))
         m = tl.max(z_or_ninf, axis=1)
         centred = z_or_ninf - m[:, None]
         if STORE_Z and not FOLD:
             _store_tile(z_dst, stride_zn, centred.to(tl.float16), rows, cols, row_ok, col_ok, row0, col0, STORE_TMA)
-        finite = tl.where(col_ok[None, :], centred, 0.0)
+        finite = centred if EVEN_V else tl.where(col_ok[None, :], centred, 0.0)
         # The target's logit (from the same tile as the maximum: exactly m when it is the largest,
         # so is_top1 is exact) where it costs least: before e is formed where a probability tile
         # is stored last (e live beside the centred tile through this sum costs that GEMM ~4%),
@@ -297,7 +297,7 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool, z_ou
         STORE_Z=z_out is not None, FOLD=fold, EXP_CLAMP=EXP_CLAMP,
         STORE_TMA=store_tma,
         ROUND_Y=not fp32_logits and hidden.dtype != torch.float32, EVEN_K=hidden_size % t.block_k == 0,
-        USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
+        EVEN_V=vocab % t.block_v == 0, USE_TMA=tma, DOT_PRECISION=dot_precision(hidden.dtype), UPCAST=interpreting(),
         BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_K=t.block_k, GROUP_N=cfg.group_n,
         PERSISTENT=cfg.persistent, WARP_SPECIALIZE=cfg.persistent and cfg.warp_specialize_stats and z_out is None,
         num_warps=t.warps, num_stages=t.stages, **flags)
