@@ -56,8 +56,9 @@ def triton_kernels(want_sum_sq: bool):
            dict(FLAGS, **TILE_FLAGS, BLOCK_N=128, BLOCK_V=128, BLOCK_K=64), dict(num_warps=8, num_stages=3))
     for store in (False, True):
         yield (f"gemm._epilogue_kernel[store_z={store}]", gemm._epilogue_kernel, dict(operands, z_dst="*fp16"),
-               dict(FLAGS, **TILE_FLAGS, EVEN_V=True, FOLD=False, EXP_CLAMP=88.0, STORE_Z=store, STORE_TMA=False, BLOCK_N=128, BLOCK_V=256, BLOCK_K=64,
-                    PERSISTENT=True, WARP_SPECIALIZE=False), dict(num_warps=8, num_stages=3))
+               dict(FLAGS, **TILE_FLAGS, EVEN_V=True, FOLD=False, EXP_CLAMP=88.0, STORE_Z=store, STORE_TMA=False,
+                    BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, PERSISTENT=True, WARP_SPECIALIZE=False),
+               dict(num_warps=8, num_stages=3))
 
 
 def compile_triton(want_sum_sq: bool) -> None:

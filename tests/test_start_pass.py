@@ -307,7 +307,8 @@ def test_nothing_starts_ahead_of_rows_with_a_gradient_first(launches):
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
     ids, adv = torch.randint(0, V, (b, t), generator=g), torch.randn(b, generator=g)
     old = -torch.rand(b, t, generator=g)
-    for chunk_rows, dense, constant in ((1024, [1024, 1024], [768, 768, 512]), (2048, [64, 64, 1920], [64, 64, 1408, 512])):
+    for chunk_rows, dense, constant in ((1024, [1024, 1024], [768, 768, 512]),
+                                        (2048, [64, 64, 1920], [64, 64, 1408, 512])):
         for adv_now, want in ((adv, dense), (torch.where(torch.arange(b) % 4 == 0, 0.0, adv), constant)):
             launches.clear()
             loss, _ = logitless.policy_loss(h, w, ids, torch.ones(b, t), adv_now, old,
