@@ -21,7 +21,9 @@ read them unchanged. The statistics come from the fp32 accumulator.
 * Epilogue: the WGMMA accumulator gives each thread 2 rows x 64 columns of the tile; each row's
   maximum and sums are reduced over the thread's columns, then across the 4 threads that share the
   row (two butterfly shuffles). The targets (and references) are read before the main loop, so
-  their latency hides.
+  their latency hides. Only the vocabulary's last tile masks its columns, and only a thread whose
+  columns hold a row's target compares columns for it (docs/architecture.md, "The statistics
+  GEMM's epilogue on whole tiles").
 * The tile store (``z - m`` in fp16, or ``exp(z - ref)`` in bf16) goes through shared memory and
   TMA bulk stores, as the example's epilogue does.
 
@@ -424,11 +426,12 @@ class StatsGemm:
         key = self.key
         m0 = coord[0] * self.tile_n
         n0 = coord[1] * TILE_V
+        cols = cute.size(acc_mn, mode=[1])
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row = m0 + crd_mn[r, 0][0]
-            cols = cute.size(acc_mn, mode=[1])
             mx = cutlass.Float32(-math.inf)
             for c in cutlass.range_constexpr(cols):
+                # The element's column only where a mask or the bias reads it.
                 col = n0 + crd_mn[r, c][1] if cutlass.const_expr(masked or key.has_bias) else n0
                 z = self._logit(acc_mn[r, c], col, mBias, vocab, scalars)
                 if cutlass.const_expr(masked):
