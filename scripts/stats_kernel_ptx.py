@@ -9,7 +9,8 @@ that may differ).
     CUTE_DSL_ARCH=sm_90a PYTHONPATH=src VENV/bin/python scripts/stats_kernel_ptx.py --cute
 
 Each line: kernel, the flags it was compiled with, instruction lines, digest. Equal digests for
-the same kernel and flags across revisions mean the same instructions.
+the same kernel and flags across revisions mean the same instructions. CuTe lines add the SASS
+instruction count and the spill loads and stores (the DSL keeps the cubin).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import itertools
 import os
 import re
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -113,7 +115,7 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
         def fake(dtype, shape, stride, align=16):
             return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
-        for old in dump.glob("*.ptx"):
+        for old in [*dump.glob("*.ptx"), *dump.glob("*.cubin")]:
             old.unlink()
         cute.compile(K.StatsGemm(K.KernelKey(**key)), fake(cutlass.BFloat16, (n, h, 1), (row, 1, 0)),
                          fake(cutlass.BFloat16, (v, h, 1), (row, 1, 0)),
@@ -126,7 +128,22 @@ def compile_cute(want_sum_sq: bool, dump: Path) -> None:
                      (cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Float32(1.0)), 132, make_fake_stream())
         (ptx,) = dump.glob("*.ptx")
         named = ([] if pingpong is None else [f"pingpong={pingpong}"]) + ([] if fold is None else [f"fold={fold}"])
-        print(f"cute.StatsGemm[store_z={store_z}]", f"sum_sq={want_sum_sq}", *named, *digest(ptx.read_text()))
+        print(f"cute.StatsGemm[store_z={store_z}]", f"sum_sq={want_sum_sq}", *named, *digest(ptx.read_text()),
+              *sass_counts(dump))
+
+
+def sass_counts(dump: Path) -> list[str]:
+    """The kept cubin's SASS (Triton's bundled ``cuobjdump``): its instructions, and its local-memory
+    loads and stores (register spills)."""
+    import triton
+
+    cubins = list(dump.glob("*.cubin"))
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if len(cubins) != 1 or not tool.exists():
+        return []
+    sass = subprocess.run([str(tool), "-sass", str(cubins[0])], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    return [f"sass={len(ops)}", f"spills={sum(op in ('LDL', 'STL') for op in ops)}"]
 
 
 def main() -> None:
@@ -135,7 +152,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as dump:
         # Read when the CuTe DSL is imported: set before anything imports it.
-        os.environ.update(CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=dump)
+        os.environ.update(CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=dump)
         for want_sum_sq in (False, True):
             if args.cute:
                 compile_cute(want_sum_sq, Path(dump))
