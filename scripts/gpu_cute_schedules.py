@@ -9,11 +9,9 @@ over the floor of that run (from a synchronization / in a step).
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
+
+from gpu_src_ab import bench_lines, split_args  # (this script's folder is on sys.path)
 
 CHILD = """
 import sys
@@ -27,18 +25,10 @@ DEFAULT_ARGS = ["--shapes", "8k:llama3-8b,8k:gemma2-2b", "--objectives", "grpo,c
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    pairs, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    pairs, bench_args = split_args(sys.argv[1:])
     for pair in pairs:
-        with tempfile.TemporaryDirectory() as out:
-            subprocess.run([sys.executable, "-c", CHILD, pair, "bench", *(bench_args or DEFAULT_ARGS), "--out", out,
-                            "--no-report"], check=True, stdout=subprocess.DEVNULL)
-            (result,) = Path(out).rglob("*.json")
-            data = json.loads(result.read_text())
-        for case in data["cases"]:
-            cells = [f"{r['objective']} {r['row']} {r['ratio_to_floor']:.3f} / {r.get('in_step_ratio') or 0:.3f}"
-                     for r in case["results"] if r["row"] != "floor" and r.get("ratio_to_floor")]
-            print(f"{pair} {case['model']} {case['n_tokens']}: " + " | ".join(cells), flush=True)
+        for line in bench_lines([sys.executable, "-c", CHILD, pair, "bench"], bench_args or DEFAULT_ARGS):
+            print(f"{pair} {line}", flush=True)
 
 
 if __name__ == "__main__":

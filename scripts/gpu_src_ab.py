@@ -21,22 +21,32 @@ DEFAULT_ARGS = ["--shapes", "8k:llama3-8b,8k:gemma2-2b", "--objectives", "grpo,c
                 "--rows", "floor,logitless-fused", "--min-time", "0.5"]
 
 
-def run_tree(src: str, bench_args: list[str]) -> list[str]:
-    """One bench run on ``src``: a line per case, each objective's ratios to the floor."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(src).resolve()), os.environ.get("PYTHONPATH", "")]))
+def bench_lines(command: list[str], bench_args: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """One bench run (``command``, e.g. ``python -m logitless.cli bench``, in its own process): a
+    line per case, each row's ratios to the floor."""
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-m", "logitless.cli", "bench", *bench_args, "--out", out, "--no-report"],
-                       check=True, stdout=subprocess.DEVNULL, env=env)
+        subprocess.run([*command, *bench_args, "--out", out, "--no-report"], check=True, stdout=subprocess.DEVNULL,
+                       env=env)
         (result,) = Path(out).rglob("*.json")
         data = json.loads(result.read_text())
     return [f"{case['model']} {case['n_tokens']}: " + " | ".join(
-        f"{r['objective']} {r['ratio_to_floor']:.3f} / {r.get('in_step_ratio') or 0:.3f}"
+        f"{r['objective']} {r['row']} {r['ratio_to_floor']:.3f} / {r.get('in_step_ratio') or 0:.3f}"
         for r in case["results"] if r["row"] != "floor" and r.get("ratio_to_floor")) for case in data["cases"]]
 
 
+def run_tree(src: str, bench_args: list[str]) -> list[str]:
+    """:func:`bench_lines` of the bench on ``src`` (put in front of ``PYTHONPATH``)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(src).resolve()), os.environ.get("PYTHONPATH", "")]))
+    return bench_lines([sys.executable, "-m", "logitless.cli", "bench"], bench_args, env)
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(what to compare, the bench's arguments)``: either side of a ``--``."""
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+
+
 def main() -> None:
-    argv = sys.argv[1:]
-    trees, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    trees, bench_args = split_args(sys.argv[1:])
     for round_ in range(int(os.environ.get("ROUNDS", 2))):
         for src in trees:
             for line in run_tree(src, bench_args or DEFAULT_ARGS):
