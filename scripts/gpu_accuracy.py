@@ -8,7 +8,9 @@ and entropies' max / mean absolute error (nats), and for the bench's GRPO object
 beta 0.04) the loss's relative error and the gradients' relative L2 error. Then every cross-entropy
 row of the bench (logitless and the other libraries: Liger's Triton and CuTe DSL kernels, Cut
 Cross-Entropy, ``torch.compile``), as the bench runs it: the loss's and the gradients' relative errors.
-Then the bench's fused DPO, KTO and SimPO on each GPU backend, the same errors.
+Then the bench's fused DPO, KTO and SimPO on each GPU backend, the same errors; then the bench's
+distillation (its teacher head; forward KL and the generalized JSD at beta 0.5) on each GPU
+backend with distillation kernels, against the same bf16 inputs upcast to float64.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import logitless
 from logitless import PassOptions
 from logitless.bench.cases import make_inputs, parse_shape
-from logitless.bench.competitors import Unavailable, dpo_logitless, kto_logitless, rows_of, simpo_logitless
+from logitless.bench.competitors import Unavailable, _teacher, dpo_logitless, kto_logitless, rows_of, simpo_logitless
 from logitless.bench.plain import GRPO_CONFIG
 from logitless.ops.contract import cute_runs_on
 
@@ -43,6 +45,13 @@ def _run(x, hidden, weight, options):
     return lp.double(), ent.double(), loss.detach().double(), h.grad.double(), w.grad.double()
 
 
+def _errors(got: tuple, ref: tuple) -> dict[str, float]:
+    """``(loss, d hidden, d weight)`` against float64's: the loss's and the gradients' relative errors."""
+    return {"loss_rel": ((got[0] - ref[0]).abs() / ref[0].abs()).item(),
+            "grad_hidden_rel": ((got[1] - ref[1]).norm() / ref[1].norm()).item(),
+            "grad_weight_rel": ((got[2] - ref[2]).norm() / ref[2].norm()).item()}
+
+
 def _ce_rows(x) -> list[dict]:
     """Each cross-entropy row of the bench against the float64 token mean."""
     h = x.hidden.detach().double().reshape(-1, x.hidden.shape[-1]).requires_grad_()
@@ -61,9 +70,8 @@ def _ce_rows(x) -> list[dict]:
         except Unavailable as e:
             out.append({"row": row.name, "skipped": str(e)})
             continue
-        out.append({"row": row.name, "loss_rel": ((loss - ref).abs() / ref.abs()).item(),
-                    "grad_hidden_rel": ((x.hidden.grad.double() - ref_h).norm() / ref_h.norm()).item(),
-                    "grad_weight_rel": ((x.weight.grad.double() - ref_w).norm() / ref_w.norm()).item()})
+        out.append({"row": row.name,
+                    **_errors((loss, x.hidden.grad.double(), x.weight.grad.double()), (ref, ref_h, ref_w))})
         x.hidden.grad = x.weight.grad = None
         torch.cuda.empty_cache()
     return out
@@ -81,11 +89,34 @@ def _preference_rows(x) -> list[dict]:
         for impl in [r[0] for r in ROWS if r[1:] == ("fp32", "fused")]:
             x.hidden.grad = x.weight.grad = None
             loss = make(x, impl).step()["loss"].double()
-            out.append({"objective": name, "impl": impl, "loss_rel": ((loss - ref).abs() / ref.abs()).item(),
-                        "grad_hidden_rel": ((x.hidden.grad.double() - ref_h).norm() / ref_h.norm()).item(),
-                        "grad_weight_rel": ((x.weight.grad.double() - ref_w).norm() / ref_w.norm()).item()})
+            out.append({"objective": name, "impl": impl,
+                        **_errors((loss, x.hidden.grad.double(), x.weight.grad.double()), (ref, ref_h, ref_w))})
         x.hidden.grad = x.weight.grad = None
         del ref_h, ref_w
+        torch.cuda.empty_cache()
+    return out
+
+
+def _distill_rows(x) -> list[dict]:
+    """The bench's distillation on each GPU backend against the torch backend in float64."""
+    th, tw = _teacher(x)
+    h, w = x.hidden.detach().reshape(-1, x.hidden.shape[-1]), x.weight.detach()
+    out = []
+    for divergence, beta in (("forward_kl", 0.0), ("generalized_jsd", 0.5)):
+        cfg = logitless.DistillConfig(divergence=divergence, beta=beta)
+
+        def run(hh, ww, t_h, t_w, impl, cfg=cfg):
+            hh, ww = hh.clone().requires_grad_(), ww.clone().requires_grad_()
+            loss, _ = logitless.distill_loss(hh, ww, t_h, t_w, config=cfg, options=PassOptions(impl=impl))
+            loss.backward()
+            return loss.detach().double(), hh.grad.double(), ww.grad.double()
+
+        ref = run(h.double(), w.double(), th.double(), tw.double(), "torch")
+        for impl in sorted({r[0] for r in ROWS} - {"triton"}):  # the backends with distillation kernels
+            got = run(h, w, th, tw, impl)
+            out.append({"objective": divergence, "impl": impl, **_errors(got, ref)})
+            del got
+        del ref
         torch.cuda.empty_cache()
     return out
 
@@ -109,7 +140,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     record = {"device": name, "shape": case.label, "true_entropy": x.true_entropy,
-              "rows": rows, "ce_rows": _ce_rows(x), "preference_rows": _preference_rows(x)}
+              "rows": rows, "ce_rows": _ce_rows(x), "preference_rows": _preference_rows(x),
+              "distill_rows": _distill_rows(x)}
     print(f"{record['device']}  {case.label}  mean entropy {x.true_entropy:.2f} nats; errors vs float64")
     print(f"{'backend':8s} {'logits':6s} {'mode':9s} {'logp max':>9s} {'logp mean':>9s} {'ent max':>9s} "
           f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
@@ -124,6 +156,10 @@ def main() -> None:
     print(f"fused preference losses: {'objective':9s} {'backend':8s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
     for r in record["preference_rows"]:
         print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
+              f"{r['grad_weight_rel']:9.2e}")
+    print(f"distillation: {'objective':15s} {'backend':8s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
+    for r in record["distill_rows"]:
+        print(f"  {r['objective']:15s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
               f"{r['grad_weight_rel']:9.2e}")
     if len(sys.argv) > 2:
         with open(sys.argv[2], "w") as f:

@@ -43,8 +43,8 @@ def test_refused_where_it_cannot_run(monkeypatch):
     ((9, 0), True, "cute"), ((9, 0), False, "gemm"), ((10, 0), True, "gemm"), ((8, 0), True, "triton")])
 def test_auto_picks_cute_on_hopper_where_installed(monkeypatch, capability, cute, want):
     """``impl="auto"`` names the CuTe backend on sm90 with the CuTe DSL installed, the gemm backend
-    on other sm90+ GPUs, the Triton one below; distillation, which the CuTe backend has no
-    two-head pass for, then runs on the gemm backend."""
+    on other sm90+ GPUs, the Triton one below; distillation, where the CuTe GEMM is no faster,
+    then runs on the gemm backend, and on the CuTe one when named."""
     from logitless.ops import distill_contract
 
     monkeypatch.setattr(contract, "triton_available", lambda: True)
@@ -57,21 +57,23 @@ def test_auto_picks_cute_on_hopper_where_installed(monkeypatch, capability, cute
     monkeypatch.setattr(distill_contract, "resolve_backend", lambda impl, hidden: asked.append(impl) or
                         contract.resolve_backend("torch", hidden))
     monkeypatch.setattr(distill_contract, "auto_impl", lambda device: contract.auto_impl(cuda))
-    distill_contract.resolve_distill("auto", torch.randn(4, 8), None, 1)
-    assert asked == ["gemm" if want == "cute" else "auto"]
+    for impl in ("auto", "cute"):
+        distill_contract.resolve_distill(impl, torch.randn(4, 8), None, 1)
+    assert asked == ["gemm" if want == "cute" else "auto", "cute"]
 
 
 @on_hopper
 @pytest.mark.cuda
 def test_auto_resolves_to_cute_on_this_gpu():
     from logitless.ops.cute_backend import backend as cute_backend
+    from logitless.ops.cute_backend import distill as cute_distill
+    from logitless.ops.distill_contract import resolve_distill
     from logitless.ops.gemm_backend import distill as gemm_distill
 
     hidden = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
     assert contract.resolve_backend("auto", hidden) is cute_backend
-    from logitless.ops.distill_contract import resolve_distill
-
     assert resolve_distill("auto", hidden, hidden, 1) is gemm_distill
+    assert resolve_distill("cute", hidden, hidden, 1) is cute_distill
 
 
 def _inputs(dtype, transform_key, hidden_size, seed=0):

@@ -135,3 +135,59 @@ def test_bad_values_still_raise_their_named_error(events, mode, bad):
     assert events.index("stats") < events.index("read"), events
     assert h.grad is None and w.grad is None
 
+
+
+
+def _distill_inputs(bad: str | None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    b, t, ht = 4, 12, 24
+    h = torch.randn(b, t, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16)
+    th = torch.randn(b, t, ht, generator=g).to(torch.bfloat16)
+    tw = (torch.randn(V, ht, generator=g) * 0.7).to(torch.bfloat16)
+    if bad == "nan_teacher_hidden":
+        th[1, 5, 2] = float("nan")
+    elif bad == "inf_weight":
+        w[7, 3] = float("inf")
+    return h.requires_grad_(), w.requires_grad_(), th, tw
+
+
+def _distill_call(h, w, th, tw):
+    loss, metrics = logitless.distill_loss(h, w, th, tw, config=logitless.DistillConfig(divergence="forward_kl"),
+                                           options=PassOptions(mode="fused", impl="gemm"))
+    loss.backward()
+    return [loss, h.grad, w.grad, *metrics.values()]
+
+
+@interpreted
+@pytest.mark.parametrize("read_first", [False, True])
+@pytest.mark.parametrize("bad", [None, "nan_teacher_hidden", "inf_weight"])
+def test_distillation_reads_its_checks_after_the_pass(monkeypatch, read_first, bad):
+    """Distillation without a mask or targets (every position counts, no count to read) queues
+    its pass before it reads its value checks, where the backend's kernels take unchecked values:
+    the same loss, gradients and metrics bit for bit as a call that reads them first (a backend
+    without ``unchecked_values``), and a bad value still raises its named error with no gradient
+    reaching the caller's tensors."""
+    import dataclasses
+
+    from logitless.ops.gemm_backend import distill as distill_gemm
+
+    seen: list[str] = []
+    real_forward, real_read = distill_gemm.chunk_forward, ValueChecks.read
+    monkeypatch.setattr(distill_gemm, "chunk_forward", lambda *a, **k: seen.append("stats") or real_forward(*a, **k))
+    monkeypatch.setattr(ValueChecks, "read", lambda self: seen.append("read") or real_read(self))
+    checked_first = dataclasses.replace(distill_gemm.CAPS, unchecked_values=False)
+    if read_first:
+        monkeypatch.setattr(distill_gemm, "CAPS", checked_first)
+    inputs = _distill_inputs(bad)
+    if bad is not None:
+        with pytest.raises(ValueError, match="NaN or inf"):
+            _distill_call(*inputs)
+        assert seen[0] == ("read" if read_first else "stats"), seen
+        assert inputs[0].grad is None and inputs[1].grad is None
+        return
+    ours = _distill_call(*inputs)
+    assert seen[0] == ("read" if read_first else "stats") and "read" in seen, seen
+    monkeypatch.setattr(distill_gemm, "CAPS", checked_first)
+    for a, b in zip(ours, _distill_call(*_distill_inputs(None)), strict=True):
+        assert torch.equal(a, b)

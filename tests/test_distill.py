@@ -446,9 +446,9 @@ def test_counted_rows_are_views_when_every_position_counts(monkeypatch, masked):
     seen = {}
     make = distill_ops.DistillPass.make
 
-    def spy(h, head, targets, th, teacher, beta, options):
+    def spy(h, head, targets, th, teacher, beta, options, **kw):
         seen["student"], seen["teacher"] = h.data_ptr(), th.data_ptr()
-        return make(h, head, targets, th, teacher, beta, options)
+        return make(h, head, targets, th, teacher, beta, options, **kw)
 
     monkeypatch.setattr(distill_ops.DistillPass, "make", staticmethod(spy))
     mask = torch.ones(N, dtype=torch.bool)

@@ -1,23 +1,29 @@
-"""Distillation on the GEMM-epilogue kernels vs the torch functions and float64, under the Triton
-interpreter (in a child pytest, as the other kernel modules; ``test_gpu_matches_torch`` runs the
-compiled kernels where CUDA exists).
+"""Distillation on the GEMM-epilogue and CuTe backends vs the torch functions and float64: the
+GEMM-epilogue kernels under the Triton interpreter (in a child pytest, as the other kernel
+modules); ``cuda``-marked tests run the same cases and a larger one on the compiled kernels of
+both backends (CuTe on sm90 with the CuTe DSL).
 
-``distill_loss`` with ``impl="gemm"`` on bf16 heads against the same call on the torch functions
-(bf16) and on float64 inputs: ``|gemm - fp64| <= |torch - fp64| + tol`` for the loss, every metric
-and the student's gradients.
+``distill_loss`` on bf16 heads against the same call on the torch functions (bf16) and on float64
+inputs: ``|ours - fp64| <= |torch - fp64| + tol`` for the loss, every metric and the student's
+gradients.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 from interpreter import INTERPRETED, child_run, interpreted
 
 from logitless import DistillConfig, Head, LogitTransform, PassOptions, distill_loss
+from logitless.ops.contract import cute_runs_on
+from logitless.ops.triton_shared import distill_tiles
 
 pytest.importorskip("triton")
 
 test_under_interpreter = child_run(__file__)
+CUTE = torch.cuda.is_available() and not INTERPRETED and cute_runs_on(torch.device("cuda"))
 
 # Interpreter tiles are 32 entries wide: V = 203 is 7 tiles with an 11-entry tail; a 70-entry
 # vocabulary block (chunk_bytes below) ends inside a tile.
@@ -27,6 +33,8 @@ BLOCKS = N * 4 * 70  # two fp16 tiles of 70 entries per token: three vocabulary 
 CASES = [
     # divergence, beta, ce_weight, transforms, mode, chunk_bytes
     ("forward_kl", 0.5, 0.0, False, "fused", None),
+    ("forward_kl", 0.5, 0.0, "temperature", "fused", None),
+    ("generalized_jsd", 0.0, 0.0, "temperature", "fused", None),
     ("reverse_kl", 0.5, 0.5, True, "recompute", BLOCKS),
     ("generalized_jsd", 0.5, 0.3, True, "fused", None),
     ("generalized_jsd", 0.3, 0.0, False, "recompute", None),
@@ -35,17 +43,20 @@ CASES = [
 ]
 
 
-def _case(transforms: bool, seed: int = 0):
+def _case(transforms: bool | str, seed: int = 0):
+    """``transforms``: biases and a soft-capped student; ``"temperature"``: temperatures only."""
     g = torch.Generator().manual_seed(seed)
     hs = torch.randn(N, H, generator=g)
     ws = torch.randn(V, H, generator=g) * 2.5 / H**0.5
     ht = hs[:, :HT] * 0.8 + 0.4 * torch.randn(N, HT, generator=g)
     wt = ws[:, :HT] * 1.2 + 0.3 * torch.randn(V, HT, generator=g) / HT**0.5
-    bs, bt = (torch.randn(V, generator=g) * 0.5, torch.randn(V, generator=g) * 0.5) if transforms else (None, None)
+    full = transforms is True
+    bs, bt = (torch.randn(V, generator=g) * 0.5, torch.randn(V, generator=g) * 0.5) if full else (None, None)
     labels = torch.randint(0, V, (N,), generator=g)
     labels[::9] = -100
     mask = (torch.rand(N, generator=g) < 0.85).long()
-    ts = LogitTransform(temperature=0.8, softcap=6.0) if transforms else LogitTransform()
+    ts = LogitTransform(temperature=0.8, softcap=6.0) if full else LogitTransform(temperature=0.7) if transforms else (
+        LogitTransform())
     tt = LogitTransform(temperature=1.2) if transforms else LogitTransform()
     return hs, ws, bs, ts, ht, wt, bt, tt, labels, mask
 
@@ -61,20 +72,8 @@ def _run(case, dtype, cfg, options):
     return [loss.detach().double()], {k: v.detach().double() for k, v in metrics.items()}, [g.double() for g in grads]
 
 
-@interpreted
-@pytest.mark.parametrize(("divergence", "beta", "ce_weight", "transforms", "mode", "chunk_bytes"), CASES)
-def test_matches_torch_and_float64(monkeypatch, divergence, beta, ce_weight, transforms, mode, chunk_bytes):
-    from logitless.ops.gemm_backend import distill as distill_gemm
-
-    calls = []
-    real = distill_gemm.chunk_forward
-    monkeypatch.setattr(distill_gemm, "chunk_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
-    case = _case(transforms)
-    cfg = DistillConfig(divergence=divergence, beta=beta, ce_weight=ce_weight)
-    ours = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl="gemm", chunk_bytes=chunk_bytes))
-    assert calls, "the pass did not run on the gemm kernels"
-    ref = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl="torch", chunk_bytes=chunk_bytes))
-    exact = _run(case, torch.float64, cfg, PassOptions(mode=mode, impl="torch"))
+def _assert_close(ours, ref, exact):
+    """``|ours - fp64| <= |ref - fp64| + tol`` for the loss, every metric and the gradients."""
     for what, tol in (("loss", 1e-4), ("metrics", 1e-4), ("grads", 2e-2)):
         i = ("loss", "metrics", "grads").index(what)
         a, b, c = ours[i], ref[i], exact[i]
@@ -86,6 +85,62 @@ def test_matches_torch_and_float64(monkeypatch, divergence, beta, ce_weight, tra
             scale = z.abs().max() if what == "grads" else z.abs().max().clamp_min(1.0)
             bound = (y - z).abs() + tol * scale
             assert torch.all((x - z).abs() <= bound), f"{what}[{name}]: {((x - z).abs() - bound).max():.3e} over"
+
+
+def _check_case(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode, chunk_bytes, device="cpu"):
+    """One case on ``impl``'s distillation kernels against the torch functions (bf16) and float64."""
+    module = importlib.import_module(f"logitless.ops.{impl}_backend.distill")
+    calls = []
+    real = module.chunk_forward
+    monkeypatch.setattr(module, "chunk_forward", lambda *a, **k: calls.append("chunk") or real(*a, **k))
+    for name in ("launch_cross", "launch_forward_kl"):  # which way the cross sums are taken
+        launch = getattr(distill_tiles, name)
+        monkeypatch.setattr(distill_tiles, name, lambda *a, _f=launch, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    case = [x if x is None or isinstance(x, LogitTransform) else x.to(device) for x in _case(transforms)]
+    cfg = DistillConfig(divergence=divergence, beta=beta, ce_weight=ce_weight)
+    ours = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl=impl, chunk_bytes=chunk_bytes))
+    assert "chunk" in calls, f"the pass did not run on the {impl} kernels"
+    # p - q in one read of both tiles: the forward KL's gradient alone, whole rows kept, no soft-cap or bias.
+    one_read = cfg.kind == "forward_kl" and ce_weight == 0 and transforms is not True and mode == "fused" and (
+        chunk_bytes is None)
+    assert ("launch_forward_kl" in calls, "launch_cross" in calls) == (one_read, not one_read)
+    ref = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl="torch", chunk_bytes=chunk_bytes))
+    exact = _run(case, torch.float64, cfg, PassOptions(mode=mode, impl="torch"))
+    _assert_close(ours, ref, exact)
+
+
+@interpreted
+@pytest.mark.parametrize(("divergence", "beta", "ce_weight", "transforms", "mode", "chunk_bytes"), CASES)
+def test_matches_torch_and_float64(monkeypatch, divergence, beta, ce_weight, transforms, mode, chunk_bytes):
+    _check_case(monkeypatch, "gemm", divergence, beta, ce_weight, transforms, mode, chunk_bytes)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+@pytest.mark.parametrize("impl", ["gemm", "cute"])
+@pytest.mark.parametrize(("divergence", "beta", "ce_weight", "transforms", "mode", "chunk_bytes"), CASES)
+def test_gpu_cases(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode, chunk_bytes):
+    """The interpreter's cases on the compiled kernels (the CuTe backend's where it runs)."""
+    if impl == "cute" and not CUTE:
+        pytest.skip("needs an sm90 GPU and the CuTe DSL")
+    _check_case(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode, chunk_bytes, "cuda")
+
+
+@interpreted
+def test_forward_kl_only_refuses_other_gradients():
+    """A pass made for the forward KL's gradient alone formed ``p - q`` in its forward: a loss
+    that also reads the entropy gets a named error, not a wrong gradient."""
+    from logitless.ops.distill import DistillPass, run_distill
+
+    hs, ws, _, _, ht, wt, _, _, _, _ = _case(False)
+    h = hs.bfloat16().requires_grad_()
+    head = Head(ws.bfloat16())
+    opts = PassOptions(impl="gemm", mode="fused")
+    p = DistillPass.make(h, head, torch.zeros((N, 0), dtype=torch.long), ht.bfloat16(), Head(wt.bfloat16()), None,
+                         opts, forward_kl_only=True)
+    assert p.heads.forward_kl_only
+    with pytest.raises(RuntimeError, match="forward_kl_only"):  # fused: the gradient is taken in the call
+        run_distill(p, lambda sl, st: ((st.forward_kl + 0.1 * st.entropy).sum(), None), h, head, opts)
 
 
 @interpreted
@@ -116,10 +171,13 @@ def test_scope():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+@pytest.mark.parametrize("impl", ["gemm", "cute"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "generalized_jsd"])
-def test_gpu_matches_torch(divergence):
+def test_gpu_matches_torch(impl, divergence):
     """Compiled kernels at a real tile size, V not a multiple of the tiles: loss and metrics within
     1e-4 of float64 (relative), gradients as close to float64 as the torch functions' bf16 path."""
+    if impl == "cute" and not CUTE:
+        pytest.skip("needs an sm90 GPU and the CuTe DSL")
     g = torch.Generator(device="cuda").manual_seed(0)
     n, h, v = 1000, 512, 5003
     hs = torch.randn(n, h, device="cuda", generator=g).bfloat16()
@@ -128,14 +186,14 @@ def test_gpu_matches_torch(divergence):
     wt = (ws.float() + 0.3 * torch.randn(v, h, device="cuda", generator=g) / h**0.5).bfloat16()
     cfg = DistillConfig(divergence=divergence, beta=0.5)
     out = {}
-    for name, dtype, impl in (("gemm", torch.bfloat16, "gemm"), ("torch", torch.bfloat16, "torch"),
-                              ("fp64", torch.float64, "torch")):
+    for name, dtype, run_on in (("ours", torch.bfloat16, impl), ("torch", torch.bfloat16, "torch"),
+                                ("fp64", torch.float64, "torch")):
         hh, ww = hs.to(dtype).clone().requires_grad_(), ws.to(dtype).clone().requires_grad_()
-        loss, _ = distill_loss(hh, ww, ht.to(dtype), wt.to(dtype), config=cfg, options=PassOptions(impl=impl))
+        loss, _ = distill_loss(hh, ww, ht.to(dtype), wt.to(dtype), config=cfg, options=PassOptions(impl=run_on))
         loss.backward()
         out[name] = (loss.double(), hh.grad.double(), ww.grad.double())
-    assert abs(out["gemm"][0] - out["fp64"][0]) <= 1e-4 * abs(out["fp64"][0])
+    assert abs(out["ours"][0] - out["fp64"][0]) <= 1e-4 * abs(out["fp64"][0])
     for i in (1, 2):
-        err = (out["gemm"][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
+        err = (out["ours"][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
         ref = (out["torch"][i] - out["fp64"][i]).norm() / out["fp64"][i].norm()
         assert err <= ref + 5e-3, (i, err.item(), ref.item())

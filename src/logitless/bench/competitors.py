@@ -438,7 +438,7 @@ def distill_logitless(x: Inputs, impl: str, beta: float = 0.0) -> Prepared:
 
     from ..ops.distill_contract import resolve_distill
 
-    # The backend whose distillation kernels run (the CuTe backend has none: the gemm one's then).
+    # The backend whose distillation kernels run.
     kernels = resolve_distill(impl, x.hidden.detach(), th, 0)
     return Prepared(step, kernels.__name__.split(".")[-2].removesuffix("_backend"))
 

@@ -235,13 +235,19 @@ def distill_loss(
         check_mask(mask, "mask", checks, hidden.device, binary=True)
     if num_items_in_batch is not None and cfg.reduction == "mean":
         num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device)
-    counted = _counted(shape, mask, targets, hidden.device)
-    order, counted_count = counted_first_order(counted.reshape(-1))
-    if targets is not None:
-        check_target_range(targets, id_bound, checks, counted, ignore_index=_IGNORE)
-    # The value checks' one synchronization also reads how many positions count.
-    n, positions = int(checks.run(counted_count)[0]), counted.numel()
-    idx = order[:n]
+    positions = math.prod(shape)
+    # Without a mask or targets every position counts: nothing to read before the pass, and the
+    # checks are read after it where its backend's kernels take unchecked values (below).
+    read_later = mask is None and targets is None
+    n, idx = positions, None
+    if not read_later:
+        counted = _counted(shape, mask, targets, hidden.device)
+        order, counted_count = counted_first_order(counted.reshape(-1))
+        if targets is not None:
+            check_target_range(targets, id_bound, checks, counted, ignore_index=_IGNORE)
+        # The value checks' one synchronization also reads how many positions count.
+        n = int(checks.run(counted_count)[0])
+        idx = order[:n]
 
     def rows(x: torch.Tensor) -> torch.Tensor:  # a view when every position counts
         return counted_rows(x, len(shape), idx, n == positions)
@@ -261,7 +267,10 @@ def distill_loss(
     # tensors (padded rows: zero).
     p = DistillPass.make(h, replace(head, weight=weight, bias=bias), columns, th,
                          replace(teacher, weight=teacher_weight, bias=teacher_bias) if dense else None,
-                         cfg.beta if dense and cfg.kind == "jsd" else None, options)
+                         cfg.beta if dense and cfg.kind == "jsd" else None, options,
+                         forward_kl_only=dense and cfg.kind == "forward_kl" and cfg.ce_weight == 0)
+    if read_later and not p.backend.CAPS.unchecked_values:
+        checks.read()
     count = max(n, 1)
     if cfg.reduction == "mean":
         denom = count if num_items_in_batch is None else num_items_in_batch
@@ -281,6 +290,7 @@ def distill_loss(
         return (per.sum() if cfg.reduction == "sum" else per.sum() / denom), None
 
     loss, stats, _ = run_distill(p, objective, h, head, options, per_token=cfg.reduction == "none")
+    checks.read()  # before any result is used (done above where the pass needed it first)
 
     metrics: dict[str, torch.Tensor] = {}
     div = divergence(slice(0, n), stats)

@@ -106,8 +106,12 @@ class DistillPass:
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, teacher_hidden: torch.Tensor | None,
-             teacher: Head | None, jsd_beta: float | None, options: PassOptions) -> DistillPass:
+             teacher: Head | None, jsd_beta: float | None, options: PassOptions,
+             forward_kl_only: bool = False) -> DistillPass:
         """``targets`` are global ids; a shard must be on both heads, laid out alike (:func:`check_shards`).
+        ``forward_kl_only``: the loss's gradient will come through ``forward_kl`` alone
+        (:class:`~logitless.ops.distill_contract.DistillHeads`; not under a vocabulary shard,
+        whose ``lse`` are known only once reduced over the group).
 
         Raises:
             ValueError: an adapter on either head; shards of different layouts, or on one head
@@ -136,7 +140,9 @@ class DistillPass:
             local_teacher = teacher.local()
         local = head.local()
         backend = resolve_distill(options.impl, hidden, teacher_hidden, targets.shape[1])
-        return cls(DistillHeads(local, local_teacher, jsd_beta), teacher_hidden, local.local_targets(targets.long()),
+        heads = DistillHeads(local, local_teacher, jsd_beta,
+                             forward_kl_only and teacher is not None and jsd_beta is None and head.shard is None)
+        return cls(heads, teacher_hidden, local.local_targets(targets.long()),
                    backend.plan_for(n, local.weight.shape[0], options, hidden.dtype), backend)
 
     @property

@@ -38,11 +38,14 @@ from .plan import ChunkPlan, Impl, PassOptions
 class DistillHeads(NamedTuple):
     """The resolved heads of a pass: the differentiable ``student``, the frozen ``teacher``
     (``None``: the student's statistics and target log-probs only) and the JSD's mixture weight
-    ``beta`` (``None``: no JSD)."""
+    ``beta`` (``None``: no JSD). ``forward_kl_only``: the loss's gradient comes through
+    ``forward_kl`` alone (:class:`DistillGrads` with that field only), so a backend may form the
+    gradient's ``p - q`` in the forward, before the loss is known."""
 
     student: LocalHead
     teacher: LocalHead | None
     beta: float | None
+    forward_kl_only: bool = False
 
 
 class DistillRows(NamedTuple):
@@ -157,19 +160,22 @@ class DistillPartials:
         range axis on every field (``[ranges, n]``); ``max_over``/``sum_over`` reduce a stack of
         fields across the ranges (all-reduces, or ``max``/``sum`` over dim 1), each called once.
         ``zy``: the targets' logits already summed over the ranges, else ``self.zy`` rides along
-        in the sum (0 where another range owns the id, so the sum is the owner's logit).
+        in the sum (0 where another range owns the id, so the sum is the owner's logit). Gaps
+        that are ``None`` (a teacher's partials without its cross sums, taken later over whole
+        rows) stay ``None``.
         """
-        teacher = self.m_t is not None
+        teacher, gaps = self.m_t is not None, self.sgap is not None
         m = max_over(torch.stack([self.m_s, self.m_t] if teacher else [self.m_s]))
         # 0 for a range without valid rows (local max -inf): it adds nothing to the sums.
         scale_s = torch.exp(self.m_s - m[0])
         sums = [self.se_s * scale_s, self.sez_s * scale_s]
         if teacher:
             scale_t = torch.exp(self.m_t - m[1])
+            sums += [self.se_t * scale_t, self.tez * scale_t]
+        if teacher and gaps:
             # The gaps are centred on each range's maxima: re-centre them on the union's.
             shift = max_moved(self.m_s, m[0]) - max_moved(self.m_t, m[1])
-            sums += [(self.sgap + self.se_s * shift) * scale_s, self.se_t * scale_t, self.tez * scale_t,
-                     (self.tgap - self.se_t * shift) * scale_t]
+            sums += [(self.sgap + self.se_s * shift) * scale_s, (self.tgap - self.se_t * shift) * scale_t]
         stacked = torch.stack(sums)
         if zy is None:
             stacked = torch.cat([stacked, self.zy.movedim(-1, 0)])
@@ -178,7 +184,9 @@ class DistillPartials:
         zy = total[p:].movedim(0, -1) if zy is None else zy
         out = DistillPartials(m_s=m[0], se_s=total[0], sez_s=total[1], zy=zy)
         if teacher:
-            out.sgap, out.m_t, out.se_t, out.tez, out.tgap = total[2], m[1], total[3], total[4], total[5]
+            out.m_t, out.se_t, out.tez = m[1], total[2], total[3]
+        if teacher and gaps:
+            out.sgap, out.tgap = total[4], total[5]
         return out
 
     def finalize(self) -> dict[str, torch.Tensor]:
@@ -268,13 +276,16 @@ def resolve_distill(impl: Impl, hidden: torch.Tensor, teacher_hidden: torch.Tens
     """The distillation functions of a pass over ``hidden`` (the student's rows), the teacher's
     ``teacher_hidden`` and ``n_targets`` target ids per token: the ``distill`` module of the
     backend :func:`~logitless.ops.contract.resolve_backend` picks, when it declares one
-    (``CAPS.distill``) whose ``SCOPE`` takes these inputs, else the torch backend's.
+    (``CAPS.distill``) whose ``SCOPE`` takes these inputs, else the torch backend's. Where
+    ``impl="auto"`` would pick the CuTe backend, distillation runs on the gemm backend (its
+    Triton statistics GEMM); ``impl="cute"`` runs it on the CuTe one.
 
     Raises:
         ValueError: as :func:`~logitless.ops.contract.resolve_backend` (bad ``impl`` for the device).
     """
-    # The CuTe statistics GEMM has no two-head pass: distillation runs the same design in Triton.
-    if impl == "cute" or (impl == "auto" and auto_impl(hidden.device) == "cute"):
+    # On distillation's chunks the CuTe GEMM is no faster than the Triton one, and slower where a
+    # chunk ends inside one of its 2048-row bands (benchmarks/NOTES-h100.md, session 25).
+    if impl == "auto" and auto_impl(hidden.device) == "cute":
         impl = "gemm"
     backend = resolve_backend(impl, hidden)
     if backend.CAPS.distill:

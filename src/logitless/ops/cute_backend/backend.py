@@ -42,7 +42,7 @@ from .kernels import TILE_V, launch_forward, z_buffer
 NAME = "cute"
 PLAN = "gemm"  # the same 2-byte kept tile as the GEMM-epilogue backend
 CAPS = Capabilities(dtypes=(torch.bfloat16, torch.float16), lora=False, stores_weight_grad=True,
-                    pairs_weight_grad=True, distill=False, sum_sq=True, starts_early=True,
+                    pairs_weight_grad=True, distill=True, sum_sq=True, starts_early=True,
                     unchecked_values=True)
 # Rows a started GEMM (start_rows) comes in: the persistent scheduler's bands of 8 clusters of two
 # 128-row tiles; a GEMM over part of a band ran at 55-85% of the full bands' pace (Llama-3's head,

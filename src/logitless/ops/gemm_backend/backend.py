@@ -47,7 +47,7 @@ from ..triton_shared.centred import kept_rows as kept_rows  # the contract's kep
 from ..triton_shared.prob_tile import ProbTile, folds, kept_tile, prob_tile_grads
 from ..triton_shared.tile_gemm import TileOperands, launch_after, launch_started
 from ..triton_shared.weight_grad import block_grads
-from .kernels import GemmConfig, gemm_config, launch_forward, launch_grad_tile
+from .kernels import gemm_config, launch_forward, launch_grad_tile
 
 NAME = "gemm"
 PLAN = "gemm"
@@ -129,10 +129,3 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return grad_hidden
-
-
-def recompute_tile(ops: TileOperands, block: slice, fp32_logits: bool, cfg: GemmConfig) -> CentredTile:
-    """The centred fp16 logits of vocabulary rows ``block`` for a backward (statistics discarded)."""
-    z = torch.empty((ops.hidden.shape[0], block.stop - block.start), dtype=torch.float16, device=ops.hidden.device)
-    parts = launch_forward(ops.block(block), StatRequest(entropy=False), fp32_logits, z, cfg)
-    return CentredTile(z, parts["m"], cfg.fwd.block_v)

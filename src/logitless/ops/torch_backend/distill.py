@@ -109,7 +109,7 @@ def chunk_jsd(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, lse: torc
     Returns:
         ``(jsd [n], kl_pm [n])`` with ``kl_pm = KL(p‖m)`` (the backward needs it).
     """
-    student, teacher, beta = heads
+    student, teacher, beta = heads.student, heads.teacher, heads.beta
     jsd = torch.zeros_like(lse)
     kl_pm = torch.zeros_like(lse)
     for block in plan.vocab_blocks(student.weight.shape[0]):
@@ -140,7 +140,7 @@ def chunk_backward(heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, save
     Returns:
         ``[n, H_s]`` gradient w.r.t. ``rows.hidden`` in the statistics dtype, or ``None``.
     """
-    student, teacher, beta = heads
+    student, teacher, beta = heads.student, heads.teacher, heads.beta
     hs, ht, targets = rows.hidden, rows.teacher_hidden, rows.targets
     n, vocab = hs.shape[0], student.weight.shape[0]
     sdt = saved.lse.dtype

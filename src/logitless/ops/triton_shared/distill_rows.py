@@ -1,7 +1,8 @@
-"""Triton row kernels of distillation on the GEMM-epilogue backend.
+"""Triton row kernels of distillation over two stored tiles (the GEMM-epilogue and CuTe backends).
 
-Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gemm_backend.kernels.launch_forward`
-(fp16, each tile centred on its row maximum), one program per token row:
+Both read a student's and a teacher's logits stored by a statistics GEMM (fp16, each tile
+centred on its row maximum: :class:`~logitless.ops.triton_shared.centred.CentredTile`), one
+program per token row:
 
 * :func:`_cross_kernel`: each (row, tile)'s cross sums ``sgap``/``tgap`` of both KL directions
   (:class:`~logitless.ops.distill_contract.DistillPartials`), the per-tile partials merged like the GEMM's;
@@ -10,7 +11,12 @@ Both read a student's and a teacher's logits stored by :func:`~logitless.ops.gem
   ``JSD_β = β KL(q‖m) + (1 - β) KL(p‖m)``);
 * :func:`_distill_grad_kernel`: overwrites the student's stored tile with ``dy = dL/dy`` in the
   GEMM dtype, for the ``d hidden``/``d weight`` GEMMs. The formula is that of
-  :func:`logitless.ops.torch_backend.distill.chunk_backward` (the specification these kernels are tested against).
+  :func:`logitless.ops.torch_backend.distill.chunk_backward` (the specification these kernels are tested against);
+* :func:`_forward_kl_kernel`: where the loss's gradient comes through the forward KL alone and
+  both ``lse`` are known before the loss (a chunk's whole rows kept), the cross sums of one row
+  and its ``p - q`` in one read of both tiles, ``p - q`` over the student's tile: the gradient's
+  per-row factor then scales the GEMMs' rows instead of the tile (one read of both tiles fewer
+  than :func:`_cross_kernel` then :func:`_distill_grad_kernel`).
 
 Logits are rebuilt as ``stored + tile max``, and ``log p = stored + (tile max - lse)``, so the
 O(|z|) parts cancel in one per-tile difference rather than per element.
@@ -26,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ..transform import LogitTransform
-from ..triton_shared.centred import CentredTile, row_kernel_config
-from ..triton_shared.common import raw_grad, transform_args
+from .centred import CentredTile, row_kernel_config
+from .common import raw_grad, transform_args
 
 
 class DistillRowCoefficients(NamedTuple):
@@ -182,6 +188,47 @@ def _distill_grad_kernel(
         tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _forward_kl_kernel(
+    zs_ptr, stride_zs, ms_ptr,  # student: [n, width] fp16 centred logits, [tiles, n] fp32 tile maxima
+    d_ptr,  # [n, width] output, p - q in the GEMM dtype over the student's storage
+    zt_ptr, stride_zt, mt_ptr,  # teacher: the same
+    row_max_s_ptr, row_max_t_ptr, lse_ptr, lse_t_ptr,  # [n] fp32: both rows' maxima and log-partition functions
+    sgap_ptr, tgap_ptr,  # [n] fp32 outputs: the cross sums centred on the rows' maxima
+    n, width,
+    TILE_V: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    zs_row = zs_ptr + row * stride_zs
+    zt_row = zt_ptr + row * stride_zt
+    d_row = d_ptr + row * stride_zs
+    big_s = tl.load(row_max_s_ptr + row)
+    big_t = tl.load(row_max_t_ptr + row)
+    # p = exp(c_s) e^(M_s - lse_s): the sums and p - q from the same exponentials.
+    norm_s = tl.exp(big_s - tl.load(lse_ptr + row))
+    norm_t = tl.exp(big_t - tl.load(lse_t_ptr + row))
+    sgap = tl.zeros([BLOCK_V], dtype=tl.float32)
+    tgap = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for off in range(0, width, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        mask = cols < width
+        tile = (cols // TILE_V) * n + row
+        # Each side's logit less its row maximum: stored + (tile max - row max), <= 0.
+        cs = tl.load(zs_row + cols, mask=mask, other=-float("inf")).to(tl.float32) + (
+            tl.load(ms_ptr + tile, mask=mask, other=0.0) - big_s)
+        ct = tl.load(zt_row + cols, mask=mask, other=-float("inf")).to(tl.float32) + (
+            tl.load(mt_ptr + tile, mask=mask, other=0.0) - big_t)
+        es = tl.exp(cs)
+        et = tl.exp(ct)
+        gap = cs - ct
+        # An entry of zero probability on one side adds nothing to that side's sum (0 log 0 = 0).
+        sgap += tl.where(es > 0.0, es * gap, 0.0)
+        tgap -= tl.where(et > 0.0, et * gap, 0.0)
+        tl.store(d_row + cols, (es * norm_s - et * norm_t).to(d_ptr.dtype.element_ty), mask=mask)
+    tl.store(sgap_ptr + row, tl.sum(sgap, axis=0))
+    tl.store(tgap_ptr + row, tl.sum(tgap, axis=0))
+
+
 def _mixture_logs(beta: float | None) -> tuple[float, float]:
     """``(log(1 - β), log β)`` of the JSD's mixture (unused placeholders without one)."""
     return (math.log1p(-beta), math.log(beta)) if beta is not None else (0.0, 0.0)
@@ -249,3 +296,27 @@ def launch_distill_grad(student: CentredTile, teacher: CentredTile | None, dy: t
         HAS_FKL=rc.g_forward_kl is not None, HAS_JSD=rc.g_jsd is not None, HAS_LOGP=rc.g_logp is not None,
         TILE_V=student.tile_v, BLOCK_V=cfg.block_v, num_warps=cfg.warps)
 
+
+def launch_forward_kl(student: CentredTile, teacher: CentredTile, d: torch.Tensor, row_max: torch.Tensor,
+                      teacher_row_max: torch.Tensor, lse: torch.Tensor,
+                      teacher_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sgap, tgap)``, ``[n]`` fp32 each, of two heads' stored tiles over whole rows, centred on
+    the rows' maxima ``row_max``/``teacher_row_max`` (``[n]`` fp32, as
+    :class:`~logitless.ops.distill_contract.DistillPartials` holds them once merged), and ``p - q``
+    written to ``d`` (a 2-byte view of ``student.z``'s storage) from both final ``lse`` (``[n]``
+    fp32): ``d KL(q‖p) / d zs = p - q``."""
+    n, width = student.z.shape
+    cfg = row_kernel_config()
+    assert teacher.z.shape == student.z.shape and d.shape == student.z.shape and d.stride() == student.z.stride()
+    sgap = torch.empty(n, dtype=torch.float32, device=student.z.device)
+    tgap = torch.empty_like(sgap)
+    if n and width:
+        _forward_kl_kernel[(n,)](student.z, student.z.stride(0), student.tile_max, d, teacher.z, teacher.z.stride(0),
+                                 teacher.tile_max, *(x.float().contiguous() for x in (row_max, teacher_row_max, lse,
+                                                                                      teacher_lse)),
+                                 sgap, tgap, n, width, TILE_V=student.tile_v, BLOCK_V=cfg.block_v,
+                                 num_warps=cfg.warps)
+    elif n:
+        sgap.zero_()
+        tgap.zero_()
+    return sgap, tgap
