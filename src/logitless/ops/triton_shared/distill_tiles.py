@@ -96,9 +96,10 @@ def _sides(student: LocalHead, teacher: LocalHead | None, rows: DistillRows) -> 
 
 
 def chunk_forward(stats: StatsTile, heads: DistillHeads, rows: DistillRows, plan: ChunkPlan,
-                  keep: bool) -> tuple[DistillPartials, DistillTiles | None]:
+                  keep: bool) -> tuple[DistillPartials, DistillTiles | ForwardKlTile | None]:
     """The chunk's :class:`~logitless.ops.distill_contract.DistillPartials` over the local
-    vocabulary and, with ``keep`` (whole rows fit the plan), the stored :class:`DistillTiles`."""
+    vocabulary and, with ``keep`` (whole rows fit the plan), the stored :class:`DistillTiles`,
+    or their :class:`ForwardKlTile` where it forms one (:func:`_forms_forward_kl`)."""
     s_ops, t_ops = _sides(heads.student, heads.teacher, rows)
     vocab = s_ops.weight.shape[0]
     keep = keep and plan.vocab_block >= vocab
@@ -158,14 +159,15 @@ def chunk_jsd(stats: StatsTile, heads: DistillHeads, rows: DistillRows, plan: Ch
 
 
 def chunk_backward(stats: StatsTile, heads: DistillHeads, rows: DistillRows, plan: ChunkPlan, saved: DistillSaved,
-                   g: DistillGrads, acc: Accumulators, kept: DistillTiles | None) -> torch.Tensor | None:
+                   g: DistillGrads, acc: Accumulators,
+                   kept: DistillTiles | ForwardKlTile | None) -> torch.Tensor | None:
     """The student's gradients of one chunk (:func:`logitless.ops.torch_backend.distill.chunk_backward`'s
     formula), from the kept tiles or tiles recomputed block by block; ``kept`` is overwritten."""
     student, teacher, beta = heads.student, heads.teacher, heads.beta
+    if isinstance(kept, ForwardKlTile):
+        return _forward_kl_grads(kept, _sides(student, None, rows)[0], g, acc)
     teacher_terms = g.teacher_terms()
     s_ops, t_ops = _sides(student, teacher if teacher_terms else None, rows)
-    if isinstance(kept, ForwardKlTile):
-        return _forward_kl_grads(kept, s_ops, g, acc)
     hs = s_ops.hidden
 
     def f32(x: torch.Tensor | None) -> torch.Tensor | None:
