@@ -136,8 +136,6 @@ def test_bad_values_still_raise_their_named_error(events, mode, bad):
     assert h.grad is None and w.grad is None
 
 
-
-
 def _distill_inputs(bad: str | None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     b, t, ht = 4, 12, 24

@@ -284,7 +284,7 @@ def resolve_distill(impl: Impl, hidden: torch.Tensor, teacher_hidden: torch.Tens
         ValueError: as :func:`~logitless.ops.contract.resolve_backend` (bad ``impl`` for the device).
     """
     # On distillation's chunks the CuTe GEMM is no faster than the Triton one, and slower where a
-    # chunk ends inside one of its 2048-row bands (benchmarks/NOTES-h100.md, session 25).
+    # chunk ends inside one of its 2048-row bands (measured: benchmarks/NOTES-h100.md).
     if impl == "auto" and auto_impl(hidden.device) == "cute":
         impl = "gemm"
     backend = resolve_backend(impl, hidden)
