@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_ARGS = ["--shapes", "8k:llama3-8b,8k:gemma2-2b", "--objectives", "grpo,ce,rollout,dpo",
-                "--rows", "floor,logitless-fused", "--min-time", "0.5"]
+                "--rows", "floor,logitless-fused,logitless", "--min-time", "0.5"]
 
 
 def bench_lines(command: list[str], bench_args: list[str], env: dict[str, str] | None = None) -> list[str]:

@@ -31,6 +31,7 @@ BENCH_ERRORS = [
     ["--seed", "-3"],
     ["--objectives", "grpo,bogus"],
     ["--rows", "nope"],
+    ["--objectives", "grpo,distill", "--rows", "logitless-fused"],  # distill's row is "logitless"
     ["--impl", "cuda"],
     ["--shapes", "8k"],
     ["--shapes", "8k:nope"],

@@ -38,7 +38,7 @@ from .cases import (
     grid,
     parse_shape,
 )
-from .competitors import OBJECTIVES, ROW_NAMES
+from .competitors import OBJECTIVES, ROW_NAMES, rows_of
 from .runner import GRAD_TOL, LOSS_TOL, Options, run_case
 
 PROG = "logitless bench"
@@ -218,6 +218,12 @@ def _check(args: argparse.Namespace) -> torch.device:
         usage_error(PROG, f"{', '.join(given(_OP_ONLY))} only apply to the head benchmark, not to --e2e")
     if not args.e2e and given(_E2E_ONLY):
         usage_error(PROG, f"{', '.join(given(_E2E_ONLY))} only apply with --e2e")
+    for objective in (args.objectives or []) if args.rows else []:
+        # An objective none of whose rows is asked for would time its floor alone.
+        names = [r.name for r in rows_of(objective) if r.role != "floor"]
+        if not set(names) & set(args.rows):
+            usage_error(PROG, f"--rows {','.join(args.rows)} names no row of --objectives {objective}; its rows: "
+                              f"{', '.join(names)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         usage_error(PROG, "--device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
