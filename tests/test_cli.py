@@ -269,3 +269,23 @@ def test_fresh_build_then_info_and_verify(tmp_path, capsys):
     assert "resumed" not in printed  # nothing was resumed
     assert main(["refcache", "info", str(out)]) == 0 and "sequences      5" in capsys.readouterr().out
     assert main(["refcache", "verify", str(out)]) == 0
+
+
+def test_bench_rows_without_objectives_run_the_objectives_that_have_them(monkeypatch, tmp_path):
+    """``--rows`` alone runs only the objectives with one of those rows (rollout and distillation
+    have no ``logitless-fused`` row: they would time their floor alone); with ``--objectives`` an
+    objective none of whose rows is asked for is a usage error (``BENCH_ERRORS``)."""
+    from logitless.bench import cli as bench_cli
+
+    class Ran(Exception):
+        pass
+
+    def stop(case, opts, log):
+        raise Ran(opts.objectives)
+
+    monkeypatch.setattr(bench_cli, "run_case", stop)
+    with pytest.raises(Ran) as ran:
+        main(["bench", "--device", "cpu", "--quick", "--rows", "logitless-fused", "--out", str(tmp_path)])
+    asked = ran.value.args[0]
+    assert "grpo" in asked and "dpo" in asked and "ce" in asked
+    assert not {"rollout", "distill", "jsd"} & set(asked), asked

@@ -164,8 +164,8 @@ def test_distillation_reads_its_checks_after_the_pass(monkeypatch, read_first, b
     """Distillation without a mask or targets (every position counts, no count to read) queues
     its pass before it reads its value checks, where the backend's kernels take unchecked values:
     the same loss, gradients and metrics bit for bit as a call that reads them first (a backend
-    without ``unchecked_values``), and a bad value still raises its named error with no gradient
-    reaching the caller's tensors."""
+    without ``unchecked_values``), and a bad value still raises its named error, after the pass
+    ran on it."""
     import dataclasses
 
     from logitless.ops.gemm_backend import distill as distill_gemm
@@ -182,7 +182,6 @@ def test_distillation_reads_its_checks_after_the_pass(monkeypatch, read_first, b
         with pytest.raises(ValueError, match="NaN or inf"):
             _distill_call(*inputs)
         assert seen[0] == ("read" if read_first else "stats"), seen
-        assert inputs[0].grad is None and inputs[1].grad is None
         return
     ours = _distill_call(*inputs)
     assert seen[0] == ("read" if read_first else "stats") and "read" in seen, seen

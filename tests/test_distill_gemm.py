@@ -43,26 +43,28 @@ CASES = [
 ]
 
 
-def _case(transforms: bool | str, seed: int = 0):
-    """``transforms``: biases and a soft-capped student; ``"temperature"``: temperatures only."""
+def _case(transforms: bool | str, seed: int = 0, n: int = N):
+    """``transforms``: biases and a soft-capped student; ``"temperature"``: temperatures only;
+    ``"scale"``: a student logit scale and temperatures."""
     g = torch.Generator().manual_seed(seed)
-    hs = torch.randn(N, H, generator=g)
+    hs = torch.randn(n, H, generator=g)
     ws = torch.randn(V, H, generator=g) * 2.5 / H**0.5
-    ht = hs[:, :HT] * 0.8 + 0.4 * torch.randn(N, HT, generator=g)
+    ht = hs[:, :HT] * 0.8 + 0.4 * torch.randn(n, HT, generator=g)
     wt = ws[:, :HT] * 1.2 + 0.3 * torch.randn(V, HT, generator=g) / HT**0.5
     full = transforms is True
     bs, bt = (torch.randn(V, generator=g) * 0.5, torch.randn(V, generator=g) * 0.5) if full else (None, None)
-    labels = torch.randint(0, V, (N,), generator=g)
+    labels = torch.randint(0, V, (n,), generator=g)
     labels[::9] = -100
-    mask = (torch.rand(N, generator=g) < 0.85).long()
-    ts = LogitTransform(temperature=0.8, softcap=6.0) if full else LogitTransform(temperature=0.7) if transforms else (
-        LogitTransform())
+    mask = (torch.rand(n, generator=g) < 0.85).long()
+    ts = {True: LogitTransform(temperature=0.8, softcap=6.0), "temperature": LogitTransform(temperature=0.7),
+          "scale": LogitTransform(logit_scale=1.7, temperature=0.7)}.get(transforms, LogitTransform())
     tt = LogitTransform(temperature=1.2) if transforms else LogitTransform()
     return hs, ws, bs, ts, ht, wt, bt, tt, labels, mask
 
 
-def _run(case, dtype, cfg, options):
+def _run(case, dtype, cfg, options, masked: bool = True):
     hs, ws, bs, ts, ht, wt, bt, tt, labels, mask = case
+    mask = mask if masked else None
     leaves = [x.to(dtype).requires_grad_() for x in (hs, ws) + ((bs,) if bs is not None else ())]
     teacher = Head(wt.to(dtype), None if bt is None else bt.to(dtype), tt)
     loss, metrics = distill_loss(leaves[0], Head(leaves[1], leaves[2] if bs is not None else None, ts),
@@ -87,8 +89,13 @@ def _assert_close(ours, ref, exact):
             assert torch.all((x - z).abs() <= bound), f"{what}[{name}]: {((x - z).abs() - bound).max():.3e} over"
 
 
-def _check_case(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode, chunk_bytes, device="cpu"):
-    """One case on ``impl``'s distillation kernels against the torch functions (bf16) and float64."""
+def _check_case(monkeypatch, impl: str, row: tuple, device: str = "cpu", masked: bool = True, n: int = N,
+                one_read: int | None = None):
+    """One case of :data:`CASES` (``row``) on ``impl``'s distillation kernels against the torch
+    functions (bf16) and float64. ``one_read``: how many chunks must take the forward KL's one read
+    (else it follows from the case: the forward KL's gradient alone, whole rows kept, no soft-cap
+    or bias)."""
+    divergence, beta, ce_weight, transforms, mode, chunk_bytes = row
     module = importlib.import_module(f"logitless.ops.{impl}_backend.distill")
     calls = []
     real = module.chunk_forward
@@ -96,34 +103,44 @@ def _check_case(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode
     for name in ("launch_cross", "launch_forward_kl"):  # which way the cross sums are taken
         launch = getattr(distill_tiles, name)
         monkeypatch.setattr(distill_tiles, name, lambda *a, _f=launch, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    case = [x if x is None or isinstance(x, LogitTransform) else x.to(device) for x in _case(transforms)]
+    case = [x if x is None or isinstance(x, LogitTransform) else x.to(device) for x in _case(transforms, n=n)]
     cfg = DistillConfig(divergence=divergence, beta=beta, ce_weight=ce_weight)
-    ours = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl=impl, chunk_bytes=chunk_bytes))
+    ours = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl=impl, chunk_bytes=chunk_bytes), masked)
     assert "chunk" in calls, f"the pass did not run on the {impl} kernels"
-    # p - q in one read of both tiles: the forward KL's gradient alone, whole rows kept, no soft-cap or bias.
-    one_read = cfg.kind == "forward_kl" and ce_weight == 0 and transforms is not True and mode == "fused" and (
-        chunk_bytes is None)
-    assert ("launch_forward_kl" in calls, "launch_cross" in calls) == (one_read, not one_read)
-    ref = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl="torch", chunk_bytes=chunk_bytes))
-    exact = _run(case, torch.float64, cfg, PassOptions(mode=mode, impl="torch"))
+    if one_read is None:
+        one_read = int(cfg.kind == "forward_kl" and ce_weight == 0 and transforms is not True and mode == "fused"
+                       and chunk_bytes is None)
+    assert (calls.count("launch_forward_kl"), "launch_cross" in calls) == (one_read, not one_read), calls
+    ref = _run(case, torch.bfloat16, cfg, PassOptions(mode=mode, impl="torch", chunk_bytes=chunk_bytes), masked)
+    exact = _run(case, torch.float64, cfg, PassOptions(mode=mode, impl="torch"), masked)
     _assert_close(ours, ref, exact)
 
 
 @interpreted
-@pytest.mark.parametrize(("divergence", "beta", "ce_weight", "transforms", "mode", "chunk_bytes"), CASES)
-def test_matches_torch_and_float64(monkeypatch, divergence, beta, ce_weight, transforms, mode, chunk_bytes):
-    _check_case(monkeypatch, "gemm", divergence, beta, ce_weight, transforms, mode, chunk_bytes)
+@pytest.mark.parametrize("row", CASES, ids=str)
+def test_matches_torch_and_float64(monkeypatch, row):
+    _check_case(monkeypatch, "gemm", row)
+
+
+@interpreted
+def test_forward_kl_in_one_read_over_chunks_without_a_mask(monkeypatch):
+    """The one read where it is built for: every position counted (no mask: the value checks are
+    read after the pass), a logit scale and temperatures, and three row chunks of at most 768 tokens
+    (each kept whole, ``d weight`` added over them in the bf16 pair)."""
+    chunk_bytes = 768 * 4 * V  # both fp16 tiles of 768 rows: three chunks of 2100 rows
+    _check_case(monkeypatch, "gemm", ("forward_kl", 0.5, 0.0, "scale", "fused", chunk_bytes), masked=False, n=2100,
+                one_read=3)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="compiled kernels need CUDA")
 @pytest.mark.parametrize("impl", ["gemm", "cute"])
-@pytest.mark.parametrize(("divergence", "beta", "ce_weight", "transforms", "mode", "chunk_bytes"), CASES)
-def test_gpu_cases(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode, chunk_bytes):
+@pytest.mark.parametrize("row", CASES, ids=str)
+def test_gpu_cases(monkeypatch, impl, row):
     """The interpreter's cases on the compiled kernels (the CuTe backend's where it runs)."""
     if impl == "cute" and not CUTE:
         pytest.skip("needs an sm90 GPU and the CuTe DSL")
-    _check_case(monkeypatch, impl, divergence, beta, ce_weight, transforms, mode, chunk_bytes, "cuda")
+    _check_case(monkeypatch, impl, row, "cuda")
 
 
 @interpreted

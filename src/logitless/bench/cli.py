@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"advantages, c<percent> of the groups reward-constant, beta 0 (-kl: 0.04): "
                              f"{','.join(GROUP_OBJECTIVES)}")
     parser.add_argument("--rows", type=csv_of(choices=ROW_NAMES), default=None,
-                        help=f"rows to run (the floor always runs): {', '.join(ROW_NAMES)}")
+                        help=f"rows to run (the floor always runs; without --objectives, the objectives that have one "
+                             f"of them): {', '.join(ROW_NAMES)}")
     parser.add_argument("--impl", type=csv_of(choices=_IMPLS), default=None,
                         help="logitless backend(s): auto (default), torch, triton; several give one row set each")
     parser.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
@@ -220,8 +221,8 @@ def _check(args: argparse.Namespace) -> torch.device:
         usage_error(PROG, f"{', '.join(given(_E2E_ONLY))} only apply with --e2e")
     for objective in (args.objectives or []) if args.rows else []:
         # An objective none of whose rows is asked for would time its floor alone.
-        names = [r.name for r in rows_of(objective) if r.role != "floor"]
-        if not set(names) & set(args.rows):
+        if not _has_row(objective, args.rows):
+            names = [r.name for r in rows_of(objective) if r.role != "floor"]
             usage_error(PROG, f"--rows {','.join(args.rows)} names no row of --objectives {objective}; its rows: "
                               f"{', '.join(names)}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -237,6 +238,11 @@ def _check(args: argparse.Namespace) -> torch.device:
         except ValueError as e:
             usage_error(PROG, str(e))
     return device
+
+
+def _has_row(objective: str, rows: list[str] | None) -> bool:
+    """Whether ``--rows`` (``None``: all) names a row of ``objective`` other than its floor."""
+    return rows is None or any(r.name in rows for r in rows_of(objective) if r.role != "floor")
 
 
 def _run_record(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -287,7 +293,7 @@ def _run_heads(args: argparse.Namespace, device: torch.device) -> tuple[dict[str
         # run ~20x slower than on one thread.
         torch.set_num_threads(1)
     start = time.monotonic()
-    objectives = args.objectives or list(OBJECTIVES)
+    objectives = args.objectives or [o for o in OBJECTIVES if _has_row(o, args.rows)]
     impls = args.impl or ["auto"]
     opts = Options(device=device, dtype=_DTYPES[args.dtype or "bfloat16"], impls=impls, objectives=objectives,
                    rows=args.rows, target_entropy=2.0 if args.entropy is None else args.entropy, seed=args.seed,

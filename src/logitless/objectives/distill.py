@@ -155,9 +155,11 @@ def distill_loss(
         num_items_in_batch: global count of counted tokens (gradient accumulation), a number or
             a one-element tensor, finite and > 0 (read with the other value checks); ``None``:
             this call's count (clamped to >= 1). Only ``reduction="mean"`` reads it.
-        options: :class:`logitless.PassOptions`: workspace budget and ``mode`` (``"auto"``:
+        options: :class:`logitless.PassOptions`: workspace budget, ``mode`` (``"auto"``:
             fused, or recompute for ``reduction="none"``, whose per-token loss fused mode cannot
-            give). The pass runs torch GEMMs whatever ``impl``.
+            give) and ``impl``: the gemm backend's kernels (``"auto"`` on Hopper and later GPUs),
+            the CuTe ones (``"cute"``), else the torch functions (any backend without
+            distillation kernels, a sparse teacher, fp32 heads, CPUs).
 
     Returns:
         ``(loss, metrics)``: a scalar loss (or per-token ``[B, T]`` / ``[N]`` with
@@ -236,8 +238,8 @@ def distill_loss(
     if num_items_in_batch is not None and cfg.reduction == "mean":
         num_items_in_batch = check_count(num_items_in_batch, checks, hidden.device)
     positions = math.prod(shape)
-    # Without a mask or targets every position counts: nothing to read before the pass, and the
-    # checks are read after it where its backend's kernels take unchecked values (below).
+    # Without a mask or targets every position counts: no count to read before the pass, and the
+    # value checks are read after it where its backend's kernels take unchecked values (below).
     read_later = mask is None and targets is None
     n, idx = positions, None
     if not read_later:

@@ -102,7 +102,7 @@ class DistillPass:
 
     DIFFERENTIABLE = ("lse", "logp", "entropy", "forward_kl", "reverse_kl", "jsd")
     zero_rows = None  # every counted token of a distillation loss has a gradient
-    started = None  # nothing starts before its checks' read
+    started = None  # no statistics GEMM is launched ahead of the pass (start_pass)
 
     @classmethod
     def make(cls, hidden: torch.Tensor, head: Head, targets: torch.Tensor, teacher_hidden: torch.Tensor | None,
