@@ -108,12 +108,20 @@ def chunk_backward(head: LocalHead, rows: ChunkRows, plan: ChunkPlan, saved: Sav
     for block in plan.vocab_blocks(weight.shape[0], whole=kept is not None):
         tile = kept
         if tile is None:
-            local = ops.block(block)
-            z = z_buffer(hidden.shape[0], block.stop - block.start, hidden.device)
-            tile = CentredTile(z, launch_forward(local, StatRequest(entropy=False), plan.fp32_logits, z)["m"], TILE_V)
+            tile = stats_tile(ops.block(block), StatRequest(entropy=False), plan.fp32_logits, True)[1]
         dy = tile_dy(tile, hidden.dtype, targets, block.start, head.transform, rc)
         grad_hidden = block_grads(dy, weight, hidden, block, acc, grad_hidden)
         del dy, tile
     if acc.hidden and grad_hidden is None:  # an empty vocabulary shard
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return grad_hidden
+
+
+def stats_tile(ops: TileOperands, want: StatRequest, fp32_logits: bool,
+               store: bool) -> tuple[dict[str, torch.Tensor], CentredTile | None]:
+    """One head's statistics GEMM over ``ops``' rows: its ``[tiles, n]`` partials and, with
+    ``store``, its logits as a centred fp16 tile (a backward's recomputed tile; distillation's
+    :data:`~logitless.ops.triton_shared.distill_tiles.StatsTile`)."""
+    z = z_buffer(ops.hidden.shape[0], ops.weight.shape[0], ops.hidden.device) if store else None
+    parts = launch_forward(ops, want, fp32_logits, z)
+    return parts, None if z is None else CentredTile(z, parts["m"], TILE_V)
