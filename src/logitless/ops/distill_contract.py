@@ -189,14 +189,17 @@ class DistillPartials:
             out.sgap, out.tgap = total[4], total[5]
         return out
 
+    def lse(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The student's and the teacher's log-partition functions (``None`` without a teacher)."""
+        return self.m_s + torch.log(self.se_s), None if self.m_t is None else self.m_t + torch.log(self.se_t)
+
     def finalize(self) -> dict[str, torch.Tensor]:
         """Per-token statistics from the partials (names of :class:`~logitless.ops.distill.DistillStats`,
         plus ``sum_pz``)."""
-        lse = self.m_s + torch.log(self.se_s)
+        lse, lse_t = self.lse()
         out = {"lse": lse, "logp": self.zy - lse[:, None], "sum_pz": self.sez_s / self.se_s}
         out["entropy"] = lse - out["sum_pz"]
         if self.m_t is not None:
-            lse_t = self.m_t + torch.log(self.se_t)
             out["teacher_lse"] = lse_t
             out["teacher_entropy"] = lse_t - self.tez / self.se_t
             log_se_s, log_se_t = torch.log(self.se_s), torch.log(self.se_t)

@@ -128,8 +128,7 @@ def chunk_forward(stats: StatsTile, heads: DistillHeads, rows: DistillRows, plan
                         zy=zy[:, :rows.targets.shape[1]])
     if forward_kl:
         d = kept.student.z.view(torch.bfloat16)
-        part.sgap, part.tgap = launch_forward_kl(kept.student, kept.teacher, d, part.m_s, part.m_t,
-                                                 part.m_s + torch.log(part.se_s), part.m_t + torch.log(part.se_t))
+        part.sgap, part.tgap = launch_forward_kl(kept.student, kept.teacher, d, part.m_s, part.m_t, *part.lse())
         kept = ForwardKlTile(d)
     return part, kept
 
