@@ -34,10 +34,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
 
 step "0. CuTe DSL (impl='cute')"
-# Its wheels exceed one transfer: ../shared/tools/carry-big-wheels.sh packs them into .bigwheels/part0
-# and part1; a call carrying part0 runs `bash .bigwheels/part0/stage.sh`, then this script's call
-# carries part1 (with .whl), while the machine is still warm.
-if [ -f .bigwheels/part1/stage.sh ]; then bash .bigwheels/part1/stage.sh || echo "CuTe DSL not staged"; fi
+# Its wheels exceed one transfer: ../shared/tools/carry-big-wheels.sh packs them into .bigwheels/part0,
+# part1, ...; calls carrying the first parts run `bash .bigwheels/partK/stage.sh`, then this script's
+# call carries the last part (with .whl), while the machine is still warm.
+# (the parts carried here: the last one unpacks them all).
+for part in .bigwheels/part*/stage.sh; do [ -f "$part" ] && { bash "$part" || echo "CuTe DSL not staged"; }; done
 if [ -d /tmp/site/nvidia_cutlass_dsl ]; then
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
     python3 -c 'import cutlass; print("ok      cutlass", cutlass.__file__)'

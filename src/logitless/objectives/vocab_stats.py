@@ -97,7 +97,7 @@ def vocab_stats(
     ``entropy = lse - Σ_v p_v z_v`` (nats), ``mean_logit = Σ_v z_v / V``. Statistics are
     computed in fp32 whatever the input dtype (fp64 for fp64 inputs); ``grad weight`` is
     accumulated in fp32 (across token chunks, or inside one GEMM when the pass is one chunk;
-    across short chunks of a bf16 head on Hopper, as a bf16 pair with 16 significant bits)
+    across short chunks of a bf16 head on Hopper, as a bf16 + int8 pair with 15 significant bits)
     and rounded once.
 
     Args:

@@ -496,10 +496,10 @@ class Accumulators:
         write_weight: this chunk's products are stored into ``weight`` (uninitialized before the
             first chunk; fp32, or the head's dtype for a pass of one chunk), not added (only
             backends whose pass kind sets ``stores_weight_grad`` see it).
-        weight_lo: ``[V_local, H]`` bf16, or ``None``. Given (only to pass kinds that set
-            ``pairs_weight_grad``), ``d weight`` is the pair ``weight + weight_lo``, both bf16:
-            ``weight`` the nearest bf16 to the sum so far, ``weight_lo`` the residual
-            (:mod:`logitless.ops.triton_shared.weight_grad`).
+        weight_lo: ``[V_local, H]`` int8, or ``None``. Given (only to pass kinds that set
+            ``pairs_weight_grad``), ``d weight`` is the pair of ``weight`` (bf16, the nearest to
+            the sum so far) and ``weight_lo``, the residual in units of a power of two that
+            ``weight``'s exponent sets (:mod:`logitless.ops.triton_shared.weight_grad`).
     """
 
     weight: torch.Tensor | None = None
@@ -520,7 +520,7 @@ class Capabilities:
         lora: it computes a head adapter's low-rank term.
         stores_weight_grad: its backward honours :attr:`Accumulators.write_weight` (stores the
             first chunk's ``d weight`` products instead of adding them to zeros).
-        pairs_weight_grad: its backward honours :attr:`Accumulators.weight_lo` (a bf16 pair).
+        pairs_weight_grad: its backward honours :attr:`Accumulators.weight_lo` (a bf16 result and int8 residual).
         distill: its package holds a ``distill`` module that runs the two-head distillation pass
             (:class:`~logitless.ops.distill_contract.DistillBackend`); without one, distillation
             runs the torch backend's (:func:`~logitless.ops.distill_contract.resolve_distill`).

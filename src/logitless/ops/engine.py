@@ -107,7 +107,7 @@ class PassKind(Protocol):
 
     @property
     def pairs_weight_grad(self) -> bool:
-        """Whether the backward honours :attr:`Accumulators.weight_lo` (a bf16 pair)."""
+        """Whether the backward honours :attr:`Accumulators.weight_lo` (a bf16 result and int8 residual)."""
         ...
 
     def fields_present(self) -> tuple[bool, ...]: ...

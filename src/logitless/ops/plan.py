@@ -3,7 +3,7 @@
 byte budget into token-chunk and vocabulary-block sizes), whether one chunk's workspace fits the
 device (and which ``chunk_bytes`` would, when it does not: :class:`PassOutOfMemoryError`), and how
 the backward lays out its work: the rows it runs on (those whose gradient is not known to be
-zero) and how it holds ``d weight`` (one buffer in the head's dtype, a bf16 pair, or an fp32
+zero) and how it holds ``d weight`` (one buffer in the head's dtype, a bf16 + int8 pair, or an fp32
 accumulator). Both modes of :mod:`.engine` use it.
 """
 
@@ -558,11 +558,11 @@ def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tenso
       accumulator this saves; each vocabulary block's ``d weight`` rows are stored once in the
       head's dtype (no zero-fill, read-modify-write or cast; the products are rounded once
       either way).
-    * ``"pair"``: several chunks of fewer than ``_PAIR_BELOW_TOKENS`` tokens adding into a bf16
-      pair (bf16 heads on a kind that sets ``pairs_weight_grad``:
-      :mod:`logitless.ops.triton_shared.weight_grad`); the pair is ``2 V H``
-      bytes smaller than an fp32 accumulator and those bytes go to larger chunks (their logits
-      and fp32 ``d hidden`` rows), so the pass holds what it would with that accumulator.
+    * ``"pair"``: several chunks of fewer than ``_PAIR_BELOW_TOKENS`` tokens adding into a pair
+      (the bf16 gradient and an int8 residual; bf16 heads on a kind that sets
+      ``pairs_weight_grad``: :mod:`logitless.ops.triton_shared.weight_grad`); the residual is
+      ``3 V H`` bytes smaller than an fp32 accumulator and those bytes go to larger chunks (their
+      logits and fp32 ``d hidden`` rows), so the pass holds what it would with that accumulator.
     * ``"fp32"``: several chunks adding into an fp32 accumulator (and a head without a
       ``d weight`` buffer of its own kind).
     """
@@ -576,7 +576,7 @@ def weight_grad_layout(plan: ChunkPlan, n: int, rows_w: int, weight: torch.Tenso
         return whole, "single"
     if weight.dtype == torch.bfloat16 and plan.token_chunk < _PAIR_BELOW_TOKENS and pairs():
         # A chunk's fp32 d hidden rows grow with it: 4 H bytes a token beside its logits.
-        return plan.widened(n, rows_w, rows_w * hidden_size * 2, row_bytes=hidden_size * 4), "pair"
+        return plan.widened(n, rows_w, rows_w * hidden_size * 3, row_bytes=hidden_size * 4), "pair"
     return plan, "fp32"
 
 
@@ -584,7 +584,7 @@ def weight_grad_buffers(
     p: PassKind, weight: torch.Tensor, layout: WeightGradLayout, n: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``d weight``'s buffer for a pass over ``n`` rows, and the residual half of a pair
-    (``[V_local, H]`` bf16, or ``None``). A backend that stores products
+    (``[V_local, H]`` int8, or ``None``). A backend that stores products
     (``stores_weight_grad``) gets the buffer uninitialized: the first chunk stores each
     vocabulary block's product (:func:`first_stores`) and later chunks add to it, so it is
     neither zero-filled nor read before the first add; in the head's dtype for ``"single"`` and
@@ -598,7 +598,7 @@ def weight_grad_buffers(
         buf[p.head.weight.shape[0] :].zero_()
     lo = None
     if layout == "pair":
-        lo = torch.empty((p.head.weight.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        lo = torch.empty((p.head.weight.shape[0], weight.shape[1]), dtype=torch.int8, device=weight.device)
     return buf, lo
 
 

@@ -14,7 +14,7 @@ The contract of :mod:`logitless.ops.contract`, tested against :mod:`.torch_backe
   logits the same GEMM recomputes them block by block and writes ``dy`` from its epilogue. Then
   ``d hidden``/``d weight`` run in cuBLAS as in :mod:`.triton_backend` (fp32 accumulation of
   ``d weight`` across chunks), except that a pass of several short chunks adds ``d weight`` into
-  a bf16 pair with its own GEMM (:mod:`logitless.ops.triton_shared.weight_grad`).
+  a bf16 result + int8 residual pair with its own GEMM (:mod:`logitless.ops.triton_shared.weight_grad`).
 
 Against the Triton backend at default precision (fp32 logits) this halves the tile's bytes
 (so token chunks are twice as long in the same budget, and ``d weight`` is read and written half

@@ -207,17 +207,22 @@ def _forward_kl_kernel(
     # p = exp(c_s) e^(M_s - lse_s): the sums and p - q from the same exponentials.
     norm_s = tl.exp(big_s - tl.load(lse_ptr + row))
     norm_t = tl.exp(big_t - tl.load(lse_t_ptr + row))
-    sgap = tl.zeros([BLOCK_V], dtype=tl.float32)
-    tgap = tl.zeros([BLOCK_V], dtype=tl.float32)
+    # A step covers BLOCK_V // TILE_V whole tiles, laid out [tiles of the step, TILE_V], so each
+    # tile's maximum is one load per tile, not a gather per entry.
+    per_step: tl.constexpr = BLOCK_V // TILE_V
+    tile_idx = tl.arange(0, per_step)
+    sgap = tl.zeros([per_step, TILE_V], dtype=tl.float32)
+    tgap = tl.zeros([per_step, TILE_V], dtype=tl.float32)
     for off in range(0, width, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
+        tiles = off // TILE_V + tile_idx
+        cols = tiles[:, None] * TILE_V + tl.arange(0, TILE_V)[None, :]
         mask = cols < width
-        tile = (cols // TILE_V) * n + row
+        tile_ok = tiles * TILE_V < width
         # Each side's logit less its row maximum: stored + (tile max - row max), <= 0.
-        cs = tl.load(zs_row + cols, mask=mask, other=-float("inf")).to(tl.float32) + (
-            tl.load(ms_ptr + tile, mask=mask, other=0.0) - big_s)
-        ct = tl.load(zt_row + cols, mask=mask, other=-float("inf")).to(tl.float32) + (
-            tl.load(mt_ptr + tile, mask=mask, other=0.0) - big_t)
+        shift_s = tl.load(ms_ptr + tiles * n + row, mask=tile_ok, other=0.0) - big_s
+        shift_t = tl.load(mt_ptr + tiles * n + row, mask=tile_ok, other=0.0) - big_t
+        cs = tl.load(zs_row + cols, mask=mask, other=-float("inf")).to(tl.float32) + shift_s[:, None]
+        ct = tl.load(zt_row + cols, mask=mask, other=-float("inf")).to(tl.float32) + shift_t[:, None]
         es = tl.exp(cs)
         et = tl.exp(ct)
         gap = cs - ct
@@ -225,8 +230,8 @@ def _forward_kl_kernel(
         sgap += tl.where(es > 0.0, es * gap, 0.0)
         tgap -= tl.where(et > 0.0, et * gap, 0.0)
         tl.store(d_row + cols, (es * norm_s - et * norm_t).to(d_ptr.dtype.element_ty), mask=mask)
-    tl.store(sgap_ptr + row, tl.sum(sgap, axis=0))
-    tl.store(tgap_ptr + row, tl.sum(tgap, axis=0))
+    tl.store(sgap_ptr + row, tl.sum(tl.sum(sgap, axis=1), axis=0))
+    tl.store(tgap_ptr + row, tl.sum(tl.sum(tgap, axis=1), axis=0))
 
 
 def _mixture_logs(beta: float | None) -> tuple[float, float]:
@@ -308,6 +313,7 @@ def launch_forward_kl(student: CentredTile, teacher: CentredTile, d: torch.Tenso
     n, width = student.z.shape
     cfg = row_kernel_config()
     assert teacher.z.shape == student.z.shape and d.shape == student.z.shape and d.stride() == student.z.stride()
+    assert cfg.block_v % student.tile_v == 0
     sgap = torch.empty(n, dtype=torch.float32, device=student.z.device)
     tgap = torch.empty_like(sgap)
     if n and width:

@@ -169,7 +169,7 @@ def _recompute_far_rows(tile: ProbTile, ops: TileOperands, lse: torch.Tensor, ro
 def prob_tile_grads(tile: ProbTile, ops: TileOperands, saved_lse: torch.Tensor, grads: StatGrads,
                     acc: Accumulators, round_y: bool) -> torch.Tensor | None:
     """The gradients of a chunk from its kept :class:`ProbTile` (module docstring): ``d weight``
-    into ``acc`` (stored, added, or into the bf16 pair, as :func:`.weight_grad.block_grads` does)
+    into ``acc`` (stored, added, or into the pair, as :func:`.weight_grad.block_grads` does)
     and ``d hidden`` (fp32) returned when ``acc.hidden``. ``ops``, ``saved_lse`` and ``grads`` are
     of the rows the backward runs on (``tile.rows`` when set: the others' gradient is zero, and
     the GEMMs run over every row of the tile with a zero coefficient for them). The tile's target

@@ -1,17 +1,19 @@
-"""``d weight`` of the GEMM-epilogue backend over several token chunks, held as a pair of bf16
-tensors instead of one fp32 accumulator.
+"""``d weight`` of the GEMM-epilogue backend over several token chunks, held as a bf16 result
+and an int8 residual instead of one fp32 accumulator.
 
 ``d weight = Σ_chunks dyᵀ @ hidden`` is summed over token chunks. An fp32 accumulator costs
 ``4 V H`` bytes beside the bf16 result, a read and a write of all of it per chunk, and a final
-cast. Here the running sum is ``hi + lo``: ``hi`` is the gradient's own bf16 buffer (the
-result, rounded to nearest) and ``lo = bf16(sum - hi)`` its residual, ``2 V H`` bytes. One GEMM
-per chunk (:func:`_weight_grad_kernel`) adds its fp32 product to ``hi + lo`` in its epilogue
-and splits the sum again, so the result needs no cast, and the ``2 V H`` bytes saved go to
-longer token chunks, on which the other GEMMs of the pass run faster
+cast. Here the running sum is the pair ``hi + lo · s(hi)``: ``hi`` is the gradient's own bf16
+buffer (the sum rounded to nearest), ``lo`` an int8 count of ``s(hi) = 2**(e - 14)`` for ``hi``'s
+binary exponent ``e`` (:func:`_unit_exponent`): the residual ``sum - hi`` is at most half an
+ulp of ``hi``, ``2**(e - 8)``, so at most 64 such units. One GEMM per chunk
+(:func:`_weight_grad_kernel`) adds its fp32 product to the pair in its epilogue and splits the
+sum again, so the result needs no cast, and the ``3 V H`` bytes saved go to longer token chunks,
+on which the other GEMMs of the pass run faster, and fewer of them read and write the pair
 (:func:`logitless.ops.plan.weight_grad_plan` says where that pays).
 
-Accuracy: ``hi + lo`` carries 16 significant bits, so each chunk's update is rounded to about
-``2**-17`` of the running sum (fp32: ``2**-24``); both are far below the final rounding of the
+Accuracy: the pair carries about 15 significant bits, so each chunk's update is rounded to
+``2**-15`` of the running sum (fp32: ``2**-24``); both are far below the final rounding of the
 result to bf16 (``2**-9``), which is the same here as a cast of an fp32 sum (``hi`` is the
 nearest bf16 to the pair's sum).
 
@@ -40,8 +42,9 @@ class WeightGradConfig:
     """Launch shape: ``block_v`` vocabulary rows x ``block_h`` hidden columns of ``d weight`` per
     tile, ``block_k`` tokens per ``tl.dot`` step, ``warps``, pipeline ``stages``, ``group_v``
     vocabulary blocks whose tiles run together (their ``dy`` columns hit L2), whether operands
-    go through tensor descriptors (``tma``) and whether the pair does too (``pair_tma``: shared
-    memory for its blocks beside the pipeline's, against address registers for pointers)."""
+    go through tensor descriptors (``tma``) and whether the pair's loads and the residual's store
+    do too (``pair_tma``: shared memory for their blocks beside the pipeline's, against address
+    registers for pointers)."""
 
     block_v: int
     block_h: int
@@ -76,10 +79,40 @@ def _nearest_bf16(x):
 
 
 @triton.jit
+def _unit_exponent(hi):
+    """``(biased exponent of the residual's unit, finite)`` for bf16 ``hi`` of binary exponent
+    ``e``: the unit is ``2**(e - 14)``, or ``2**-126`` at the smallest exponents (zero,
+    subnormals); ``finite``: whether ``hi`` is."""
+    biased = (hi.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF
+    return tl.maximum(biased, 15) - 14, biased != 0xFF
+
+
+@triton.jit
+def _split(acc):
+    """fp32 ``acc`` as the pair: ``hi`` the nearest bf16, ``lo`` the residual counted in units of
+    :func:`_unit_exponent`, rounded to nearest (0 where ``hi`` is not finite)."""
+    hi = _nearest_bf16(acc)
+    unit, finite = _unit_exponent(hi)
+    inverse = ((254 - unit) << 23).to(tl.float32, bitcast=True)  # 1 / unit, a power of two
+    # acc - hi is exact and at most 64 units, so the product is exact; adding then taking away
+    # 1.5 * 2**23 rounds it to an integer (ties to even) in two additions.
+    count = ((acc - hi.to(tl.float32)) * inverse + 12582912.0) - 12582912.0
+    return hi, tl.where(finite, count, 0.0).to(tl.int8)
+
+
+@triton.jit
+def _pair_sum(hi, lo):
+    """The fp32 value of the pair ``(hi, lo)``."""
+    unit, _ = _unit_exponent(hi)
+    return hi.to(tl.float32) + lo.to(tl.float32) * (unit << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _weight_grad_kernel(
     dy_src, stride_dy,  # [n, V] dy (descriptor of [BLOCK_K, BLOCK_V] blocks, or pointer)
     h_src, stride_h,  # [n, H] hidden (descriptor of [BLOCK_K, BLOCK_H] blocks, or pointer)
-    hi_dst, lo_dst, stride_w,  # [V, H] bf16 pair (descriptors of [BLOCK_V, BLOCK_H] blocks, or pointers)
+    hi_ptr, lo_ptr, stride_w,  # [V, H] bf16 result, int8 residual
+    hi_src, lo_src,  # with PAIR_TMA their descriptors of [BLOCK_V, BLOCK_H] blocks (else unused)
     n, vocab, hidden_size,
     FIRST: tl.constexpr, USE_TMA: tl.constexpr, PAIR_TMA: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
@@ -107,46 +140,47 @@ def _weight_grad_kernel(
                 b = tl.load(h_src + ks.to(tl.int64)[:, None] * stride_h + hs[None, :],
                             mask=k_ok[:, None] & (hs < hidden_size)[None, :], other=0.0)
             acc = mma(tl.trans(a), b, acc, "tf32", UPCAST)
-        # The sum so far is added one half at a time and the new pair formed in place, so at most
-        # one bf16 tile is live beside the fp32 accumulator.
+        ok = (vs < vocab)[:, None] & (hs < hidden_size)[None, :]
+        # A tile's own int64 offset and int32 offsets within it (V * H may exceed 2**31).
+        tile_at = v0.to(tl.int64) * stride_w + h0
+        offs = tl.arange(0, BLOCK_V)[:, None] * stride_w + tl.arange(0, BLOCK_H)[None, :]
         if PAIR_TMA:  # the copy engine reads zeros and clips stores outside the tensor
             if not FIRST:
-                acc += hi_dst.load([v0, h0]).to(tl.float32)
-                acc += lo_dst.load([v0, h0]).to(tl.float32)
-            hi = _nearest_bf16(acc)
-            hi_dst.store([v0, h0], hi)
-            acc -= hi.to(tl.float32)
-            lo_dst.store([v0, h0], acc.to(tl.bfloat16))
+                acc += _pair_sum(hi_src.load([v0, h0]), lo_src.load([v0, h0]))
+            hi, lo = _split(acc)
+            hi_src.store([v0, h0], hi)
+            if FIRST:
+                lo_src.store([v0, h0], lo)
+            else:
+                # Beside the loads' blocks, a descriptor's block for this store would take the
+                # shared memory that the pipeline's stages need. (Pointer loads of the residual
+                # would move the fp32 sum through shared memory to change its layout.)
+                tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
         else:
-            ok = (vs < vocab)[:, None] & (hs < hidden_size)[None, :]
-            # A tile's own int64 base and int32 offsets within it (V * H may exceed 2**31).
-            hi_tile = hi_dst + v0.to(tl.int64) * stride_w + h0
-            lo_tile = lo_dst + v0.to(tl.int64) * stride_w + h0
-            offs = tl.arange(0, BLOCK_V)[:, None] * stride_w + tl.arange(0, BLOCK_H)[None, :]
             if not FIRST:
-                acc += tl.load(hi_tile + offs, mask=ok, other=0.0).to(tl.float32)
-                acc += tl.load(lo_tile + offs, mask=ok, other=0.0).to(tl.float32)
-            hi = _nearest_bf16(acc)
-            tl.store(hi_tile + offs, hi, mask=ok)
-            acc -= hi.to(tl.float32)
-            tl.store(lo_tile + offs, acc.to(tl.bfloat16), mask=ok)
+                acc += _pair_sum(tl.load(hi_ptr + tile_at + offs, mask=ok, other=0.0),
+                                 tl.load(lo_ptr + tile_at + offs, mask=ok, other=0))
+            hi, lo = _split(acc)
+            tl.store(hi_ptr + tile_at + offs, hi, mask=ok)
+            tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
 
 
 def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, first: bool,
                        cfg: WeightGradConfig | None = None) -> None:
-    """``hi + lo (+)= dyᵀ @ hidden``, the pair split again (see the module docstring).
+    """``pair (+)= dyᵀ @ hidden``, the pair split again (see the module docstring).
 
     Args:
         dy: ``[n, V]`` bf16, unit column stride (``d loss / d logits`` of a chunk's vocabulary block).
         hidden: ``[n, H]`` bf16, unit column stride.
-        hi, lo: ``[V, H]`` bf16 with unit column stride and one row stride, overwritten: ``hi``
-            the bf16 nearest the sum, ``lo`` the residual. With ``first`` they are not read
+        hi, lo: ``[V, H]`` bf16 and int8 with unit column stride and one row stride (in elements),
+            overwritten: ``hi`` the bf16 nearest the sum, ``lo`` the residual in units of
+            ``2**(e - 14)``, ``e`` the binary exponent of ``hi``. With ``first`` they are not read
             (uninitialized before); else they hold the sum so far.
     """
     cfg = cfg or weight_grad_config()
     n, vocab = dy.shape
     hidden_size = hidden.shape[1]
-    assert dy.dtype == hidden.dtype == hi.dtype == lo.dtype == torch.bfloat16
+    assert dy.dtype == hidden.dtype == hi.dtype == torch.bfloat16 and lo.dtype == torch.int8
     assert hidden.shape[0] == n and hi.shape == lo.shape == (vocab, hidden_size) and hi.stride() == lo.stride()
     assert dy.stride(1) == 1 and hidden.stride(1) == 1 and hi.stride(1) == 1
     if vocab == 0 or hidden_size == 0:
@@ -158,16 +192,16 @@ def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor,
         return
     tma = cfg.tma and tma_ready(dy, hidden)
     pair_tma = tma and cfg.pair_tma and tma_ready(hi, lo)
-    dy_src, h_src, hi_dst, lo_dst = dy, hidden, hi, lo
+    dy_src, h_src, hi_src, lo_src = dy, hidden, hi, lo
     if tma:
         dy_src = TensorDescriptor.from_tensor(dy, [cfg.block_k, cfg.block_v])
         h_src = TensorDescriptor.from_tensor(hidden, [cfg.block_k, cfg.block_h])
     if pair_tma:
-        hi_dst = TensorDescriptor.from_tensor(hi, [cfg.block_v, cfg.block_h])
-        lo_dst = TensorDescriptor.from_tensor(lo, [cfg.block_v, cfg.block_h])
+        hi_src = TensorDescriptor.from_tensor(hi, [cfg.block_v, cfg.block_h])
+        lo_src = TensorDescriptor.from_tensor(lo, [cfg.block_v, cfg.block_h])
     tiles = triton.cdiv(vocab, cfg.block_v) * triton.cdiv(hidden_size, cfg.block_h)
     _weight_grad_kernel[(min(tiles, sm_count(dy.device)),)](
-        dy_src, dy.stride(0), h_src, hidden.stride(0), hi_dst, lo_dst, hi.stride(0),
+        dy_src, dy.stride(0), h_src, hidden.stride(0), hi, lo, hi.stride(0), hi_src, lo_src,
         n, vocab, hidden_size,
         FIRST=first, USE_TMA=tma, PAIR_TMA=pair_tma, UPCAST=interpreting(),
         BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, GROUP_V=cfg.group_v,
@@ -181,7 +215,7 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
     ``d hidden (+)= dy @ weight[block]`` in fp32, returned (``grad_hidden`` is ``None`` before
     the first block, or without ``acc.hidden``). With ``acc.write_weight`` the ``d weight``
     product is stored in ``acc.weight``'s dtype instead of added; with ``acc.weight_lo`` it goes
-    into that bf16 pair (:func:`~logitless.ops.triton_shared.weight_grad.launch_weight_grad`)."""
+    into that pair (:func:`~logitless.ops.triton_shared.weight_grad.launch_weight_grad`)."""
     if acc.bias is not None:
         acc.bias[block] += dy.sum(dim=0, dtype=torch.float32).to(acc.bias.dtype)
     if acc.hidden:
