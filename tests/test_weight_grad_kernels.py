@@ -1,6 +1,6 @@
-"""The pair ``d weight`` GEMM (bf16 result, int8 residual: ``ops.triton_shared.weight_grad``) against float64, under the Triton
-interpreter (a child pytest with ``TRITON_INTERPRET=1``, as in ``test_gemm_backend.py``) and,
-where CUDA exists, compiled."""
+"""The pair ``d weight`` GEMM (bf16 result, int8 residual: ``ops.triton_shared.weight_grad``)
+against float64, under the Triton interpreter (a child pytest with ``TRITON_INTERPRET=1``, as in
+``test_gemm_backend.py``) and, where CUDA exists, compiled."""
 
 from __future__ import annotations
 
