@@ -1,10 +1,10 @@
-"""The bf16-pair ``d weight`` GEMM (``ops.triton_shared.weight_grad``) against cuBLAS's fp32 accumulation,
-over one token chunk of a bench head (GPU only).
+"""The pair ``d weight`` GEMM (bf16 result, int8 residual: ``ops.triton_shared.weight_grad``) against
+cuBLAS's fp32 accumulation, over one token chunk of a bench head (GPU only).
 
-    python3 scripts/gpu_weight_grad_sweep.py [SHAPE ...]   # default 8k:gemma2-2b 8k:qwen2.5-7b
+    python3 scripts/gpu_weight_grad_sweep.py [SHAPE:CHUNK ...]
+    # default: 8k:gemma2-2b:2048 8k:gemma2-2b:4096 8k:llama3-8b:4096
 
-For each shape: ``dy [chunk, V]`` (probabilities-like values) and ``hidden [chunk, H]`` for the
-chunk the fused pass uses with a 1 GiB tile and with the pair's larger tile; prints in ms
+For each shape: ``dy [chunk, V]`` (probabilities-like values) and ``hidden [chunk, H]``; prints in ms
 cuBLAS's ``acc32 += dyᵀ h`` (the current per-chunk step), the final fp32 -> bf16 cast, and each
 launch config of the pair kernel (first chunk: store; later: add), with its registers and
 spills, and the pair's error against float64 next to the fp32 accumulator's.
@@ -21,12 +21,9 @@ from logitless.bench.cases import parse_shape
 from logitless.ops.triton_shared.weight_grad import WeightGradConfig, _weight_grad_kernel, launch_weight_grad
 
 VARIANTS = [
-    WeightGradConfig(128, 256, 64, 8, 3, 8, True),
-    WeightGradConfig(128, 256, 64, 8, 2, 8, True, pair_tma=True),
     WeightGradConfig(128, 256, 32, 8, 4, 8, True, pair_tma=True),
-    WeightGradConfig(128, 256, 32, 8, 3, 8, True, pair_tma=True),
-    WeightGradConfig(128, 256, 32, 8, 5, 8, True),
-    WeightGradConfig(128, 128, 64, 4, 4, 8, True, pair_tma=True),
+    WeightGradConfig(128, 256, 16, 8, 4, 8, True, pair_tma=True),
+    WeightGradConfig(128, 128, 64, 4, 3, 8, True, pair_tma=True),
 ]
 
 
@@ -35,30 +32,35 @@ def ms(fn) -> float:
 
 
 def main() -> None:
-    for shape in sys.argv[1:] or ["8k:gemma2-2b", "8k:qwen2.5-7b"]:
+    for item in sys.argv[1:] or ["8k:gemma2-2b:2048", "8k:gemma2-2b:4096", "8k:llama3-8b:4096"]:
+        shape, chunk = item.rsplit(":", 1)
         case = parse_shape(shape)
-        for budget in (1 << 30, (1 << 30) + case.vocab_size * case.hidden_size * 2):
-            _chunk(shape, min(case.n_tokens, budget // (case.vocab_size * 2)), case.vocab_size, case.hidden_size,
-                   budget)
-            torch.cuda.empty_cache()
+        _chunk(shape, int(chunk), case.vocab_size, case.hidden_size)
+        torch.cuda.empty_cache()
     for kernel in _weight_grad_kernel.device_caches[torch.cuda.current_device()][0].values():
         meta = kernel.metadata
         print(f"compiled: shared {meta.shared} B, warps {meta.num_warps}, registers {getattr(kernel, 'n_regs', '?')}, "
               f"spills {getattr(kernel, 'n_spills', '?')}")
 
 
-def _chunk(shape: str, chunk: int, v: int, h: int, budget: int) -> None:
+def _pair_value(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The pair's sum in float64 (``lo`` counts units of ``2**(e - 14)``, ``e`` ``hi``'s exponent)."""
+    exponent = torch.frexp(hi.double()).exponent - 1
+    return hi.double() + lo.double() * torch.exp2((exponent.clamp(min=-112) - 14).double())
+
+
+def _chunk(shape: str, chunk: int, v: int, h: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     dy = (torch.rand(chunk, v, device="cuda", generator=g) * 1e-3).bfloat16()
     hid = torch.randn(chunk, h, device="cuda", generator=g).bfloat16()
     acc = torch.zeros(v, h, device="cuda")
-    print(f"\n{shape}: chunk {chunk} tokens (tile budget {budget / 2**30:.2f} GiB), V={v} H={h}", flush=True)
+    print(f"\n{shape}: chunk {chunk} tokens, V={v} H={h}", flush=True)
     t_cublas = ms(lambda: torch.addmm(acc, dy.t(), hid, out_dtype=torch.float32, out=acc))
     t_cublas_store = ms(lambda: torch.addmm(acc, dy.t(), hid, beta=0, out_dtype=torch.float32, out=acc))
     t_cast = ms(lambda: acc.to(torch.bfloat16))
     print(f"  cuBLAS add {t_cublas:.3f}  store {t_cublas_store:.3f}  cast {t_cast:.3f}", flush=True)
     hi = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
-    lo = torch.empty_like(hi)
+    lo = torch.empty(v, h, device="cuda", dtype=torch.int8)
     for cfg in VARIANTS:
         try:
             t_first = ms(lambda cfg=cfg: launch_weight_grad(dy, hid, hi, lo, True, cfg))
@@ -80,7 +82,7 @@ def _chunk(shape: str, chunk: int, v: int, h: int, budget: int) -> None:
     def err(x: torch.Tensor) -> str:
         return f"{float((x.double() - ref).norm() / norm):.3e}"
 
-    print(f"  rel error vs float64: pair sum {err(hi.double() + lo.double())}, pair hi {err(hi)}, "
+    print(f"  rel error vs float64: pair sum {err(_pair_value(hi, lo))}, pair hi {err(hi)}, "
           f"fp32 acc {err(acc)}, fp32 acc cast {err(acc.bfloat16())}", flush=True)
 
 

@@ -292,7 +292,6 @@ def distill_loss(
         return (per.sum() if cfg.reduction == "sum" else per.sum() / denom), None
 
     loss, stats, _ = run_distill(p, objective, h, head, options, per_token=cfg.reduction == "none")
-    checks.read()  # before any result is used (done above where the pass needed it first)
 
     metrics: dict[str, torch.Tensor] = {}
     div = divergence(slice(0, n), stats)
@@ -309,6 +308,9 @@ def distill_loss(
     metrics["divergence"] = div
     metrics["entropy"] = stats.entropy
     metrics = {name: v.detach().sum() / count for name, v in metrics.items()}
+    # Before any result is returned (done above where the pass needed it first); after the metrics
+    # are queued, so that the GPU has them to run while the host waits for the read.
+    checks.read()
     if cfg.reduction == "none":
         out = loss if n == positions else loss.new_zeros(positions).index_put((idx,), loss)
         return out.reshape(shape), metrics

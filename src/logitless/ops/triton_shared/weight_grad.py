@@ -65,7 +65,9 @@ def weight_grad_config() -> WeightGradConfig:
     # Measured on one H100 (scripts/gpu_weight_grad_sweep.py; Qwen2.5's head, 7117-token chunks):
     # adding to the pair 12.6 ms against cuBLAS's fp32 accumulation 11.5 (its store: 11.5 against
     # 11.6). 64-token steps with 3 stages leave no shared memory for the pair's blocks, and
-    # pointer loads of the pair spill 154 registers (12.5-13.3 ms); 2 stages: 15.5.
+    # pointer loads of the pair spill 154 registers (12.5-13.3 ms); 2 stages: 15.5. With the int8
+    # residual (one H200, Gemma-2's 2048-token chunks, adding): 4.9 ms; 16-token steps, whose
+    # stages leave room for the residual's store block, 6.5; 128 x 128 x 64 tiles 7.1.
     return WeightGradConfig(128, 256, 32, 8, 4, 8, tma=True, pair_tma=True)
 
 
