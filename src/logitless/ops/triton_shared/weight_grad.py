@@ -83,8 +83,8 @@ def _nearest_bf16(x):
 @triton.jit
 def _unit_exponent(hi):
     """``(biased exponent of the residual's unit, finite)`` for bf16 ``hi`` of binary exponent
-    ``e``: the unit is ``2**(e - 14)``, or ``2**-126`` at the smallest exponents (zero,
-    subnormals); ``finite``: whether ``hi`` is."""
+    ``e``: the unit is ``2**(e - 14)``, or ``2**-126`` below ``|hi| = 2**-112`` (zero and
+    subnormals included); ``finite``: whether ``hi`` is."""
     biased = (hi.to(tl.float32).to(tl.uint32, bitcast=True) >> 23) & 0xFF
     return tl.maximum(biased, 15) - 14, biased != 0xFF
 
