@@ -385,10 +385,10 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
         layouts = keep_planned_chunks(monkeypatch, lambda p: chunks == "several-pair")
         monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 8)
         budget = 8 * V * 2
-    stores = []  # each chunk's Accumulators.write_weight, as the fused loop hands them on
+    stores = []  # each chunk's Accumulators (write_weight, last_weight), as the fused loop hands them on
     real_chunk = fused._run_chunk
     monkeypatch.setattr(fused, "_run_chunk", lambda call, hidden, i, low, acc:
-                        stores.append(acc.write_weight) or real_chunk(call, hidden, i, low, acc))
+                        stores.append((acc.write_weight, acc.last_weight)) or real_chunk(call, hidden, i, low, acc))
     g = torch.Generator().manual_seed(5)
     h = torch.randn(24, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V + 5, H, generator=g) / H**0.5 * 3).to(torch.bfloat16)  # 5 padding rows
@@ -405,7 +405,8 @@ def test_stored_weight_grad_is_written_everywhere(monkeypatch, objective, chunks
                             PassOptions(mode="fused", impl=impl, chunk_bytes=budget))
         res.loss.backward()
         grads[impl] = ww.grad.float()
-    assert stores == ([True] if chunks == "one" else [True, False, False])  # the gemm pass's chunks
+    # The gemm pass's chunks: the first stores, the last leaves a pair's residual unwritten.
+    assert stores == ([(True, True)] if chunks == "one" else [(True, False), (False, False), (False, True)])
     assert layouts[-1] == {"one": "single", "several-fp32": "fp32", "several-pair": "pair"}[chunks]
     assert torch.all(grads["gemm"][V:] == 0)
     if objective == "constant":

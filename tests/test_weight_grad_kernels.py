@@ -67,6 +67,30 @@ def test_pair_sums_chunks_against_float64(loads, shape):
 
 
 @interpreted
+@pytest.mark.parametrize("loads", ["pair-tma", "pointer"])
+def test_last_chunk_stores_the_result_alone(loads):
+    """With ``last`` the chunk's ``hi`` is bit for bit the one it stores without (the nearest bf16
+    to the pair's sum, against float64 as above), and the residual is left as it was."""
+    from logitless.ops.triton_shared.weight_grad import launch_weight_grad, weight_grad_config
+
+    vocab, hidden_size = 72, 48
+    cfg = dataclasses.replace(weight_grad_config(), tma=loads != "pointer", pair_tma=loads == "pair-tma")
+    dys, hs = _chunks((37, 50), vocab, hidden_size, "cpu", seed=5)
+    results = {}
+    for last in (False, True):
+        hi, lo = _poisoned_pair(vocab, hidden_size)
+        launch_weight_grad(dys[0], hs[0], hi, lo, True, cfg)
+        before = lo.clone()
+        launch_weight_grad(dys[1], hs[1], hi, lo, False, cfg, last=last)
+        results[last] = hi
+        if last:
+            assert torch.equal(lo, before)
+        else:
+            _check_pair(hi, lo, sum(dy.double().t() @ h.double() for dy, h in zip(dys, hs, strict=True)))
+    assert torch.equal(results[True], results[False])
+
+
+@interpreted
 def test_pair_of_a_vocabulary_block_view():
     """``hi``/``lo`` rows of a block of a larger buffer (the engine's vocabulary blocks), ``dy`` a
     column block of a wider tile: only the block's rows change."""

@@ -500,6 +500,8 @@ class Accumulators:
             ``pairs_weight_grad``), ``d weight`` is the pair of ``weight`` (bf16, the nearest to
             the sum so far) and ``weight_lo``, the residual in units of a power of two that
             ``weight``'s exponent sets (:mod:`logitless.ops.triton_shared.weight_grad`).
+        last_weight: no later chunk adds to ``weight``: a pair's residual need not be stored
+            (``weight`` is then the result).
     """
 
     weight: torch.Tensor | None = None
@@ -509,6 +511,7 @@ class Accumulators:
     hidden: bool = False
     write_weight: bool = False
     weight_lo: torch.Tensor | None = None
+    last_weight: bool = False
 
 
 @dataclass(frozen=True)

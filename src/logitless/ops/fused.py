@@ -250,9 +250,13 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     # ``acc`` is the first chunk's (planning.accumulators): it may store its d weight products
     # into the uninitialized buffer; the later chunks add to them.
     later_acc = None if acc is None else dataclasses.replace(acc, write_weight=False)
+    # The last chunk that may take a gradient: no chunk after it adds to d weight.
+    last = (len(call.chunks) if call.grad_chunks is None else call.grad_chunks) - 1
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
             chunk_acc = acc if i == 0 else None if call.grad_chunks is not None and i >= call.grad_chunks else later_acc
+            if chunk_acc is not None and i == last:
+                chunk_acc = dataclasses.replace(chunk_acc, last_weight=True)
             loss, stats, gh, picked = _run_chunk(call, hidden, i, low, chunk_acc)
             total = loss.to(sdt) if total is None else total + loss
             if out is None:

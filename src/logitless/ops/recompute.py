@@ -67,9 +67,11 @@ class _RecomputeFn(torch.autograd.Function):
         partial = need_h and local.parallel and local.reduce_grad_hidden
         grad_rows = torch.empty_like(rows, dtype=sdt if partial else None) if need_h else None
         with advise_on_oom(p.plan, hidden.device):
-            for i, sl in enumerate(p.plan.chunks(n)):
+            chunks = p.plan.chunks(n)
+            for i, sl in enumerate(chunks):
                 chunk_acc = dataclasses.replace(planning.first_stores(p, local_acc, i == 0),
-                                                lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl])
+                                                lora_x=None if local_acc.lora_x is None else local_acc.lora_x[sl],
+                                                last_weight=i == len(chunks) - 1)
                 gh = p.backward(p.rows(rows, sl, low), p.plan, rows_of(saved, sl), grads.rows(sl), chunk_acc, None)
                 if need_h:
                     grad_rows[sl] = gh

@@ -116,7 +116,8 @@ def _weight_grad_kernel(
     hi_ptr, lo_ptr, stride_w,  # [V, H] bf16 result, int8 residual
     hi_src, lo_src,  # with PAIR_TMA their descriptors of [BLOCK_V, BLOCK_H] blocks (else unused)
     n, vocab, hidden_size,
-    FIRST: tl.constexpr, USE_TMA: tl.constexpr, PAIR_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, USE_TMA: tl.constexpr, PAIR_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
 ):
     v_blocks = tl.cdiv(vocab, BLOCK_V)
@@ -151,12 +152,15 @@ def _weight_grad_kernel(
                 acc += _pair_sum(hi_src.load([v0, h0]), lo_src.load([v0, h0]))
             hi, lo = _split(acc)
             hi_src.store([v0, h0], hi)
-            if FIRST:
+            if LAST:  # no later chunk reads the residual
+                pass
+            elif FIRST:
                 lo_src.store([v0, h0], lo)
             else:
                 # Beside the loads' blocks, a descriptor's block for this store would take the
                 # shared memory that the pipeline's stages need. (Pointer loads of the residual
-                # would move the fp32 sum through shared memory to change its layout.)
+                # would move the fp32 sum through shared memory to change its layout; this
+                # store's addresses spill registers, which the last chunk saves.)
                 tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
         else:
             if not FIRST:
@@ -164,11 +168,12 @@ def _weight_grad_kernel(
                                  tl.load(lo_ptr + tile_at + offs, mask=ok, other=0))
             hi, lo = _split(acc)
             tl.store(hi_ptr + tile_at + offs, hi, mask=ok)
-            tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
+            if not LAST:
+                tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
 
 
 def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, first: bool,
-                       cfg: WeightGradConfig | None = None) -> None:
+                       cfg: WeightGradConfig | None = None, *, last: bool = False) -> None:
     """``pair (+)= dyᵀ @ hidden``, the pair split again (see the module docstring).
 
     Args:
@@ -177,7 +182,8 @@ def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor,
         hi, lo: ``[V, H]`` bf16 and int8 with unit column stride and one row stride (in elements),
             overwritten: ``hi`` the bf16 nearest the sum, ``lo`` the residual in units of
             ``2**(e - 14)``, ``e`` the binary exponent of ``hi``. With ``first`` they are not read
-            (uninitialized before); else they hold the sum so far.
+            (uninitialized before); else they hold the sum so far. With ``last`` (no later chunk
+            adds) ``lo`` is left as it was: ``hi`` is the result.
     """
     cfg = cfg or weight_grad_config()
     n, vocab = dy.shape
@@ -205,7 +211,7 @@ def launch_weight_grad(dy: torch.Tensor, hidden: torch.Tensor, hi: torch.Tensor,
     _weight_grad_kernel[(min(tiles, sm_count(dy.device)),)](
         dy_src, dy.stride(0), h_src, hidden.stride(0), hi, lo, hi.stride(0), hi_src, lo_src,
         n, vocab, hidden_size,
-        FIRST=first, USE_TMA=tma, PAIR_TMA=pair_tma, UPCAST=interpreting(),
+        FIRST=first, LAST=last, USE_TMA=tma, PAIR_TMA=pair_tma, UPCAST=interpreting(),
         BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, GROUP_V=cfg.group_v,
         num_warps=cfg.warps, num_stages=cfg.stages)
 
@@ -227,7 +233,8 @@ def block_grads(dy: torch.Tensor, weight: torch.Tensor, hidden: torch.Tensor, bl
         else:
             gemm.addmm_(grad_hidden, dy, w)
     if acc.weight is not None and acc.weight_lo is not None:
-        launch_weight_grad(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight)
+        launch_weight_grad(dy, hidden, acc.weight[block], acc.weight_lo[block], acc.write_weight,
+                           last=acc.last_weight)
     elif acc.weight is not None and acc.write_weight:
         gemm.mm_into(acc.weight[block], dy.t(), hidden)
     elif acc.weight is not None:
