@@ -152,16 +152,15 @@ def _weight_grad_kernel(
                 acc += _pair_sum(hi_src.load([v0, h0]), lo_src.load([v0, h0]))
             hi, lo = _split(acc)
             hi_src.store([v0, h0], hi)
-            if LAST:  # no later chunk reads the residual
-                pass
-            elif FIRST:
-                lo_src.store([v0, h0], lo)
-            else:
-                # Beside the loads' blocks, a descriptor's block for this store would take the
-                # shared memory that the pipeline's stages need. (Pointer loads of the residual
-                # would move the fp32 sum through shared memory to change its layout; this
-                # store's addresses spill registers, which the last chunk saves.)
-                tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
+            if not LAST:  # no later chunk reads the last chunk's residual
+                if FIRST:
+                    lo_src.store([v0, h0], lo)
+                else:
+                    # Beside the loads' blocks, a descriptor's block for this store would take the
+                    # shared memory that the pipeline's stages need. (Pointer loads of the residual
+                    # would move the fp32 sum through shared memory to change its layout; this
+                    # store's addresses spill registers, which the last chunk saves.)
+                    tl.store(lo_ptr + tile_at + offs, lo, mask=ok)
         else:
             if not FIRST:
                 acc += _pair_sum(tl.load(hi_ptr + tile_at + offs, mask=ok, other=0.0),
