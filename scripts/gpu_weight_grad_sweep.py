@@ -1,6 +1,5 @@
 """The pair ``d weight`` GEMM (bf16 result, int8 residual: ``ops.triton_shared.weight_grad``) against
-cuBLAS's fp32 accumulation, over one token chunk of a bench head (GPU only); with the CuTe DSL
-importable, also the CuTe pair kernel (``ops.cute_backend.weight_grad``) on both schedules.
+cuBLAS's fp32 accumulation, over one token chunk of a bench head (GPU only).
 
     python3 scripts/gpu_weight_grad_sweep.py [SHAPE:CHUNK ...]
     # default: 8k:gemma2-2b:2048 8k:gemma2-2b:4096 8k:llama3-8b:4096
@@ -62,17 +61,6 @@ def _chunk(shape: str, chunk: int, v: int, h: int) -> None:
     print(f"  cuBLAS add {t_cublas:.3f}  store {t_cublas_store:.3f}  cast {t_cast:.3f}", flush=True)
     hi = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
     lo = torch.empty(v, h, device="cuda", dtype=torch.int8)
-    try:
-        from logitless.ops.cute_backend import weight_grad as cute_pair
-    except ImportError:
-        cute_pair = None
-    for pingpong in (True, False) if cute_pair else ():
-        cute_pair.PINGPONG = pingpong
-        t_first = ms(lambda: cute_pair.launch_weight_grad(dy, hid, hi, lo, True))
-        t_add = ms(lambda: cute_pair.launch_weight_grad(dy, hid, hi, lo, False))
-        t_last = ms(lambda: cute_pair.launch_weight_grad(dy, hid, hi, lo, False, True))
-        print(f"  cute pair {'ping-pong' if pingpong else 'cooperative'}: store {t_first:.3f}  add {t_add:.3f}  "
-              f"add-last {t_last:.3f}  ({t_add / t_cublas:.3f}x cuBLAS add)", flush=True)
     for cfg in VARIANTS:
         try:
             t_first = ms(lambda cfg=cfg: launch_weight_grad(dy, hid, hi, lo, True, cfg))

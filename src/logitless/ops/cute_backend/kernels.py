@@ -520,7 +520,7 @@ class StatsGemm:
 
 
 @functools.cache
-def max_active_clusters() -> int:
+def _max_active_clusters() -> int:
     return cutlass.utils.HardwareInfo().get_max_active_clusters(2)
 
 
@@ -611,6 +611,6 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
     stream = cuda.CUstream(torch.cuda.current_stream(hidden.device).cuda_stream)
     kernel = _compiled.get(key)
     if kernel is None:
-        kernel = _compiled[key] = cute.compile(StatsGemm(key), *args, max_active_clusters(), stream)
+        kernel = _compiled[key] = cute.compile(StatsGemm(key), *args, _max_active_clusters(), stream)
     kernel(*args, stream)
     return out
