@@ -125,10 +125,16 @@ def test_matches_torch_and_float64(monkeypatch, row):
 @interpreted
 def test_forward_kl_in_one_read_over_chunks_without_a_mask(monkeypatch):
     """The one read where it is built for: every position counted (no mask: the value checks are
-    read after the pass), a logit scale and temperatures, and three row chunks of at most 768 tokens
+    read after the pass), a logit scale and temperatures, and three row chunks of at most 256 tokens
     (each kept whole, ``d weight`` added over them in the bf16 pair)."""
-    chunk_bytes = 768 * 4 * V  # both fp16 tiles of 768 rows: three chunks of 2100 rows
-    _check_case(monkeypatch, "gemm", ("forward_kl", 0.5, 0.0, "scale", "fused", chunk_bytes), masked=False, n=2100,
+    from logitless.ops import plan
+
+    # The gemm plan's floor of 1024 rows a chunk (a GPU's size) would need over 2048 rows for three
+    # chunks, which the interpreter's one-read kernel (a program per row) takes minutes over; at a
+    # 256-row floor the same three chunks (256, 256 and a 188-row tail) take 700 rows.
+    monkeypatch.setitem(plan._MIN_TOKENS, "gemm", 256)
+    chunk_bytes = 256 * 4 * V  # both fp16 tiles of 256 rows: three chunks of 700 rows
+    _check_case(monkeypatch, "gemm", ("forward_kl", 0.5, 0.0, "scale", "fused", chunk_bytes), masked=False, n=700,
                 one_read=3)
 
 

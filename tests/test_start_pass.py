@@ -27,6 +27,13 @@ test_under_interpreter = child_run(__file__)
 V, H = 96, 32
 
 
+def _short_chunks(monkeypatch):
+    """Token chunks of 256 rows at the shortest, where the gemm plan's floor is 1024 (a GPU's
+    size): the several-chunk cases then take 512 rows, not 2048, which the interpreter takes
+    minutes over. The started rows (64, see ``launches``) stay well inside a first chunk."""
+    monkeypatch.setitem(planning._MIN_TOKENS, "gemm", 256)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """Row counts of the gemm backend's statistics launches, in order; started passes use 16-row
@@ -280,35 +287,38 @@ def test_the_started_buffer_lives_no_longer_than_the_first_chunk(monkeypatch, la
 
     monkeypatch.setattr(gemm_backend, "start_rows", start_rows)
     monkeypatch.setattr(gemm_backend, "launch_forward", launch)
+    _short_chunks(monkeypatch)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    b, t = 16, 128  # two chunks of 1024 tokens, the gemm backend's shortest
+    b, t = 16, 32  # two chunks of 256 tokens, the shortest (see _short_chunks)
     h = torch.randn(b, t, H, generator=g).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
     loss, _ = logitless.policy_loss(h, w, torch.randint(0, V, (b, t), generator=g), torch.ones(b, t),
                                     torch.randn(b, generator=g), -torch.rand(b, t, generator=g),
                                     # (skipping puts the rows with a gradient first, and then nothing
                                     # starts ahead of two chunks: the test below)
-                                    options=PassOptions(impl="gemm", chunk_bytes=1024 * V * 2, skip_zero_rows=False))
+                                    options=PassOptions(impl="gemm", chunk_bytes=256 * V * 2, skip_zero_rows=False))
     loss.backward()
     # the started rows' two parts, the first chunk's rest, the second chunk
-    assert launches == [64, 64, 896, 1024]
+    assert launches == [64, 64, 128, 256]
     assert alive[2] == [True, True] and alive[3] == [False, False]
 
 
 @interpreted
-def test_nothing_starts_ahead_of_rows_with_a_gradient_first(launches):
+def test_nothing_starts_ahead_of_rows_with_a_gradient_first(monkeypatch, launches):
     """A policy pass whose rows with a gradient come first sizes its first chunk after the read
     (a chunk of those rows alone): where all rows would take several chunks, no rows start,
     since their logits would need a buffer of another size; where they take one, they start.
     With a quarter of the rows reward-constant, the rest then take statistics only."""
+    _short_chunks(monkeypatch)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    b, t = 16, 128
+    b, t = 16, 32
     h = torch.randn(b, t, H, generator=g).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
     ids, adv = torch.randint(0, V, (b, t), generator=g), torch.randn(b, generator=g)
     old = -torch.rand(b, t, generator=g)
-    for chunk_rows, dense, constant in ((1024, [1024, 1024], [768, 768, 512]),
-                                        (2048, [64, 64, 1920], [64, 64, 1408, 512])):
+    # 512 rows (384 with a gradient) in chunks of 256 (several) or 512 (one)
+    for chunk_rows, dense, constant in ((256, [256, 256], [256, 128, 128]),
+                                        (512, [64, 64, 384], [64, 64, 256, 128])):
         for adv_now, want in ((adv, dense), (torch.where(torch.arange(b) % 4 == 0, 0.0, adv), constant)):
             launches.clear()
             loss, _ = logitless.policy_loss(h, w, ids, torch.ones(b, t), adv_now, old,
