@@ -254,7 +254,7 @@ def _run_chunks(call: _FusedCall, hidden: torch.Tensor, low: LowRank | None,
     last = (len(call.chunks) if call.grad_chunks is None else call.grad_chunks) - 1
     with advise_on_oom(call.p.plan, hidden.device):
         for i, sl in enumerate(call.chunks):
-            chunk_acc = acc if i == 0 else None if call.grad_chunks is not None and i >= call.grad_chunks else later_acc
+            chunk_acc = acc if i == 0 else None if i > last else later_acc
             if chunk_acc is not None and i == last:
                 chunk_acc = dataclasses.replace(chunk_acc, last_weight=True)
             loss, stats, gh, picked = _run_chunk(call, hidden, i, low, chunk_acc)
