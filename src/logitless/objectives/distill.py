@@ -284,6 +284,11 @@ def distill_loss(
         return sparse_forward_kl(st.logp[:, :k], topk_lp[sl], cfg.topk_add_tail)[0]
 
     def objective(sl: slice, st: DistillStats) -> tuple[torch.Tensor, None]:
+        if read_later:
+            # Behind the first chunk's statistics GEMMs: the read below then waits for them, not
+            # for the whole pass, so the host returns (and launches the backward) while the GPU
+            # still runs the later chunks. Once; a later call does nothing.
+            checks.queue()
         per = divergence(sl, st)
         if cfg.ce_weight > 0:
             per = per - cfg.ce_weight * st.logp[:, -1]
@@ -308,8 +313,7 @@ def distill_loss(
     metrics["divergence"] = div
     metrics["entropy"] = stats.entropy
     metrics = {name: v.detach().sum() / count for name, v in metrics.items()}
-    # Before any result is returned (done above where the pass needed it first); after the metrics
-    # are queued, so that the GPU has them to run while the host waits for the read.
+    # Before any result is returned (done above where the pass needed it first).
     checks.read()
     if cfg.reduction == "none":
         out = loss if n == positions else loss.new_zeros(positions).index_put((idx,), loss)

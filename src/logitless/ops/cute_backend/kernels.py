@@ -56,6 +56,17 @@ from cutlass.tensor_utils import LayoutEnum
 from ..triton_shared.prob_tile import EXP_CLAMP, reference
 from ..triton_shared.tile_gemm import TileOperands, tile_partials
 
+# Launching through Apache TVM FFI takes the torch tensors as they are, where CuTe DSL's own launch
+# converts each through DLPack and packs its arguments in Python: that is most of a launch's host
+# time, which comes before the pass's first GEMM runs. Only with a torch that exports DLPack's C
+# exchange API itself: without it, importing tvm_ffi compiles an extension for it.
+_TVM_FFI = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+if _TVM_FFI:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        _TVM_FFI = False
+
 if TYPE_CHECKING:
     from ..contract import StatRequest
 
@@ -525,6 +536,8 @@ def _max_active_clusters() -> int:
 
 
 _compiled: dict[KernelKey, object] = {}
+# The byte alignment TMA and the epilogue assume of each tensor argument, in order.
+_ALIGN = (16, 16, 16, 4, 8, 16, 4, 4)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -540,8 +553,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _cute(t: torch.Tensor, align: int = 16):
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic()
+def _cute(t: torch.Tensor | None, align: int):
+    if t is None:
+        return None
+    return from_dlpack(t, assumed_align=align, enable_tvm_ffi=_TVM_FFI).mark_layout_dynamic()
 
 
 def z_buffer(n: int, vocab: int, device: torch.device, fold: bool = False) -> torch.Tensor:
@@ -602,15 +617,19 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
                     # Llama-3's 4096-wide head (1.01x cuBLAS, 1.08x the other way), along the tokens for
                     # Gemma-2's 2304-wide one (1.06x, 1.12x the other way).
                     hidden.shape[1] < 3072, pingpong)
-    args = (_cute(hidden.unsqueeze(-1)), _cute(weight.unsqueeze(-1)),
-            None if z_out is None else _cute(z_out.unsqueeze(-1)),
-            None if bias is None else _cute(bias.float().contiguous(), 4), _cute(targets.contiguous(), 8),
-            _cute(stacked), _cute(out["zy"].view(n), 4), _cute(out["ref"].view(n), 4) if fold else None,
-            (cutlass.Float32(transform.logit_scale), cutlass.Float32(transform.softcap or 1.0),
-             cutlass.Float32(1.0 / transform.temperature)))
-    stream = cuda.CUstream(torch.cuda.current_stream(hidden.device).cuda_stream)
+    tensors = tuple(None if t is None else t.detach() for t in (  # (DLPack exports no tensor that requires grad)
+        hidden.unsqueeze(-1), weight.unsqueeze(-1), None if z_out is None else z_out.unsqueeze(-1),
+        None if bias is None else bias.float().contiguous(), targets.contiguous(), stacked, out["zy"].view(n),
+        out["ref"].view(n) if fold else None))
+    scalars = (transform.logit_scale, transform.softcap or 1.0, 1.0 / transform.temperature)
+    stream = torch.cuda.current_stream(hidden.device).cuda_stream
     kernel = _compiled.get(key)
     if kernel is None:
-        kernel = _compiled[key] = cute.compile(StatsGemm(key), *args, _max_active_clusters(), stream)
-    kernel(*args, stream)
+        kernel = _compiled[key] = cute.compile(
+            StatsGemm(key), *map(_cute, tensors, _ALIGN), tuple(map(cutlass.Float32, scalars)),
+            _max_active_clusters(), cuda.CUstream(stream), **({"options": "--enable-tvm-ffi"} if _TVM_FFI else {}))
+    if _TVM_FFI:
+        kernel(*tensors, scalars, stream)
+    else:
+        kernel(*map(_cute, tensors, _ALIGN), tuple(map(cutlass.Float32, scalars)), cuda.CUstream(stream))
     return out
