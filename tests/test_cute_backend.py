@@ -178,6 +178,35 @@ def test_schedules_agree(store):
     torch.testing.assert_close(lse.double(), lse64, rtol=0, atol=5e-5)
 
 
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.cuda
+@on_hopper
+def test_launch_paths_agree(monkeypatch, fold):
+    """The launch through Apache TVM FFI (torch tensors as they are, a hidden that requires grad
+    included) and CuTe DSL's own DLPack launch run the same kernel: equal bits in every output,
+    with every argument slot filled (bias, transform scalars, the stored tile and, for the
+    probability tile, its per-row reference)."""
+    from logitless.ops.contract import StatRequest
+    from logitless.ops.cute_backend import kernels
+    from logitless.ops.triton_shared.tile_gemm import TileOperands
+
+    if not kernels._TVM_FFI:
+        pytest.skip("apache-tvm-ffi is not installed (or this torch exports no DLPack C exchange API)")
+    h, w, b, t, tr = _inputs(torch.bfloat16, "full", 72, seed=11)
+    t = t.clamp(0, V - 1)  # the probability tile's reference needs every target in this shard
+    ops = TileOperands(h.requires_grad_(), w, b, t, tr)
+    want = StatRequest(entropy=not fold, sum_z=not fold, sum_sq=False)
+    outs = []
+    for tvm in (True, False):
+        monkeypatch.setattr(kernels, "_TVM_FFI", tvm)
+        monkeypatch.setattr(kernels, "_compiled", {})
+        z = kernels.z_buffer(N, V, h.device, fold=fold)
+        outs.append((kernels.launch_forward(ops, want, True, z), z))
+    (a, z_a), (b_, z_b) = outs
+    assert a.keys() == b_.keys() and all(torch.equal(a[k], b_[k]) for k in a)
+    assert torch.equal(z_a, z_b) and torch.isfinite(z_a.float()).all()
+
+
 # Each statistic's gradient alone and all together, kept logits and recomputed vocabulary blocks
 # (300 entries: blocks that end inside a tile), both 16-bit dtypes.
 BACKWARD_CASES = [
