@@ -253,7 +253,8 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
     counts = () if label is None else (label.sum(),)
     pending = checks.send(None, *ends.unbind(), *counts)  # the one synchronization of the checks
-    started = start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute", after=first)
+    started = first and start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute",
+                                   after=first)
     host = pending.wait()[0]
     desirable = None if label is None else int(host.pop())
     n = int(host[-1]) if units else 0

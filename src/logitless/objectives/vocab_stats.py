@@ -47,7 +47,7 @@ def read_counted(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore
     order = counted_first_order(counted.reshape(-1))[0]
     first = start_pass(hidden, targets, order, head, want, options, fused)
     read = checks.send(None, counted.sum())
-    started = start_pass(hidden, targets, order, head, want, options, fused, after=first)
+    started = first and start_pass(hidden, targets, order, head, want, options, fused, after=first)
     return order, int(read.wait()[0][0]), started
 
 

@@ -160,7 +160,9 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     A caller may start in two parts: one launch as soon as the pass's order is known, before it
     builds its checks (the GPU computes while the host does), then after the send one with
     ``after``, the rows that follow (the GPU computes while the host waits for the read, which
-    waits for the first part, and prepares the pass).
+    waits for the first part, and prepares the pass). Only after a first part that started: given
+    the same arguments, a second call whose first returned ``None`` would plan the same pass and
+    return ``None`` too (host time before the first GEMM).
 
     Only on a backend whose :attr:`~logitless.ops.contract.Capabilities.starts_early` is set: its
     GEMM cannot fault on unchecked values, and a failed check still raises its named error before

@@ -559,6 +559,12 @@ def _cute(t: torch.Tensor | None, align: int):
     return from_dlpack(t, assumed_align=align, enable_tvm_ffi=_TVM_FFI).mark_layout_dynamic()
 
 
+def _dsl_args(tensors: tuple, scalars: tuple) -> tuple:
+    """The kernel's arguments as CuTe DSL's own types: what ``cute.compile`` traces, and what the
+    DLPack launch passes."""
+    return (*map(_cute, tensors, _ALIGN), tuple(map(cutlass.Float32, scalars)))
+
+
 def z_buffer(n: int, vocab: int, device: torch.device, fold: bool = False) -> torch.Tensor:
     """An ``[n, V]`` fp16 (``fold``: bf16) view whose rows start 16-byte aligned (``V`` padded to a
     multiple of 8), as :func:`launch_forward` stores into."""
@@ -626,10 +632,10 @@ def launch_forward(ops: TileOperands, want: StatRequest, fp32_logits: bool,
     kernel = _compiled.get(key)
     if kernel is None:
         kernel = _compiled[key] = cute.compile(
-            StatsGemm(key), *map(_cute, tensors, _ALIGN), tuple(map(cutlass.Float32, scalars)),
-            _max_active_clusters(), cuda.CUstream(stream), **({"options": "--enable-tvm-ffi"} if _TVM_FFI else {}))
+            StatsGemm(key), *_dsl_args(tensors, scalars), _max_active_clusters(), cuda.CUstream(stream),
+            **({"options": "--enable-tvm-ffi"} if _TVM_FFI else {}))
     if _TVM_FFI:
         kernel(*tensors, scalars, stream)
     else:
-        kernel(*map(_cute, tensors, _ALIGN), tuple(map(cutlass.Float32, scalars)), cuda.CUstream(stream))
+        kernel(*_dsl_args(tensors, scalars), cuda.CUstream(stream))
     return out
