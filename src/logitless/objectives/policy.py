@@ -413,7 +413,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     before = None if zero is None else torch.cumsum(~zero, 0)
     pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
     started = first and start_pass(hidden, targets, seen.index, head, request, options, fused,
-                         gradient_first=leading is not None, after=first)
+                                   gradient_first=leading is not None, after=first)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
     with_grad = None if zero is None else (int(before[n - 1]) if n else 0)
