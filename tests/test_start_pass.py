@@ -256,7 +256,7 @@ def test_a_second_part_needs_a_first(launches):
     h = torch.randn(n, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16)
     ids, order = torch.randint(0, V, (n,), generator=g), torch.arange(n)
-    args = (h, ids, order, logitless.Head(w), engine.StatRequest(), PassOptions(impl="gemm"), False)
+    args = (h, ids, order, logitless.Head(w), engine.ObjectiveSpec(), PassOptions(impl="gemm"), False)
     first = engine.start_pass(*args)
     assert first is not None and first.rows == 64 and launches == [64]  # half the rows: no room for more
     second = engine.start_pass(*args, after=first)
@@ -304,24 +304,60 @@ def test_the_started_buffer_lives_no_longer_than_the_first_chunk(monkeypatch, la
 
 
 @interpreted
-def test_nothing_starts_ahead_of_rows_with_a_gradient_first(monkeypatch, launches):
-    """A policy pass whose rows with a gradient come first sizes its first chunk after the read
-    (a chunk of those rows alone): where all rows would take several chunks, no rows start,
-    since their logits would need a buffer of another size; where they take one, they start.
-    With a quarter of the rows reward-constant, the rest then take statistics only."""
+def test_rows_with_a_gradient_first_start_after_the_read(monkeypatch, launches):
+    """A policy pass whose rows with a gradient come first sizes its first chunk by their count
+    (a chunk of those rows alone): after the read that brings the count, the whole first chunk's
+    statistics GEMM starts, into a buffer of that chunk's size, which the first chunk then takes
+    (no buffer of its own, no launch), whether the rows with a gradient take one chunk or
+    several. With a quarter of the rows reward-constant the rest take statistics only. The loss,
+    gradients and metrics are those of the same pass with nothing started, bit for bit."""
+    from logitless.ops.gemm_backend import backend as gemm_backend
+
+    started, buffers = [], []
+    real_start, real_buffer = gemm_backend.start_rows, gemm_backend._z_buffer
+
+    def start_rows(head, rows, *a):
+        started.append(rows.hidden.shape[0])
+        return real_start(head, rows, *a)
+
+    def z_buffer(rows, *a):
+        buffers.append(rows)
+        return real_buffer(rows, *a)
+
+    monkeypatch.setattr(gemm_backend, "start_rows", start_rows)
+    monkeypatch.setattr(gemm_backend, "_z_buffer", z_buffer)
     _short_chunks(monkeypatch)
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     b, t = 16, 32
-    h = torch.randn(b, t, H, generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16).requires_grad_()
+    h = torch.randn(b, t, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) * 0.7).to(torch.bfloat16)
     ids, adv = torch.randint(0, V, (b, t), generator=g), torch.randn(b, generator=g)
     old = -torch.rand(b, t, generator=g)
-    # 512 rows (384 with a gradient) in chunks of 256 (several) or 512 (one)
-    for chunk_rows, dense, constant in ((256, [256, 256], [256, 128, 128]),
-                                        (512, [64, 64, 384], [64, 64, 256, 128])):
-        for adv_now, want in ((adv, dense), (torch.where(torch.arange(b) % 4 == 0, 0.0, adv), constant)):
-            launches.clear()
-            loss, _ = logitless.policy_loss(h, w, ids, torch.ones(b, t), adv_now, old,
-                                            options=PassOptions(impl="gemm", chunk_bytes=chunk_rows * V * 2))
-            loss.backward()
-            assert launches == want, (chunk_rows, want)
+
+    def run(adv_now, chunk_rows, config=None):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, metrics = logitless.policy_loss(hh, ww, ids, torch.ones(b, t), adv_now, old, config=config,
+                                              options=PassOptions(impl="gemm", chunk_bytes=chunk_rows * V * 2))
+        loss.backward()
+        return [loss, hh.grad, ww.grad, *metrics.values()]
+
+    # 512 rows (384 with a gradient) in chunks of 256 (several) or 512 (one): the statistics GEMMs'
+    # rows, and the logits buffers made (the started one first, then each later gradient chunk's);
+    # GSPO's chunks hold whole sequences (32 rows each), those with a gradient first
+    constant = torch.where(torch.arange(b) % 4 == 0, 0.0, adv)
+    gspo = logitless.PolicyConfig(importance_sampling_level="sequence")
+    for chunk_rows, adv_now, config, want, made in ((256, adv, None, [256, 256], [256, 256]),
+                                                    (256, constant, None, [256, 128, 128], [256, 128]),
+                                                    (256, constant, gspo, [256, 128, 128], [256, 128]),
+                                                    (512, adv, None, [512], [512]),
+                                                    (512, constant, None, [384, 128], [384])):
+        launches.clear(), buffers.clear(), started.clear()
+        got = run(adv_now, chunk_rows, config)
+        assert launches == want and buffers == made and started == want[:1], (chunk_rows, launches, buffers)
+        launches.clear(), started.clear()
+        with monkeypatch.context() as nothing_starts:
+            nothing_starts.setattr(engine, "started_rows", lambda *a: 0)
+            expected = run(adv_now, chunk_rows, config)
+        assert launches == want and not started
+        for a, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)

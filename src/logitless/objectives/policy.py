@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,7 +15,6 @@ from ..ops import (
     Head,
     ObjectiveSpec,
     PassOptions,
-    Started,
     StatRequest,
     ValueChecks,
     ZeroRows,
@@ -43,16 +43,15 @@ def _want(cfg: PolicyConfig) -> StatRequest:
 
 @dataclass(frozen=True)
 class _Prepared:
-    """A validated :func:`policy_loss` call: the counted tokens' layout, the rows whose gradient is
-    known to be zero, the hidden rows ``[n, H]`` and int64 ids ``[n]`` that enter the pass, and its
+    """A validated :func:`policy_loss` call: the counted tokens' layout, the pass's objective spec
+    (without ``before_loss``), the hidden rows ``[n, H]`` and int64 ids ``[n]`` that enter the pass, and its
     per-token tensors (built at the first chunk's objective)."""
 
     layout: TokenLayout
-    zero_rows: ZeroRows | None
+    spec: ObjectiveSpec  # with the rows whose gradient is zero and the first rows' started statistics GEMM
     hidden: torch.Tensor
     targets: torch.Tensor
     tokens: LazyTokens
-    started: Started | None  # the first rows' statistics GEMM, launched before the counts' read
     checks: ValueChecks | None  # the value checks read at the end of the call, or None: read with the counts
 
 
@@ -161,12 +160,8 @@ def policy_loss(
     inputs = _PolicyInputs(targets, completion_mask, advantages, old_logp, ref_logp, tool_mask, sampling_logp,
                            importance_sampling_ratio, segment_ids)
     prep = _prepare(hidden, head, inputs, cfg, num_items_in_batch, sequence_group, options)
-    lay = prep.layout
-    if lay.distributed:  # its normalizers take collectives: every rank makes them here, in order
+    if prep.layout.distributed:  # its normalizers take collectives: every rank makes them here, in order
         prep.tokens.get()
-    # Under sequence parallelism a sequence-level objective takes collectives inside the
-    # objective; ranks must make the same calls, so the objective runs once (recompute).
-    split_sequences = lay.distributed and cfg.needs_whole_sequences
 
     def set_entropy_mask(stats: ChunkStats) -> None:
         tok = prep.tokens.get()
@@ -175,10 +170,7 @@ def policy_loss(
             denom = all_reduce((tok.m * tok.entropy_mask).sum(), "sum", sequence_group).clamp(min=1.0)
             tok.bonus_weight = tok.m / denom / _accum(cfg)
 
-    spec = ObjectiveSpec(want=_want(cfg), cuts=lay.cuts if cfg.needs_whole_sequences else None,
-                         needs_all_stats=cfg.needs_global_entropy or split_sequences,
-                         before_loss=set_entropy_mask if cfg.needs_global_entropy else None,
-                         zero_rows=prep.zero_rows, started=prep.started)
+    spec = dataclasses.replace(prep.spec, before_loss=set_entropy_mask) if cfg.needs_global_entropy else prep.spec
     # The pass computes the loss only; the metrics are taken afterwards, once, from every token's
     # (detached) statistics: per-chunk metric kernels made the fused pass launch-bound on GPUs.
     loss, stats, _ = run_objective(prep.hidden, head, prep.targets, prep.tokens.loss_term, spec, options)
@@ -368,11 +360,12 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
         check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), ignore_index=None,
                           checks=checks, counted=in_place.reshape(-1))
     # The first statistics GEMM runs while the host gathers the per-token inputs and sends the
-    # counts, a second while it waits for their read and prepares the pass (start_pass).
-    fused = options.mode != "recompute" and not (cfg.needs_global_entropy or (seen.distributed
-                                                                              and cfg.needs_whole_sequences))
-    first = start_pass(hidden, targets, seen.index, head, request, options, fused,
-                       gradient_first=leading is not None)
+    # counts, a second while it waits for their read and prepares the pass (start_pass). Where the
+    # rows with a gradient come first, their count sizes the first chunk: it starts after the read.
+    split_sequences = seen.distributed and cfg.needs_whole_sequences
+    fused = options.mode != "recompute" and not (cfg.needs_global_entropy or split_sequences)
+    first = None if leading is not None else start_pass(hidden, targets, seen.index, head, ObjectiveSpec(request),
+                                                        options, fused)
 
     def bad_values(name: str):
         return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
@@ -412,14 +405,18 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     reads = [] if count is None else [count]
     before = None if zero is None else torch.cumsum(~zero, 0)
     pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
-    started = first and start_pass(hidden, targets, seen.index, head, request, options, fused,
-                                   gradient_first=leading is not None, after=first)
+    started = first and start_pass(hidden, targets, seen.index, head, ObjectiveSpec(request), options, fused,
+                                   after=first)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
     with_grad = None if zero is None else (int(before[n - 1]) if n else 0)
     lay = seen if count is None else seen.first(n, None if ends is None else read[len(reads):],
                                                 in_order=leading is None or with_grad in (0, n))
     zero_rows = None if zero is None else ZeroRows(zero[:n], with_grad, before[:n], leading=leading is not None)
+    spec = ObjectiveSpec(want=request, cuts=lay.cuts if cfg.needs_whole_sequences else None,
+                         needs_all_stats=cfg.needs_global_entropy or split_sequences, zero_rows=zero_rows)
+    if leading is not None:  # the host prepares the rest of the pass while these rows' GEMM runs
+        started = start_pass(hidden, targets, lay.index, head, spec, options, fused)
 
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first
@@ -469,8 +466,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                             log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight,
                             zero_rows=zero_rows, config=cfg)
 
-    return _Prepared(lay, zero_rows, lay.rows(hidden), lay.gather(targets).long(), LazyTokens(tokens), started,
-                     checks if defer else None)
+    return _Prepared(lay, dataclasses.replace(spec, started=started), lay.rows(hidden), lay.gather(targets).long(),
+                     LazyTokens(tokens), checks if defer else None)
 
 
 def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor],

@@ -247,14 +247,14 @@ def _prepare(hidden: torch.Tensor, head: Head, batch: _Batch, size: int, per_uni
         caller_used = caller_used | (batch.nll_mask != 0)
     check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, batch.targets.reshape(-1), ignore_index=None,
                       checks=checks, counted=caller_used.reshape(-1))
-    first = start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute")
+    first = start_pass(hidden, batch.targets, at, head, ObjectiveSpec(want), options, options.mode != "recompute")
     ends = torch.cumsum(used.sum(1).view(units, size).sum(1), 0)
     for name, x in per_unit.items():
         checks.add_finite(x, lambda name=name: ValueError(f"{name} contains NaN or inf"))
     counts = () if label is None else (label.sum(),)
     pending = checks.send(None, *ends.unbind(), *counts)  # the one synchronization of the checks
-    started = first and start_pass(hidden, batch.targets, at, head, want, options, options.mode != "recompute",
-                                   after=first)
+    started = first and start_pass(hidden, batch.targets, at, head, ObjectiveSpec(want), options,
+                                   options.mode != "recompute", after=first)
     host = pending.wait()[0]
     desirable = None if label is None else int(host.pop())
     n = int(host[-1]) if units else 0

@@ -10,6 +10,7 @@ import torch
 from ..amp import autocast_head_inputs
 from ..ops import (
     ChunkStats,
+    ObjectiveSpec,
     PassOptions,
     Started,
     ValueChecks,
@@ -45,9 +46,9 @@ def read_counted(hidden: torch.Tensor, head: Head, targets: torch.Tensor, ignore
     counted = targets != ignore_index if isinstance(targets, torch.Tensor) else None  # (else the checks name it)
     check_head_inputs(hidden, head, targets, None, checks, counted=counted)  # (its values' reductions: at the send)
     order = counted_first_order(counted.reshape(-1))[0]
-    first = start_pass(hidden, targets, order, head, want, options, fused)
+    first = start_pass(hidden, targets, order, head, ObjectiveSpec(want), options, fused)
     read = checks.send(None, counted.sum())
-    started = first and start_pass(hidden, targets, order, head, want, options, fused, after=first)
+    started = first and start_pass(hidden, targets, order, head, ObjectiveSpec(want), options, fused, after=first)
     return order, int(read.wait()[0][0]), started
 
 

@@ -36,7 +36,7 @@ import torch
 from .contract import Accumulators, ChunkRows, ChunkStats, Head, LocalHead, Started, StatRequest, resolve_backend
 from .fused import PassResult, SoftmaxPass, no_autocast, run_fused
 from .lora import LowRank
-from .plan import ChunkPlan, Mode, PassOptions, ZeroRows, started_rows, weight_grad_layout
+from .plan import ChunkPlan, Mode, PassOptions, ZeroRows, leading_rows, started_rows, weight_grad_layout
 from .recompute import recompute_stats
 
 # objective(token_slice, stats) -> (loss term, anything to collect)
@@ -150,12 +150,12 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
 
 
 def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, head: Head,
-               want: StatRequest, options: PassOptions, fused: bool, gradient_first: bool = False,
-               after: Started | None = None) -> Started | None:
+               spec: ObjectiveSpec, options: PassOptions, fused: bool, after: Started | None = None) -> Started | None:
     """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
     read, so the GPU computes while the host waits for that read and prepares the pass
-    (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``). The pass's
-    first chunk then launches only its other rows (:attr:`ObjectiveSpec.started`).
+    (:meth:`~logitless.ops.validate.ValueChecks.send`, then this, then ``wait``), or after a read
+    that sized the pass, while the host prepares the rest. The pass's first chunk then launches
+    only its other rows (:attr:`ObjectiveSpec.started`).
 
     A caller may start in two parts: one launch as soon as the pass's order is known, before it
     builds its checks (the GPU computes while the host does), then after the send one with
@@ -163,6 +163,11 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     waits for the first part, and prepares the pass). Only after a first part that started: given
     the same arguments, a second call whose first returned ``None`` would plan the same pass and
     return ``None`` too (host time before the first GEMM).
+
+    A pass whose rows with a gradient come first (``spec.zero_rows`` with ``leading``) sizes its
+    first chunk by their count: start it after the read that brings the count (in ``zero_rows``),
+    with ``positions`` the pass's rows, and its whole first chunk starts (a fused pass with a
+    gradient). Started before, its rows' logits would be copied into the first chunk's buffer.
 
     Only on a backend whose :attr:`~logitless.ops.contract.Capabilities.starts_early` is set: its
     GEMM cannot fault on unchecked values, and a failed check still raises its named error before
@@ -173,13 +178,10 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         hidden: the caller's hidden states ``[..., H]`` (its device and dtype choose the backend).
         targets: the caller's token ids, shaped like ``hidden`` without ``H``.
         positions: ``[n]`` int64, the flattened positions of the rows that may enter the pass, in
-            the pass's order (the counted ones first: the count is not read yet).
-        head, want, options: as the pass will get them.
+            the pass's order (the counted ones first, where the count is not read yet).
+        head, spec, options: as the pass will get them (``spec.started`` is not read).
         fused: the pass runs in fused mode (the started rows' logits then go to the first
             chunk's logits buffer, made here, when the pass keeps them for the gradient).
-        gradient_first: the rows with a gradient come first (:attr:`ZeroRows.leading`): the
-            first chunk's size then depends on their count, which the read brings, so nothing
-            starts unless all rows fit that chunk's buffer.
         after: a first part's handle (taken here), or ``None``: these are the pass's first rows.
 
     Returns:
@@ -189,6 +191,7 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     prior = None if after is None else after.take()
     if after is not None and prior is None:
         return None  # no first part: these would not be the pass's first rows
+    want = spec.want
     backend = resolve_backend(options.impl, hidden, head.lora is not None, want)  # (an adapter: triton)
     if not backend.CAPS.starts_early:
         return None
@@ -203,16 +206,19 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     if not rows:
         return None
     # A fused pass with a gradient keeps its first chunk's logits: the started rows' go straight
-    # into that chunk's buffer, sized as run_fused plans the chunk for all n rows.
+    # into that chunk's buffer, sized as run_fused plans the chunk (planning.fused_chunks).
     store_rows = 0
     if prior is None and fused and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+        zero = spec.zero_rows if options.skip_zero_rows else None  # (an adapter started nothing: SoftmaxPass.make)
+        grad_rows = leading_rows(zero, n, 0, spec.cuts) or n  # the gradient chunks' rows
         plan = ChunkPlan.make(n, vocab, options.budget, hidden.dtype, backend.PLAN, options.fp32_logits)
         if head.weight.requires_grad:
-            plan = weight_grad_layout(plan, n, vocab, head.weight, backend.CAPS.stores_weight_grad,
+            plan = weight_grad_layout(plan, grad_rows, vocab, head.weight, backend.CAPS.stores_weight_grad,
                                       lambda: backend.CAPS.pairs_weight_grad)[0]
-        store_rows = min(n, plan.token_chunk) if plan.keep_logits else 0
-        if gradient_first and store_rows < n:
-            return None
+        store_rows = min(grad_rows, plan.token_chunk) if plan.keep_logits else 0
+        if zero is not None and zero.leading and store_rows:  # every row counts (the read came first):
+            cuts = None if spec.cuts is None else [c for c in spec.cuts if c <= grad_rows]
+            rows = store_rows = plan.chunks(grad_rows, cuts)[0].stop  # the whole first chunk, in one GEMM
     skip = 0 if prior is None else prior.rows
     first = positions[skip:skip + rows]
     h = hidden.detach().reshape(-1, hidden.shape[-1])[first]
