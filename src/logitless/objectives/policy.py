@@ -415,8 +415,9 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     zero_rows = None if zero is None else ZeroRows(zero[:n], with_grad, before[:n], leading=leading is not None)
     spec = ObjectiveSpec(want=request, cuts=lay.cuts if cfg.needs_whole_sequences else None,
                          needs_all_stats=cfg.needs_global_entropy or split_sequences, zero_rows=zero_rows)
+    pass_hidden, pass_ids = lay.rows(hidden), lay.gather(targets).long()
     if leading is not None:  # the host prepares the rest of the pass while these rows' GEMM runs
-        started = start_pass(hidden, targets, lay.index, head, spec, options, fused)
+        started = start_pass(pass_hidden, pass_ids, None, head, spec, options, fused)
 
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first
@@ -466,8 +467,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
                             log_is_ratio_seq=log_is_seq, loss_weight=loss_weight, bonus_weight=bonus_weight,
                             zero_rows=zero_rows, config=cfg)
 
-    return _Prepared(lay, dataclasses.replace(spec, started=started), lay.rows(hidden), lay.gather(targets).long(),
-                     LazyTokens(tokens), checks if defer else None)
+    return _Prepared(lay, dataclasses.replace(spec, started=started), pass_hidden, pass_ids, LazyTokens(tokens),
+                     checks if defer else None)
 
 
 def _finalize_metrics(cfg: PolicyConfig, tok: PolicyTokens, sums: dict[str, torch.Tensor],

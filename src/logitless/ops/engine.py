@@ -149,7 +149,7 @@ def compute_stats(hidden: torch.Tensor, head: Head, targets: torch.Tensor, want:
     return recompute_stats(p, hidden, head.weight, head.bias, x, p.lora_b)
 
 
-def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor, head: Head,
+def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None, head: Head,
                spec: ObjectiveSpec, options: PassOptions, fused: bool, after: Started | None = None) -> Started | None:
     """Launch the statistics GEMM of a pass's first rows before the caller's value checks are
     read, so the GPU computes while the host waits for that read and prepares the pass
@@ -166,8 +166,8 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
 
     A pass whose rows with a gradient come first (``spec.zero_rows`` with ``leading``) sizes its
     first chunk by their count: start it after the read that brings the count (in ``zero_rows``),
-    with ``positions`` the pass's rows, and its whole first chunk starts (a fused pass with a
-    gradient). Started before, its rows' logits would be copied into the first chunk's buffer.
+    on the pass's rows, and its whole first chunk starts (a fused pass with a gradient). Started
+    before, its rows' logits would be copied into the first chunk's buffer.
 
     Only on a backend whose :attr:`~logitless.ops.contract.Capabilities.starts_early` is set: its
     GEMM cannot fault on unchecked values, and a failed check still raises its named error before
@@ -178,7 +178,8 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
         hidden: the caller's hidden states ``[..., H]`` (its device and dtype choose the backend).
         targets: the caller's token ids, shaped like ``hidden`` without ``H``.
         positions: ``[n]`` int64, the flattened positions of the rows that may enter the pass, in
-            the pass's order (the counted ones first, where the count is not read yet).
+            the pass's order (the counted ones first: the count is not read yet); ``None``:
+            ``hidden`` ``[n, H]`` and ``targets`` ``[n]`` are the pass's rows.
         head, spec, options: as the pass will get them (``spec.started`` is not read).
         fused: the pass runs in fused mode (the started rows' logits then go to the first
             chunk's logits buffer, made here, when the pass keeps them for the gradient).
@@ -196,7 +197,7 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
     if not backend.CAPS.starts_early:
         return None
     local = head.local()
-    n, vocab = positions.shape[0], local.weight.shape[0]
+    n, vocab = (hidden.shape[0] if positions is None else positions.shape[0]), local.weight.shape[0]
     rows = 0 if local.parallel else started_rows(n, hidden.shape[-1], vocab, backend.START_ALIGN)
     if prior is not None:  # as many rows again, within the first half of the rows and the buffer
         room = n // 2 if prior.z is None else min(n // 2, prior.z.shape[0])
@@ -220,7 +221,7 @@ def start_pass(hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Ten
             cuts = None if spec.cuts is None else [c for c in spec.cuts if c <= grad_rows]
             rows = store_rows = plan.chunks(grad_rows, cuts)[0].stop  # the whole first chunk, in one GEMM
     skip = 0 if prior is None else prior.rows
-    first = positions[skip:skip + rows]
+    first = slice(skip, skip + rows) if positions is None else positions[skip:skip + rows]
     h = hidden.detach().reshape(-1, hidden.shape[-1])[first]
     t = targets.reshape(-1)[first].long()
     t = t - local.vocab_start if local.vocab_start else t
