@@ -10,7 +10,8 @@ row of the bench (logitless and the other libraries: Liger's Triton and CuTe DSL
 Cross-Entropy, ``torch.compile``), as the bench runs it: the loss's and the gradients' relative errors.
 Then the bench's fused DPO, KTO and SimPO on each GPU backend, the same errors; then the bench's
 distillation (its teacher head; forward KL and the generalized JSD at beta 0.5) on each GPU
-backend with distillation kernels, against the same bf16 inputs upcast to float64.
+backend with distillation kernels, and the bench's GRPO batches with 25% and 50% of the groups
+reward-constant (rows without a gradient left out), against the same bf16 inputs upcast to float64.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 import logitless
 from logitless import PassOptions
+from logitless.bench.batches import group_inputs
 from logitless.bench.cases import make_inputs, parse_shape
 from logitless.bench.competitors import Unavailable, _teacher, dpo_logitless, kto_logitless, rows_of, simpo_logitless
 from logitless.bench.plain import GRPO_CONFIG
@@ -97,6 +99,29 @@ def _preference_rows(x) -> list[dict]:
     return out
 
 
+def _skipping_rows(x) -> list[dict]:
+    """The bench's GRPO batches with reward-constant groups (``beta`` 0: their rows have no gradient,
+    and the pass leaves them out; its rows with a gradient first, its first chunk started after
+    the count's read) on each GPU backend, fused, against the torch backend in float64."""
+    out = []
+    for objective in ("grpo-c25", "grpo-c50"):
+        xg = group_inputs(x, objective)
+        (row,) = [r for r in rows_of(objective) if r.name == "logitless-fused"]
+        x64 = dataclasses.replace(xg, hidden=xg.hidden.detach().double().requires_grad_(),
+                                  weight=xg.weight.detach().double().requires_grad_())
+        ref = row.prepare(x64, "torch").step()["loss"].double()
+        ref_h, ref_w = x64.hidden.grad, x64.weight.grad
+        del x64
+        for impl in [r[0] for r in ROWS if r[1:] == ("fp32", "fused")]:
+            xg.hidden.grad = xg.weight.grad = None
+            loss = row.prepare(xg, impl).step()["loss"].double()
+            out.append({"objective": objective, "impl": impl,
+                        **_errors((loss, xg.hidden.grad.double(), xg.weight.grad.double()), (ref, ref_h, ref_w))})
+        del xg, ref_h, ref_w
+        torch.cuda.empty_cache()
+    return out
+
+
 def _distill_rows(x) -> list[dict]:
     """The bench's distillation on each GPU backend against the torch backend in float64."""
     th, tw = _teacher(x)
@@ -141,7 +166,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     record = {"device": name, "shape": case.label, "true_entropy": x.true_entropy,
               "rows": rows, "ce_rows": _ce_rows(x), "preference_rows": _preference_rows(x),
-              "distill_rows": _distill_rows(x)}
+              "skipping_rows": _skipping_rows(x), "distill_rows": _distill_rows(x)}
     print(f"{record['device']}  {case.label}  mean entropy {x.true_entropy:.2f} nats; errors vs float64")
     print(f"{'backend':8s} {'logits':6s} {'mode':9s} {'logp max':>9s} {'logp mean':>9s} {'ent max':>9s} "
           f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
@@ -155,6 +180,11 @@ def main() -> None:
                                       if "loss_rel" in r else f"skipped: {r['skipped']}"))
     print(f"fused preference losses: {'objective':9s} {'backend':8s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
     for r in record["preference_rows"]:
+        print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
+              f"{r['grad_weight_rel']:9.2e}")
+    print(f"GRPO, reward-constant groups: {'objective':9s} {'backend':8s} "
+          f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
+    for r in record["skipping_rows"]:
         print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
               f"{r['grad_weight_rel']:9.2e}")
     print(f"distillation: {'objective':15s} {'backend':8s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
