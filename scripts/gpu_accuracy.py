@@ -48,8 +48,11 @@ def _run(x, hidden, weight, options):
 
 
 def _errors(got: tuple, ref: tuple) -> dict[str, float]:
-    """``(loss, d hidden, d weight)`` against float64's: the loss's and the gradients' relative errors."""
-    return {"loss_rel": ((got[0] - ref[0]).abs() / ref[0].abs()).item(),
+    """``(loss, d hidden, d weight)`` against float64's: the loss's absolute and relative errors (a
+    loss that nearly cancels, as a policy loss over group-normalized advantages, has a small value:
+    its float64 value is given beside them) and the gradients' relative errors."""
+    return {"loss": ref[0].item(), "loss_abs": (got[0] - ref[0]).abs().item(),
+            "loss_rel": ((got[0] - ref[0]).abs() / ref[0].abs()).item(),
             "grad_hidden_rel": ((got[1] - ref[1]).norm() / ref[1].norm()).item(),
             "grad_weight_rel": ((got[2] - ref[2]).norm() / ref[2].norm()).item()}
 
@@ -182,11 +185,11 @@ def main() -> None:
     for r in record["preference_rows"]:
         print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
               f"{r['grad_weight_rel']:9.2e}")
-    print(f"GRPO, reward-constant groups: {'objective':9s} {'backend':8s} "
+    print(f"GRPO, reward-constant groups: {'objective':9s} {'backend':8s} {'loss':>9s} {'loss abs':>9s} "
           f"{'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
     for r in record["skipping_rows"]:
-        print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
-              f"{r['grad_weight_rel']:9.2e}")
+        print(f"  {r['objective']:9s} {r['impl']:8s} {r['loss']:9.2e} {r['loss_abs']:9.2e} {r['loss_rel']:9.2e} "
+              f"{r['grad_hidden_rel']:9.2e} {r['grad_weight_rel']:9.2e}")
     print(f"distillation: {'objective':15s} {'backend':8s} {'loss rel':>9s} {'dh rel':>9s} {'dW rel':>9s}")
     for r in record["distill_rows"]:
         print(f"  {r['objective']:15s} {r['impl']:8s} {r['loss_rel']:9.2e} {r['grad_hidden_rel']:9.2e} "
