@@ -82,24 +82,31 @@ def _ce_rows(x) -> list[dict]:
     return out
 
 
+def _fused_against_float64(x, make) -> list[dict]:
+    """``make(inputs, impl).step()`` (a bench row's ``prepare``) on each GPU backend, fused with fp32
+    logits, against the torch backend on ``x`` upcast to float64: :func:`_errors` per backend."""
+    x64 = dataclasses.replace(x, hidden=x.hidden.detach().double().requires_grad_(),
+                              weight=x.weight.detach().double().requires_grad_())
+    ref = make(x64, "torch").step()["loss"].double()
+    ref_h, ref_w = x64.hidden.grad, x64.weight.grad
+    del x64
+    out = []
+    for impl in [r[0] for r in ROWS if r[1:] == ("fp32", "fused")]:
+        x.hidden.grad = x.weight.grad = None
+        loss = make(x, impl).step()["loss"].double()
+        out.append({"impl": impl,
+                    **_errors((loss, x.hidden.grad.double(), x.weight.grad.double()), (ref, ref_h, ref_w))})
+    x.hidden.grad = x.weight.grad = None
+    del ref_h, ref_w
+    torch.cuda.empty_cache()
+    return out
+
+
 def _preference_rows(x) -> list[dict]:
     """The bench's fused DPO, KTO and SimPO on each GPU backend against the torch backend in float64."""
-    out = []
-    for name, make in (("dpo", dpo_logitless), ("kto", kto_logitless), ("simpo", simpo_logitless)):
-        x64 = dataclasses.replace(x, hidden=x.hidden.detach().double().requires_grad_(),
-                                  weight=x.weight.detach().double().requires_grad_())
-        ref = make(x64, "torch").step()["loss"]
-        ref_h, ref_w = x64.hidden.grad, x64.weight.grad
-        del x64
-        for impl in [r[0] for r in ROWS if r[1:] == ("fp32", "fused")]:
-            x.hidden.grad = x.weight.grad = None
-            loss = make(x, impl).step()["loss"].double()
-            out.append({"objective": name, "impl": impl,
-                        **_errors((loss, x.hidden.grad.double(), x.weight.grad.double()), (ref, ref_h, ref_w))})
-        x.hidden.grad = x.weight.grad = None
-        del ref_h, ref_w
-        torch.cuda.empty_cache()
-    return out
+    return [{"objective": name, **r}
+            for name, make in (("dpo", dpo_logitless), ("kto", kto_logitless), ("simpo", simpo_logitless))
+            for r in _fused_against_float64(x, make)]
 
 
 def _skipping_rows(x) -> list[dict]:
@@ -108,20 +115,8 @@ def _skipping_rows(x) -> list[dict]:
     the count's read) on each GPU backend, fused, against the torch backend in float64."""
     out = []
     for objective in ("grpo-c25", "grpo-c50"):
-        xg = group_inputs(x, objective)
         (row,) = [r for r in rows_of(objective) if r.name == "logitless-fused"]
-        x64 = dataclasses.replace(xg, hidden=xg.hidden.detach().double().requires_grad_(),
-                                  weight=xg.weight.detach().double().requires_grad_())
-        ref = row.prepare(x64, "torch").step()["loss"].double()
-        ref_h, ref_w = x64.hidden.grad, x64.weight.grad
-        del x64
-        for impl in [r[0] for r in ROWS if r[1:] == ("fp32", "fused")]:
-            xg.hidden.grad = xg.weight.grad = None
-            loss = row.prepare(xg, impl).step()["loss"].double()
-            out.append({"objective": objective, "impl": impl,
-                        **_errors((loss, xg.hidden.grad.double(), xg.weight.grad.double()), (ref, ref_h, ref_w))})
-        del xg, ref_h, ref_w
-        torch.cuda.empty_cache()
+        out += [{"objective": objective, **r} for r in _fused_against_float64(group_inputs(x, objective), row.prepare)]
     return out
 
 
