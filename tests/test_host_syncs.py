@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import logitless
 from logitless import PassOptions, PolicyConfig, policy_loss
-from logitless.objectives.layout import TokenLayout
+from logitless.objectives.layout import TokenLayout, counted_first_order
 from logitless.ops.torch_backend import backend as torch_backend
 
 _READS = ("nonzero", "tolist", "item", "__bool__", "__int__", "__float__", "__index__")
@@ -70,16 +70,17 @@ def test_one_host_read_before_the_first_gemm(seed, host_reads, masked, beta):
 
 
 def test_counted_first_is_the_counted_layout(seed):
-    """``TokenLayout.counted_first(mask).first(count, ends)`` (no host read) is the layout of the
-    counted positions found with ``nonzero``: every field and the chunk cuts, for empty, full,
-    sparse and weighted masks; its tokens are every position once."""
+    """``TokenLayout.counted_first(mask, counted_first_order(mask != 0)[0]).first(count, ends)`` (no
+    host read) is the layout of the counted positions found with ``nonzero``: every field and the
+    chunk cuts, for empty, full, sparse and weighted masks; its tokens are every position once."""
     for b, t, p in ((3, 7, 0.4), (2, 5, 1.0), (2, 4, 0.0), (1, 1, 1.0), (0, 3, 0.5), (5, 9, 0.9)):
         mask = (torch.rand(b, t) < p) * torch.rand(b, t).add(0.25)  # weights, zeros where not counted
         index = (mask.reshape(-1) != 0).nonzero().squeeze(1)  # the oracle
         seg = index // t
         lengths = (mask != 0).sum(1).tolist()
         cuts = [sum(lengths[:i + 1]) for i in range(b) if lengths[i]]
-        every, count = TokenLayout.counted_first(mask)
+        order, count = counted_first_order(mask != 0)
+        every = TokenLayout.counted_first(mask, order)
         assert sorted(every.index.tolist()) == list(range(b * t))
         assert int(count) == index.numel()
         torch.testing.assert_close(every.seg_len, mask.sum(1))  # (summed in another order)
@@ -87,6 +88,20 @@ def test_counted_first_is_the_counted_layout(seed):
         assert torch.equal(got.index, index) and torch.equal(got.seg, seg), (b, t, p)
         assert torch.equal(got.weight, mask.reshape(-1)[index]) and got.cuts == cuts, (b, t, p)
         assert got.num_segments == b and got.complete == (index.numel() == b * t)
+
+
+def test_counted_first_order_with_a_lead(seed):
+    """``counted_first_order(counted, lead)`` puts the counted positions of ``lead`` first, then the
+    other counted ones, then the rest, each part in position order (the oracle: three
+    ``nonzero`` calls), for a per-token and a per-sequence (``[B, 1]``) lead."""
+    for b, t in ((4, 6), (1, 9), (3, 1), (0, 4)):
+        counted = torch.rand(b, t) < 0.7
+        for lead in (torch.rand(b, t) < 0.5, torch.rand(b, 1) < 0.5):
+            both = counted & lead
+            parts = (both, counted & ~both, ~counted)
+            oracle = torch.cat([p.reshape(-1).nonzero().squeeze(1) for p in parts])
+            order, count = counted_first_order(counted, lead)
+            assert torch.equal(order, oracle) and int(count) == int(counted.sum()), (b, t, tuple(lead.shape))
 
 
 def test_uncounted_positions_may_hold_anything(seed):

@@ -143,21 +143,30 @@ def _import(module: str, package: str):
 # ---------------------------------------------------------------- GRPO
 
 
-def _options(mode: str, impl: str, fp32_logits: bool, skip_zero_rows: bool = True) -> PassOptions:
+def _options(mode: str, impl: str, fp32_logits: bool, skip_zero_rows: bool = True,
+             chunk_bytes: int | None = None) -> PassOptions:
     return PassOptions(mode=mode, impl=impl, logits_precision="fp32" if fp32_logits else "input",
-                       skip_zero_rows=skip_zero_rows)
+                       skip_zero_rows=skip_zero_rows, chunk_bytes=chunk_bytes)
+
+
+def _one_chunk(x: Inputs) -> int:
+    """A ``chunk_bytes`` that holds every row's 16-bit logits, so a pass runs as one chunk where
+    its kept tile is 16-bit (the gemm and CuTe backends): ``N V 2`` bytes."""
+    return x.hidden.shape[0] * x.hidden.shape[1] * x.weight.shape[0] * 2
 
 
 def grpo_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True, cfg: PolicyConfig = GRPO_CONFIG,
-                   skip_zero_rows: bool = True, frozen_head: bool = False) -> Prepared:
+                   skip_zero_rows: bool = True, frozen_head: bool = False, one_chunk: bool = False) -> Prepared:
     """logitless ``policy_loss`` (dapo, beta, all metrics, entropy) in one vocabulary pass;
     ``fused``: gradients computed inside the forward (3 GEMMs), ``recompute``: logits
     recomputed in the backward (4 GEMMs), O(N) saved state. ``fp32_logits=False``: the GEMM's
     output rounded to bf16 as the plain path's (statistics still fp32). Rows whose gradient is
     known to be exactly zero (``beta = 0``: the tokens of zero advantage) are left out of the
     gradient GEMMs unless ``skip_zero_rows=False``. ``frozen_head``: no ``d weight`` (a head that
-    is not trained, e.g. tied or LoRA elsewhere): 2 GEMMs of work."""
-    options = _options(mode, impl, fp32_logits, skip_zero_rows)
+    is not trained, e.g. tied or LoRA elsewhere): 2 GEMMs of work. ``one_chunk``: a
+    ``chunk_bytes`` of every row's 16-bit logits (one chunk, no ``d weight`` accumulator, more
+    memory where the default 1 GiB budget splits the rows)."""
+    options = _options(mode, impl, fp32_logits, skip_zero_rows, _one_chunk(x) if one_chunk else None)
     weight = x.weight.detach() if frozen_head else x.weight
 
     def step() -> Outputs:
@@ -227,13 +236,15 @@ def grpo_liger(x: Inputs, impl: str, cfg: PolicyConfig = GRPO_CONFIG) -> Prepare
 # ---------------------------------------------------------------- cross-entropy
 
 
-def ce_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True) -> Prepared:
+def ce_logitless(x: Inputs, impl: str, mode: str, fp32_logits: bool = True, one_chunk: bool = False) -> Prepared:
     """``logitless.cross_entropy`` (token mean) in one vocabulary pass, ``fused`` or ``recompute``;
-    ``fp32_logits=False``: logits rounded to bf16 as the plain path's."""
+    ``fp32_logits=False``: logits rounded to bf16 as the plain path's; ``one_chunk``: a
+    ``chunk_bytes`` of every row's 16-bit logits (one chunk where the default budget splits them)."""
     h2, y = x.hidden.reshape(-1, x.hidden.shape[-1]), x.targets.reshape(-1)
+    options = _options(mode, impl, fp32_logits, chunk_bytes=_one_chunk(x) if one_chunk else None)
 
     def step() -> Outputs:
-        loss, _ = logitless.cross_entropy(h2, x.weight, y, options=_options(mode, impl, fp32_logits))
+        loss, _ = logitless.cross_entropy(h2, x.weight, y, options=options)
         return _train_outputs(loss)
 
     return Prepared(step, _impl_name(impl, x.hidden.device))
@@ -852,6 +863,7 @@ ROWS: tuple[Row, ...] = (
     Row("logitless-fused-bf16", "grpo", partial(grpo_logitless, mode="fused", fp32_logits=False)),
     Row("logitless-flash", "grpo", _on_flash(partial(grpo_logitless, mode="recompute"))),
     Row("logitless-cute", "grpo", _on_cute(partial(grpo_logitless, mode="fused"))),
+    Row("logitless-one-chunk", "grpo", partial(grpo_logitless, mode="fused", one_chunk=True)),
     Row("trl-chunked", "grpo", grpo_trl_chunked),
     Row("liger", "grpo", grpo_liger),
     Row("torch-plain", "grpo", grpo_torch_plain, logit_bytes=_BYTES["grpo-plain"]),
@@ -861,6 +873,7 @@ ROWS: tuple[Row, ...] = (
     Row("logitless-recompute", "ce", partial(ce_logitless, mode="recompute")),
     Row("logitless-fused-bf16", "ce", partial(ce_logitless, mode="fused", fp32_logits=False)),
     Row("logitless-cute", "ce", _on_cute(partial(ce_logitless, mode="fused"))),
+    Row("logitless-one-chunk", "ce", partial(ce_logitless, mode="fused", one_chunk=True)),
     Row("trl-chunked", "ce", ce_trl_chunked),
     Row("liger", "ce", ce_liger),
     Row("liger-cute", "ce", ce_liger_cute),

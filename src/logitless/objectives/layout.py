@@ -25,15 +25,22 @@ def counted_rows(x: torch.Tensor, lead_dims: int, index: torch.Tensor, complete:
     return flat if complete else flat[index]
 
 
-def counted_first_order(counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every position of a flat bool ``counted [N]``, the counted ones first, each part in position
-    order (a stable partition, int64 ``[N]``), and how many count (a 0-dim device tensor), with no
-    host read: a caller reads the count with its value checks, and the first ``count`` positions
-    are then those ``counted.nonzero()`` would give."""
+def counted_first_order(counted: torch.Tensor, lead: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position of a bool ``counted`` (any shape, flattened), the counted ones first, each
+    part in position order (a stable partition, int64 ``[N]``), and how many count (a 0-dim device
+    tensor), with no host read: a caller reads the count with its value checks, and the first
+    ``count`` positions are then those ``counted.nonzero()`` would give.
+
+    ``lead``: bool broadcastable to ``counted`` (a ``[B, T]`` mask's ``[B, T]`` or ``[B, 1]``),
+    counted positions to put before the other counted ones, each part still in position order (a
+    policy loss's tokens that may have a gradient, so that a pass can run its gradient GEMMs on
+    its first rows only)."""
     # A stable sort keeps each part in position order; one op where a cumsum-and-scatter
     # partition takes seven, each a host-side launch before the first GEMM.
-    order = torch.sort(counted.view(torch.uint8), descending=True, stable=True).indices
-    return order, counted.sum()
+    key = counted.view(torch.uint8)
+    if lead is not None:  # 2 (counted, leading), 1 (counted), 0
+        key = torch.addcmul(key, key, lead.view(torch.uint8))
+    return torch.sort(key.reshape(-1), descending=True, stable=True).indices, counted.sum()
 
 
 @dataclass
@@ -117,35 +124,23 @@ class TokenLayout:
         return all_reduce_sum_autograd(self.seg_sum(x, seg), self.group)
 
     @classmethod
-    def counted_first(cls, mask: torch.Tensor, lead: torch.Tensor | None = None) -> tuple[TokenLayout, torch.Tensor]:
-        """Every position of a ``[B, T]`` mask as a token, the counted ones (non-zero) first, each
-        part in position order, and how many count (a 0-dim device tensor): no host
-        synchronization, so a caller prepares and checks its per-token tensors while the device
-        works, and reads the count with its checks. Uncounted tokens have ``weight`` 0 (``seg_len``
-        is over the counted ones), and ``first(count)`` is the layout of the counted positions, its
-        per-token tensors their first ``count`` rows (views).
-
-        ``lead``: ``[B, T]`` bool (or ``[B, 1]``, the same for a whole sequence), counted
-        positions to put before the other counted ones, each part still in position order (a
-        policy loss's tokens that may have a gradient, so that a pass can run its gradient GEMMs
-        on its first rows only). Without it ``seg`` is non-decreasing over the counted tokens;
-        with it, within each part."""
+    def counted_first(cls, mask: torch.Tensor, index: torch.Tensor) -> TokenLayout:
+        """Every position of a ``[B, T]`` mask as a token, in the order ``index`` of
+        :func:`counted_first_order` (the counted ones, non-zero, first): no host synchronization,
+        so a caller launches work on the rows in that order, prepares and checks its per-token
+        tensors while the device works, and reads the count with its checks. Uncounted tokens have
+        ``weight`` 0 (``seg_len`` is over the counted ones), and ``first(count)`` is the layout of
+        the counted positions, its per-token tensors their first ``count`` rows (views). ``seg``
+        is non-decreasing over the counted tokens, or within each part of an order with a lead."""
         if mask.dim() != 2:
             raise ValueError(f"completion_mask must be [B, T], got shape {tuple(mask.shape)}")
         b, t = mask.shape
         flat = mask.reshape(-1)
-        if lead is None:
-            index, count = counted_first_order(flat != 0)
-        else:  # a stable sort on 2 (counted, leading), 1 (counted), 0, as counted_first_order's
-            counted = (mask != 0).view(torch.uint8)
-            index = torch.sort(torch.addcmul(counted, counted, lead.view(torch.uint8)).reshape(-1), descending=True,
-                               stable=True).indices
-            count = counted.sum()
         seg = index // max(t, 1)
         weight = flat[index].to(torch.get_default_dtype() if not flat.is_floating_point() else flat.dtype)
         seg_len = weight.new_zeros(b).index_add(0, seg, weight)
         return cls(index=index, seg=seg, num_segments=b, weight=weight, seg_len=seg_len, shape=mask.shape,
-                   permuted=True), count
+                   permuted=True)
 
     def first(self, n: int, ends: list[float] | None = None, in_order: bool = True) -> TokenLayout:
         """The layout of this one's first ``n`` tokens (views; the same segments and ``seg_len``).

@@ -352,20 +352,25 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     if packed:  # the segment count is read first (a synchronization of its own)
         seen = TokenLayout.from_segments(mask, segment_ids, sequence_group)
         count = counted = in_place = leading = None
+        index = seen.index
         check_head_inputs(seen.rows(hidden), head, seen.gather(targets), ignore_index=None, checks=checks)
     else:  # every position, the counted ones first; the hidden rows and ids checked in place
         leading = _gradient_first(cfg, advantages, mask, options, head, sdt)
-        seen, count = TokenLayout.counted_first(mask, leading)
-        counted, in_place = seen.weight != 0, mask != 0  # (in seen's order; in the caller's)
+        in_place = mask != 0
         check_head_inputs(hidden.reshape(-1, hidden.shape[-1]), head, targets.reshape(-1), ignore_index=None,
                           checks=checks, counted=in_place.reshape(-1))
-    # The first statistics GEMM runs while the host gathers the per-token inputs and sends the
-    # counts, a second while it waits for their read and prepares the pass (start_pass). Where the
-    # rows with a gradient come first, their count sizes the first chunk: it starts after the read.
-    split_sequences = seen.distributed and cfg.needs_whole_sequences
+        index, count = counted_first_order(in_place, leading)
+    # The first statistics GEMM runs while the host builds the layout, gathers the per-token inputs
+    # and sends the counts, a second while it waits for their read and prepares the pass
+    # (start_pass): it needs only the rows' order. Where the rows with a gradient come first, their
+    # count sizes the first chunk: it starts after the read.
+    split_sequences = packed and seen.distributed and cfg.needs_whole_sequences
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or split_sequences)
-    first = None if leading is not None else start_pass(hidden, targets, seen.index, head, ObjectiveSpec(request),
+    first = None if leading is not None else start_pass(hidden, targets, index, head, ObjectiveSpec(request),
                                                         options, fused)
+    if not packed:
+        seen = TokenLayout.counted_first(mask, index)
+        counted = seen.weight != 0  # (in seen's order)
 
     def bad_values(name: str):
         return lambda: ValueError(f"{name} contains NaN or inf (or a negative ratio) at counted tokens")
@@ -405,7 +410,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     reads = [] if count is None else [count]
     before = None if zero is None else torch.cumsum(~zero, 0)
     pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
-    started = first and start_pass(hidden, targets, seen.index, head, ObjectiveSpec(request), options, fused,
+    started = first and start_pass(hidden, targets, index, head, ObjectiveSpec(request), options, fused,
                                    after=first)
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
