@@ -56,7 +56,11 @@ class PassOptions:
             else 1 GiB. Beyond it a training pass holds an fp32 ``d weight`` accumulator
             (``V x H x 4`` bytes), except where all its tokens fit one chunk within the budget
             plus those bytes: then it runs as one chunk and needs no accumulator (bf16/fp16 heads
-            on the Triton and gemm backends).
+            on the Triton, gemm and CuTe backends). A larger budget trades memory for time where
+            the default splits a training pass: ``N x V x 2`` bytes runs the pass as one chunk
+            of 16-bit logits (Gemma-2's 256k vocabulary at 8k tokens: dense GRPO 1.06x the
+            cuBLAS floor instead of 1.11-1.14x, for 4.1 GiB of workspace instead of 2.6;
+            ``BENCHMARKS.md``).
         logits_precision: ``"fp32"`` keeps the head's matmul output in fp32 (statistics within
             ~1e-4 nats of float64 for bf16 inputs); ``"input"`` rounds it to the input dtype
             first, as the plain bf16/fp16 path does (half the workspace and traffic; statistics
