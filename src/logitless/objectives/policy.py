@@ -412,6 +412,11 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     pending = (ValueChecks() if defer else checks).send(before, *reads, *(() if ends is None else ends.unbind()))
     started = first and start_pass(hidden, targets, index, head, ObjectiveSpec(request), options, fused,
                                    after=first)
+    if defer and first is not None:
+        # Where the pass's first rows run before the read, the host builds the value checks while
+        # it waits for it, not at the first chunk's objective: a first chunk that the started rows
+        # cover launches nothing more, and its objective's small kernels would wait for that work.
+        checks.queue()
     read, before = pending.wait()
     n = seen.n if count is None else int(read[0])
     with_grad = None if zero is None else (int(before[n - 1]) if n else 0)
@@ -427,7 +432,7 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     def tokens() -> PolicyTokens:
         """The per-token tensors and TRL's normalizers of ``lay``'s tokens, built at the first
         chunk's objective: the host prepares them while the first statistics GEMM runs."""
-        if defer:  # behind the first statistics GEMM
+        if defer:  # behind the first statistics GEMM (queued already where rows started before the read)
             checks.queue()
         lay.weight = m = lay.weight.to(sdt)
         lay.seg_len = lay.seg_len.to(sdt)
