@@ -336,9 +336,10 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # cuts of a sequence-level objective). The value checks of the masks, the head's inputs and
     # the per-token inputs see every position of the caller's layout and check the counted ones.
     # Where the pass may run on unchecked values (defers_checks), their reductions are queued
-    # behind its first statistics GEMM (at the first chunk's objective) and read when the whole
-    # call is queued, so the host prepares them while the GPU computes; elsewhere they come with
-    # the counts, in the same synchronization.
+    # behind its first statistics GEMM (while the host waits for the counts where that GEMM
+    # started before the read, else at the first chunk's objective) and read when the whole call
+    # is queued, so the host prepares them while the GPU computes; elsewhere they come with the
+    # counts, in the same synchronization.
     request = _want(cfg)
     defer = not packed and defers_checks(options.impl, hidden, head.lora is not None, request)
     checks = ValueChecks()
