@@ -365,6 +365,8 @@ def _prepare(hidden: torch.Tensor, head: Head, inputs: _PolicyInputs, cfg: Polic
     # and sends the counts, a second while it waits for their read and prepares the pass
     # (start_pass): it needs only the rows' order. Where the rows with a gradient come first, their
     # count sizes the first chunk: it starts after the read.
+    # Only a packed layout spans a sequence-parallel group (a counted-first one is never
+    # distributed, and is built below, after the start).
     split_sequences = packed and seen.distributed and cfg.needs_whole_sequences
     fused = options.mode != "recompute" and not (cfg.needs_global_entropy or split_sequences)
     first = None if leading is not None else start_pass(hidden, targets, index, head, ObjectiveSpec(request),
